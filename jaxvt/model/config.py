@@ -1,0 +1,143 @@
+"""Model configuration: one frozen dataclass for every supported architecture.
+
+Built at the edge (from GGUF metadata by `from_gguf_metadata`, or directly for weightless
+configurations) and passed explicitly. Layer heterogeneity is data: `layer_types[i]` is
+"attention" or "deltanet" for trunk layer i; `ffn_kind` says whether the FFN is dense or MoE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from jaxvt.errors import JaxvtError
+
+ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  arch: str
+  n_layers: int  # trunk layers (an appended MTP block is excluded)
+  d_model: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int  # key/query head dim
+  v_head_dim: int
+  ffn_dim: int  # dense FFN hidden size (0 for pure MoE)
+  vocab_size: int
+  rms_eps: float
+  rope_theta: float
+  rope_dim: int  # rotary dims per head (partial RoPE when < head_dim)
+  context_length: int
+  tied_embeddings: bool
+  # The llama converter permutes q/k rows so GGUF RoPE pairs are (2i, 2i+1) ("interleaved");
+  # Qwen converters keep HF order and llama.cpp applies NEOX-style rotate-half. See rope().
+  rope_interleaved: bool = True
+  qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3, qwen35)
+  attn_output_gate: bool = False  # qwen35: attn_q yields [q | gate] per head
+  layer_types: tuple[str, ...] = ()  # "attention" | "deltanet", len == n_layers
+  # MoE (0 experts == dense FFN)
+  n_experts: int = 0
+  n_experts_used: int = 0
+  expert_ffn_dim: int = 0
+  shared_ffn_dim: int = 0
+  norm_topk_prob: bool = True
+  # Gated DeltaNet
+  ssm_conv_kernel: int = 0
+  ssm_k_heads: int = 0
+  ssm_v_heads: int = 0
+  ssm_k_dim: int = 0
+  ssm_v_dim: int = 0
+  ssm_value_order: str = "tiled"  # "tiled" (qwen35 GGUF) or "grouped" (HF, qwen3next GGUF)
+  n_nextn: int = 0  # MTP layers appended after the trunk in the file
+  # tokenizer-facing ids (kept here so generation needs no tokenizer object)
+  bos_id: int = -1
+  eos_id: int = -1
+
+  def __post_init__(self):
+    if not self.layer_types:
+      object.__setattr__(self, "layer_types", ("attention",) * self.n_layers)
+    if len(self.layer_types) != self.n_layers:
+      raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+
+  @property
+  def is_moe(self) -> bool:
+    return self.n_experts > 0
+
+  @property
+  def attention_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "attention")
+
+  @property
+  def deltanet_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "deltanet")
+
+  @property
+  def q_dim(self) -> int:
+    return self.n_heads * self.head_dim
+
+  @property
+  def kv_dim(self) -> int:
+    return self.n_kv_heads * self.head_dim
+
+
+def _req(md: Mapping[str, Any], key: str):
+  if key not in md:
+    raise JaxvtError(f"GGUF metadata lacks '{key}': the file is incomplete or not a model file; "
+                     "re-convert it with llama.cpp's convert_hf_to_gguf.py")
+  return md[key]
+
+
+def from_gguf_metadata(md: Mapping[str, Any]) -> ModelConfig:
+  """Builds a ModelConfig from GGUF key/value metadata (values already decoded to Python)."""
+  arch = md.get("general.architecture")
+  if arch not in ARCHITECTURES:
+    raise JaxvtError(f"unsupported architecture '{arch}': jaxvt runs {', '.join(ARCHITECTURES)}")
+  p = arch + "."
+  g = lambda k, d=None: md.get(p + k, d)
+  n_blocks = int(_req(md, p + "block_count"))
+  n_nextn = int(g("nextn_predict_layers", 0))
+  n_layers = n_blocks - n_nextn
+  d_model = int(_req(md, p + "embedding_length"))
+  n_heads = int(_req(md, p + "attention.head_count"))
+  n_kv = int(g("attention.head_count_kv", n_heads))
+  head_dim = int(g("attention.key_length", d_model // n_heads))
+  v_head_dim = int(g("attention.value_length", head_dim))
+  tokens = md.get("tokenizer.ggml.tokens")
+  vocab = int(g("vocab_size", len(tokens) if tokens is not None else 0))
+  if vocab <= 0:
+    raise JaxvtError("GGUF metadata gives no vocabulary size: the file is incomplete")
+  interval = int(g("full_attention_interval", 0))
+  if arch in ("qwen35", "qwen35moe", "qwen3next"):
+    interval = interval or 4
+    layer_types = tuple("attention" if (i + 1) % interval == 0 else "deltanet"
+                        for i in range(n_layers))
+  else:
+    layer_types = ("attention",) * n_layers
+  qwen = arch.startswith("qwen")
+  kw = dict(
+      arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv,
+      head_dim=head_dim, v_head_dim=v_head_dim, ffn_dim=int(g("feed_forward_length", 0)),
+      vocab_size=vocab, rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+      rope_theta=float(g("rope.freq_base", 10000.0)),
+      rope_dim=int(g("rope.dimension_count", head_dim)),
+      context_length=int(g("context_length", 4096)),
+      tied_embeddings=False,  # set by the loader from the tensor list
+      rope_interleaved=not qwen,
+      qk_norm=arch in ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"),
+      attn_output_gate=arch in ("qwen35", "qwen35moe", "qwen3next"),
+      layer_types=layer_types,
+      n_experts=int(g("expert_count", 0)), n_experts_used=int(g("expert_used_count", 0)),
+      expert_ffn_dim=int(g("expert_feed_forward_length", 0)),
+      shared_ffn_dim=int(g("expert_shared_feed_forward_length", 0)),
+      ssm_conv_kernel=int(g("ssm.conv_kernel", 0)),
+      ssm_k_heads=int(g("ssm.group_count", 0)), ssm_v_heads=int(g("ssm.time_step_rank", 0)),
+      ssm_k_dim=int(g("ssm.state_size", 0)),
+      ssm_v_dim=(int(g("ssm.inner_size", 0)) // max(int(g("ssm.time_step_rank", 1)), 1)),
+      ssm_value_order="grouped" if arch == "qwen3next" else "tiled",
+      n_nextn=n_nextn,
+      bos_id=int(md.get("tokenizer.ggml.bos_token_id", -1)),
+      eos_id=int(md.get("tokenizer.ggml.eos_token_id", -1)),
+  )
+  return ModelConfig(**kw)
