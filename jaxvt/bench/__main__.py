@@ -1,0 +1,24 @@
+"""python -m jaxvt.bench {cpu,tier,offload} [options]: benchmarks that write docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jaxvt.bench")
+  sub = ap.add_subparsers(dest="which", required=True)
+  c = sub.add_parser("cpu", help="jaxvt vs llama.cpp on the default model (CPU)")
+  c.add_argument("--decode-tokens", type=int, default=64)
+  c.add_argument("--repeats", type=int, default=3)
+  c.add_argument("--threads", type=int, default=2)
+  args = ap.parse_args(argv)
+  if args.which == "cpu":
+    from jaxvt.bench import cpu
+    print(cpu.main(args))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,108 @@
+"""python -m jaxvt.bench cpu: jaxvt vs llama.cpp on the default model, same prompts, same run.
+
+Decode: greedy tokens after a short prompt; prefill: a longer prompt. Each engine runs once to
+warm up (jaxvt compiles; llama.cpp maps the file), then `repeats` timed runs; medians reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+SHORT = "The capital of France is"
+LONG = ("Write a detailed history of the city of Paris, from its founding as a Roman town on "
+        "the Seine through the Middle Ages, the Revolution, the Haussmann renovation and the "
+        "twentieth century, naming the people, buildings and events that shaped it. ") * 3
+
+
+def bench_jaxvt(n_decode: int, repeats: int) -> dict:
+  import jaxvt
+  from jaxvt.sampling import SamplingParams
+  t0 = time.perf_counter()
+  eng = jaxvt.load()
+  load_s = time.perf_counter() - t0
+  greedy = SamplingParams()
+  long_ids = eng.tokenizer.encode(LONG)
+  eng.generate(SHORT, max_tokens=n_decode, sampling=greedy)  # compile decode buckets
+  eng.generate(long_ids, max_tokens=2, sampling=greedy)  # compile the long prefill bucket
+  dec, pre = [], []
+  for _ in range(repeats):
+    g = eng.generate(SHORT, max_tokens=n_decode, sampling=greedy)
+    dec.append(g.stats.decode_tok_s)
+    t = time.perf_counter()
+    logits, _ = eng.prefill(long_ids)
+    logits.block_until_ready()
+    pre.append(len(long_ids) / (time.perf_counter() - t))
+  eng.close()
+  return dict(load_s=load_s, decode=statistics.median(dec), prefill=statistics.median(pre),
+              prompt_long=len(long_ids), kernels=eng.ex.kernels, tokens=g.tokens)
+
+
+def bench_llamacpp(n_decode: int, repeats: int, threads: int) -> dict | None:
+  try:
+    import llama_cpp
+  except ImportError:
+    return None
+  from jaxvt.gguf.default_model import default_model_path
+  llm = llama_cpp.Llama(default_model_path(), n_ctx=1024, n_threads=threads,
+                        n_threads_batch=threads, n_batch=512, verbose=False)
+  short = llm.tokenize(SHORT.encode(), add_bos=False, special=True)
+  long_ids = llm.tokenize(LONG.encode(), add_bos=False, special=True)
+
+  def decode_run():
+    llm.reset()
+    llm.eval(short)
+    toks = []
+    t = time.perf_counter()
+    nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    for _ in range(n_decode - 1):
+      toks.append(nxt)
+      llm.eval([nxt])
+      nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    toks.append(nxt)
+    return (n_decode - 1) / (time.perf_counter() - t), toks
+
+  def prefill_run():
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(long_ids)
+    return len(long_ids) / (time.perf_counter() - t)
+
+  decode_run(), prefill_run()
+  dec, pre = [], []
+  for _ in range(repeats):
+    d, toks = decode_run()
+    dec.append(d)
+    pre.append(prefill_run())
+  return dict(decode=statistics.median(dec), prefill=statistics.median(pre),
+              version=llama_cpp.__version__, tokens=toks)
+
+
+def main(args) -> str:
+  from jaxvt.bench import report
+  n, reps = args.decode_tokens, args.repeats
+  j = bench_jaxvt(n, reps)
+  l = bench_llamacpp(n, reps, args.threads)
+  cmd = f"python -m jaxvt.bench cpu --decode-tokens {n} --repeats {reps} --threads {args.threads}"
+  lines = [f"## CPU: default model (SmolLM2-135M-Instruct Q4_1)\n",
+           f"Command: `{cmd}`  ",
+           f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n",
+           f"Decode: {n} greedy tokens after {SHORT!r}; prefill: a {j['prompt_long']}-token "
+           f"prompt. Medians of {reps} runs after a warm-up run.\n",
+           "| engine | decode tok/s | prefill tok/s |", "|---|---|---|",
+           f"| jaxvt ({'FFI kernels' if j['kernels'] else 'jnp reference'}) | "
+           f"{j['decode']:.1f} | {j['prefill']:.1f} |"]
+  if l:
+    lines.append(f"| llama.cpp (llama-cpp-python {l['version']}, {args.threads} threads) | "
+                 f"{l['decode']:.1f} | {l['prefill']:.1f} |")
+    lines.append(f"\njaxvt / llama.cpp: decode {j['decode'] / l['decode']:.2f}x, prefill "
+                 f"{j['prefill'] / l['prefill']:.2f}x. Greedy tokens identical: "
+                 f"{j['tokens'] == l['tokens']}.")
+  else:
+    lines.append("\nllama.cpp arm not run: llama-cpp-python is not installed "
+                 "(pip install llama-cpp-python==0.3.36).")
+  body = "\n".join(lines)
+  report.write_section("cpu", body)
+  return body

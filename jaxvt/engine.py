@@ -1,0 +1,253 @@
+"""load → plan → place → jitted prefill / decode_step → generate: the notebook API.
+
+    engine = jaxvt.load()                       # the embedded default model
+    out = engine.generate("The capital of France is", max_tokens=16)
+    logits, cache = engine.prefill_fn(engine.weights, cache, tokens, positions, valid, last)
+
+`prefill_fn` and `decode_fn` are pure jitted functions of (weights, cache, tokens, ...); the
+Engine only holds what they need and does the bookkeeping (buckets, positions, sampling keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvt.errors import JaxvtError
+from jaxvt.model import decoder
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.layers import Exec
+from jaxvt.sampling import SamplingParams, sample
+
+PREFILL_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
+
+
+def bucket(n: int, buckets: Iterable[int], cap: int) -> int:
+  """The smallest bucket >= n, capped at `cap` (which must be >= n)."""
+  for b in buckets:
+    if b >= n:
+      return min(b, cap)
+  return cap
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConfig, ex: Exec,
+               kv_len: int):
+  """tokens/positions/valid [b, T]; last int32 [b] (index of each row's last real token).
+  Returns (logits float32 [b, vocab] at `last`, cache)."""
+  return decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
+                         logits_at=last)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int):
+  """One decode step: tokens/positions int32 [b, 1] -> (logits float32 [b, vocab], cache)."""
+  logits, cache = decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len)
+  return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len", "params"),
+                   donate_argnames=("cache",))
+def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig, ex: Exec,
+                     kv_len: int, params: SamplingParams):
+  """decode_fn fused with sampling: returns (next tokens int32 [b], cache)."""
+  logits, cache = decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len)
+  return sample(logits[:, 0], key, params), cache
+
+
+@dataclasses.dataclass
+class GenerationStats:
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  prefill_seconds: float = 0.0
+  decode_seconds: float = 0.0
+
+  @property
+  def prefill_tok_s(self) -> float:
+    return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+  @property
+  def decode_tok_s(self) -> float:
+    # the first generated token comes from prefill; decode produced the rest
+    n = max(self.generated_tokens - 1, 0)
+    return n / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: list[int]
+  text: str
+  stats: GenerationStats
+  stopped_by: str  # "eos" | "max_tokens" | "context"
+
+
+@dataclasses.dataclass
+class Engine:
+  cfg: ModelConfig
+  ex: Exec
+  weights: dict
+  tokenizer: object
+  max_context: int
+  path: str = ""
+  load_seconds: float = 0.0
+  plan: object = None
+  host_tier: object = None
+  memory: object = None  # the device-memory breakdown the planner checked
+
+  # ---- pure pieces, bound to this model -------------------------------------------------
+  def new_cache(self, batch: int = 1) -> dict:
+    return decoder.init_cache(self.cfg, batch, self.max_context)
+
+  def kv_len(self, n: int) -> int:
+    return bucket(n, KV_BUCKETS, self.max_context)
+
+  def prefill(self, tokens: list[int], cache: dict | None = None, start: int = 0):
+    """Runs `tokens` (one sequence) from position `start`; returns (logits [vocab], cache)."""
+    n = len(tokens)
+    if start + n > self.max_context:
+      raise JaxvtError(f"the prompt has {n} tokens, more than --max-context {self.max_context}"
+                       f"{' allows after ' + str(start) + ' cached' if start else ''}; "
+                       "shorten it or raise --max-context")
+    cache = self.new_cache(1) if cache is None else cache
+    T = bucket(n, PREFILL_BUCKETS, self.max_context - start)
+    toks = np.zeros((1, T), np.int32)
+    toks[0, :n] = tokens
+    pos = (start + np.arange(T, dtype=np.int32))[None]
+    valid = (np.arange(T) < n)[None]
+    logits, cache = prefill_fn(self.weights, cache, jnp.asarray(toks), jnp.asarray(pos),
+                               jnp.asarray(valid), jnp.asarray([n - 1], jnp.int32),
+                               cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(start + T))
+    return logits[0], cache
+
+  def decode_step(self, cache: dict, token: int, position: int):
+    """One token at `position`; returns (logits [vocab], cache)."""
+    logits, cache = decode_fn(self.weights, cache, jnp.asarray([[token]], jnp.int32),
+                              jnp.asarray([[position]], jnp.int32), cfg=self.cfg, ex=self.ex,
+                              kv_len=self.kv_len(position + 1))
+    return logits[0], cache
+
+  # ---- generation ----------------------------------------------------------------------
+  def generate(self, prompt: str | list[int], max_tokens: int = 64,
+               sampling: SamplingParams = SamplingParams(), seed: int = 0, chat: bool = False,
+               on_text: Callable[[str], None] | None = None) -> Generation:
+    """Generates up to `max_tokens` after `prompt` (text, or token ids); streams via on_text."""
+    tok = self.tokenizer
+    if isinstance(prompt, str):
+      if chat:
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
+      ids = tok.encode(prompt)
+    else:
+      ids = list(prompt)
+    if not ids:
+      raise JaxvtError("the prompt is empty; pass --prompt TEXT")
+    stats = GenerationStats(prompt_tokens=len(ids))
+    stops = set(tok.stop_ids)
+    key = jax.random.key(seed)
+    stream = tok.stream_decoder()
+
+    t0 = time.perf_counter()
+    logits, cache = self.prefill(ids)
+    key, sub = jax.random.split(key)
+    nxt = int(sample(logits[None], sub, sampling)[0])
+    stats.prefill_seconds = time.perf_counter() - t0
+
+    out: list[int] = []
+    stopped_by = "max_tokens"
+    pos = len(ids)
+    t1 = time.perf_counter()
+    while True:
+      if nxt in stops:
+        stopped_by = "eos"
+        break
+      out.append(nxt)
+      if on_text:
+        piece = stream.push(nxt)
+        if piece:
+          on_text(piece)
+      if len(out) >= max_tokens:
+        break
+      if pos >= self.max_context:
+        stopped_by = "context"
+        break
+      key, sub = jax.random.split(key)
+      toks, cache = decode_sample_fn(
+          self.weights, cache, jnp.asarray([[nxt]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
+          sub, cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + 1), params=sampling)
+      nxt = int(toks[0])
+      pos += 1
+    stats.decode_seconds = time.perf_counter() - t1
+    stats.generated_tokens = len(out)
+    if on_text:
+      tail = stream.flush()
+      if tail:
+        on_text(tail)
+    return Generation(out, tok.decode(out), stats, stopped_by)
+
+  def close(self) -> None:
+    """Frees the host tier's pinned buffers (the weights that live there become invalid)."""
+    if self.host_tier is not None:
+      self.host_tier.close()
+      self.host_tier = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
+         device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
+         progress: Callable[[int], None] | None = None, device=None,
+         on_plan: Callable[[object], None] | None = None) -> Engine:
+  """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
+  places the weights and returns an Engine. `offload_gb`: GiB of weights for the host tier, or
+  "auto"; `device_gb`: behave as if the device had this many GiB."""
+  from jaxvt import ffi, loader
+  from jaxvt.gguf.default_model import default_model_path
+  from jaxvt.gguf.reader import open_gguf
+  from jaxvt.gguf.tokenizer import Tokenizer
+  from jaxvt.model.config import from_gguf_metadata
+  from jaxvt.model.declare import declare
+  from jaxvt.offload import placement as placement_mod
+
+  t0 = time.perf_counter()
+  path = model or default_model_path()
+  gf = open_gguf(path)
+  cfg = from_gguf_metadata(gf.metadata)
+  decls = declare(cfg)
+  from jaxvt.gguf.names import gguf_name
+  cfg = dataclasses.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
+  loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
+  if max_context < 1 or max_context > cfg.context_length:
+    raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
+                     "model's trained context); pick a value in that range")
+  device = device or jax.devices()[0]
+  if kernels is None:
+    kernels = ffi.available(device.platform)
+  tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
+  units = loader.unit_bytes(gf, cfg.arch, decls)
+  placed = placement_mod.plan_for_engine(cfg, decls, units, offload_gb=offload_gb,
+                                         device_gb=device_gb, force=force, device=device,
+                                         max_context=max_context, kernels=kernels)
+  if on_plan:
+    on_plan(placed)
+  host_tier = placed.make_host_tier() if placed.host_bytes else None
+  try:
+    weights = loader.load_weights(gf, cfg.arch, decls, placed.placement, host_tier, device,
+                                  progress)
+  except BaseException:
+    if host_tier is not None:
+      host_tier.close()
+    raise
+  ex = Exec(kernels=kernels)
+  return Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
+                path=path, load_seconds=time.perf_counter() - t0, plan=placed,
+                host_tier=host_tier)

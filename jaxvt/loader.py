@@ -1,0 +1,181 @@
+"""Placing a GGUF file's tensors, once each, as the declarations and the placement say.
+
+Matrices become QWeights (raw GGUF blocks; device-tier layers in one device array, host-tier
+layers copied once into pinned buffers of a HostTier); vectors become float32 arrays stacked
+over their layers. Every declared tensor must be present with its declared shape and a supported
+format; every tensor of the file must be declared (an appended MTP block excepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvt.errors import JaxvtError
+from jaxvt.gguf import names as gguf_names
+from jaxvt.gguf import quants
+from jaxvt.gguf.reader import GGUFFile, TensorInfo
+from jaxvt.model.declare import WeightDecl
+from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+
+Placement = Callable[[str, "int | None"], str]  # (canonical name, layer) -> "device" | "host"
+Progress = Callable[[int], None]  # called with the bytes of each tensor placed
+
+
+def all_device(name: str, layer: int | None) -> str:
+  return "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitBytes:
+  """One placement unit: a weight in one layer (layer None for global tensors)."""
+  name: str
+  layer: int | None
+  nbytes: int
+  type_id: int
+
+
+def _tensor(gf: GGUFFile, arch: str, d: WeightDecl, layer: int | None) -> TensorInfo | None:
+  name = gguf_names.gguf_name(arch, d.name, layer)
+  t = gf.tensors.get(name)
+  if t is None:
+    if d.optional:
+      return None
+    raise JaxvtError(f"{gf.path} lacks tensor '{name}' that a {arch} model needs; "
+                     "the file is incomplete or of another architecture")
+  shape = tuple(d.shape)
+  if d.matrix and t.shape != shape or not d.matrix and int(np.prod(t.shape)) != int(np.prod(shape)):
+    raise JaxvtError(f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)} from "
+                     f"the file's metadata; the file is inconsistent")
+  if t.type_id not in quants.FORMATS:
+    raise JaxvtError(f"tensor '{name}' is in unsupported format {_type_name(t.type_id)}; jaxvt "
+                     f"reads {', '.join(f.name for f in quants.FORMATS.values())}: "
+                     "re-quantize the model to one of them")
+  if not d.matrix and t.type_id not in (0, 1, 30):
+    raise JaxvtError(f"vector tensor '{name}' is quantized ({_type_name(t.type_id)}); "
+                     "jaxvt expects F32/F16/BF16 vectors")
+  return t
+
+
+def _type_name(type_id: int) -> str:
+  import gguf
+  try:
+    return gguf.GGMLQuantizationType(type_id).name
+  except ValueError:
+    return f"type {type_id}"
+
+
+def _layers(d: WeightDecl) -> tuple[int | None, ...]:
+  return (None,) if d.layers is None else d.layers
+
+
+def check_file(gf: GGUFFile, arch: str, decls: list[WeightDecl], n_layers: int) -> None:
+  """Raises JaxvtError for any tensor in the file that no declaration accounts for."""
+  expected = set()
+  for d in decls:
+    for l in _layers(d):
+      expected.add(gguf_names.gguf_name(arch, d.name, l))
+  for name in gf.tensors:
+    if name in expected:
+      continue
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m and int(m.group(1)) >= n_layers:  # appended MTP / nextn block: not part of the trunk
+      continue
+    raise JaxvtError(f"{gf.path} holds unexpected tensor '{name}' for architecture '{arch}'; "
+                     "the file was converted by an unsupported converter or is corrupt")
+
+
+def unit_bytes(gf: GGUFFile, arch: str, decls: list[WeightDecl]) -> list[UnitBytes]:
+  """Bytes of every placement unit as stored in the file (what the planner budgets)."""
+  out = []
+  for d in decls:
+    for l in _layers(d):
+      t = _tensor(gf, arch, d, l)
+      if t is not None:
+        out.append(UnitBytes(d.name, l, t.n_bytes, t.type_id))
+  return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(buf, i, row):
+  return jax.lax.dynamic_update_index_in_dim(buf, row, i, 0)
+
+
+def _load_vector(gf, arch, d: WeightDecl, device) -> jax.Array:
+  rows = []
+  for l in _layers(d):
+    t = _tensor(gf, arch, d, l)
+    rows.append(np.asarray(t.data, dtype=np.float32).reshape(d.shape))
+  arr = rows[0] if d.layers is None else np.stack(rows)
+  return jax.device_put(arr, device)
+
+
+def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, device,
+                 progress) -> QWeight:
+  tensors = [_tensor(gf, arch, d, l) for l in _layers(d)]
+  experts = d.shape[0] if len(d.shape) == 3 else 0
+  rows, cols = d.shape[-2], d.shape[-1]
+  fmts = np.zeros(len(tensors), np.int32)
+  table = np.zeros(len(tensors), np.uint64)
+  host_pos, dev_pos = [], []
+  for i, (l, t) in enumerate(zip(_layers(d), tensors)):
+    if quants.row_bytes(t.type_id, cols) * rows * max(experts, 1) != t.n_bytes:
+      raise JaxvtError(f"tensor '{t.name}' holds {t.n_bytes} bytes, not what its shape and "
+                       f"format need; the file is corrupt")
+    fmts[i] = t.type_id
+    kind = placement(d.name, l)
+    if kind == "host":
+      if host_tier is None:
+        raise JaxvtError("a host-tier placement needs the jaxvt extension's host tier; "
+                         "reinstall jaxvt (pip install .) so its FFI extension is built")
+      buf = host_tier.alloc(t.n_bytes)
+      buf.array[:] = t.raw().reshape(-1)
+      table[i] = buf.device_address
+      fmts[i] |= HOST_BIT
+      host_pos.append(i)
+    else:
+      dev_pos.append(i)
+    if progress:
+      progress(t.n_bytes)
+  stride = max((tensors[i].n_bytes for i in dev_pos), default=1)
+  if dev_pos and len(dev_pos) == 1:
+    t = tensors[dev_pos[0]]
+    data = jax.device_put(t.raw().reshape(1, -1), device)
+  elif dev_pos:
+    data = jnp.zeros((len(dev_pos), stride), jnp.uint8, device=device)
+    for slot, i in enumerate(dev_pos):
+      row = np.zeros(stride, np.uint8)
+      row[:tensors[i].n_bytes] = tensors[i].raw().reshape(-1)
+      data = _set_row(data, jnp.int32(slot), jax.device_put(row, device))
+  else:
+    data = jnp.zeros((1, 1), jnp.uint8, device=device)
+  for slot, i in enumerate(dev_pos):
+    table[i] = slot
+  meta = QMeta(rows=rows, cols=cols, experts=experts,
+               formats=tuple(sorted(set(int(f) & 0xFFFF for f in fmts))),
+               n_layers=len(tensors), host_layers=tuple(host_pos))
+  return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device),
+                 meta)
+
+
+def load_weights(gf: GGUFFile, arch: str, decls: list[WeightDecl], placement: Placement = all_device,
+                 host_tier=None, device=None, progress: Progress | None = None) -> dict:
+  """Places every declared weight; returns {canonical name: QWeight | float32 array}."""
+  device = device or jax.devices()[0]
+  weights = {}
+  for d in decls:
+    if d.matrix:
+      if _tensor(gf, arch, d, _layers(d)[0]) is None:  # optional and absent (tied lm_head)
+        continue
+      weights[d.name] = _load_matrix(gf, arch, d, placement, host_tier, device, progress)
+    else:
+      weights[d.name] = _load_vector(gf, arch, d, device)
+      if progress:
+        progress(sum(int(_tensor(gf, arch, d, l).n_bytes) for l in _layers(d)))
+  return weights

@@ -1,0 +1,121 @@
+"""The decoder shared by every architecture: `forward(weights, cache, tokens, positions, ...)`.
+
+Layer kinds are data (`cfg.layer_types`). The trunk is scanned over *periods*: the shortest
+repeating pattern of layer kinds (llama/qwen3: one attention layer; qwen35: three Gated-DeltaNet
+layers then one attention layer), so one compiled body serves every period. Weights stay whole
+stacks; each block receives its layer's index in its stack as a traced int32 and the kernels pick
+the layer on the device (no per-layer slicing or copying of weights).
+
+Block: h = x + mixer(norm(x)); out = h + ffn(norm(h)), the FFN dense SwiGLU or MoE.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxvt.model import layers
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.layers import Exec
+
+
+def layer_period(cfg: ModelConfig) -> tuple[str, ...]:
+  """The shortest pattern P with layer_types == P * (n_layers / len(P))."""
+  lt = cfg.layer_types
+  for p in range(1, len(lt) + 1):
+    if len(lt) % p == 0 and lt == lt[:p] * (len(lt) // p):
+      return lt[:p]
+  return lt
+
+
+def conv_dim(cfg: ModelConfig) -> int:
+  return 2 * cfg.ssm_k_heads * cfg.ssm_k_dim + cfg.ssm_v_heads * cfg.ssm_v_dim
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype=jnp.float32) -> dict:
+  """Decode state: KV cache for attention layers, conv + recurrent state for DeltaNet layers.
+
+  k, v: [n_attn, batch, max_len, n_kv, head_dim]; conv: [n_gdn, batch, kernel-1, conv_dim];
+  ssm: [n_gdn, batch, n_v, d_k, d_v] float32.
+  """
+  na, ng = len(cfg.attention_layers), len(cfg.deltanet_layers)
+  cache = {
+      "k": jnp.zeros((na, batch, max_len, cfg.n_kv_heads, cfg.head_dim), kv_dtype),
+      "v": jnp.zeros((na, batch, max_len, cfg.n_kv_heads, cfg.v_head_dim), kv_dtype),
+  }
+  if ng:
+    cache["conv"] = jnp.zeros((ng, batch, cfg.ssm_conv_kernel - 1, conv_dim(cfg)), jnp.float32)
+    cache["ssm"] = jnp.zeros((ng, batch, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim),
+                             jnp.float32)
+  return cache
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -> int:
+  """Bytes of `init_cache(cfg, batch, max_len)` without allocating it."""
+  na, ng = len(cfg.attention_layers), len(cfg.deltanet_layers)
+  kv = na * batch * max_len * cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) * kv_bytes
+  st = ng * batch * 4 * ((cfg.ssm_conv_kernel - 1) * conv_dim(cfg)
+                         + cfg.ssm_v_heads * cfg.ssm_k_dim * cfg.ssm_v_dim) if ng else 0
+  return kv + st
+
+
+def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
+  if cfg.is_moe:
+    from jaxvt.model import moe
+    return moe.moe_block(h, w, li, cfg, ex)
+  return layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex)
+
+
+def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
+            cfg: ModelConfig, ex: Exec, kv_len: int, valid: jax.Array | None = None,
+            logits_at: jax.Array | None = None):
+  """One pass over `tokens` [b, t] at absolute `positions` [b, t] (int32).
+
+  valid [b, t] bool marks real tokens (padding of bucketed prefill is False: it must not touch
+  recurrent state; its KV entries lie beyond every real position and are overwritten later).
+  logits_at [b] int32: return logits only at that token index of each row ([b, vocab]);
+  None returns all positions ([b, t, vocab]). Returns (logits float32, new cache).
+  """
+  b, t = tokens.shape
+  if valid is None:
+    valid = jnp.ones((b, t), bool)
+  x = layers.embed(tokens, weights["embed"], ex)
+  period = layer_period(cfg)
+  P = len(period)
+  n_att = period.count("attention")
+  n_gdn = P - n_att
+  w = weights
+
+  def body(carry, p):
+    x, cache = carry
+    cache = dict(cache)
+    a_j = g_j = 0
+    for j, kind in enumerate(period):
+      li = p * P + j
+      h = layers.rms_norm(x, w["attn_norm"][li], cfg.rms_eps)
+      with jax.named_scope(kind):
+        if kind == "attention":
+          ai = p * n_att + a_j
+          a_j += 1
+          o, cache["k"], cache["v"] = layers.attention(
+              h, w, ai, cache["k"], cache["v"], positions, cfg, ex, kv_len)
+        else:
+          from jaxvt.model import deltanet
+          gi = p * n_gdn + g_j
+          g_j += 1
+          o, conv, ssm = deltanet.deltanet_block(
+              h, w, gi, cache["conv"][gi], cache["ssm"][gi], valid, cfg, ex)
+          cache["conv"] = cache["conv"].at[gi].set(conv)
+          cache["ssm"] = cache["ssm"].at[gi].set(ssm)
+      x = x + o
+      h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps)
+      with jax.named_scope("ffn"):
+        x = x + _ffn(h, w, li, cfg, ex)
+    return (x, cache), None
+
+  (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
+  if logits_at is not None:
+    x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+  x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps)
+  head = w["lm_head"] if "lm_head" in w else w["embed"]
+  return layers.linear(x, head, jnp.int32(0), ex), cache

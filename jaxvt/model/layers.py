@@ -1,0 +1,122 @@
+"""Shared building blocks: linear over quantized weights, RMSNorm, RoPE, attention, SwiGLU.
+
+Letters in einsum strings: b batch, t query tokens, s cached positions, h query heads,
+k kv heads, g query heads per kv head, d head dim, m model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxvt.model.config import ModelConfig
+from jaxvt.qweight import QWeight
+
+
+@dataclasses.dataclass(frozen=True)
+class Exec:
+  """How to execute (not what to compute): static, hashable, passed beside the ModelConfig.
+
+  kernels: run matrices through jaxvt.ffi's custom calls (required for host-tier weights);
+    False runs the jnp references (dequantize, then dot), which read device-tier weights only.
+  """
+
+  kernels: bool = False
+
+
+def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
+  """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
+  from jaxvt.ffi import ops  # the ops module registers the custom calls on first import
+  if ex.kernels:
+    return ops.qmatmul(x.astype(jnp.float32), w, layer)
+  return ops.qmatmul_ref(x.astype(jnp.float32), w, layer)
+
+
+def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
+  """ids int32 [...] -> float32 [..., cols]: rows of a (quantized) embedding table."""
+  from jaxvt.ffi import ops
+  fn = ops.qembed if ex.kernels else ops.qembed_ref
+  return fn(ids, w, jnp.int32(0))
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+  """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y if w is None else y * w
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
+         interleaved: bool) -> jax.Array:
+  """Rotary embedding on the first `rope_dim` dims of each head.
+
+  x [b, t, h, d], positions int32 [b, t]. `interleaved` rotates pairs (2i, 2i+1) (llama GGUF,
+  whose converter permuted q/k rows); otherwise pairs (i, i + rope_dim/2) (NEOX, Qwen).
+  """
+  half = rope_dim // 2
+  inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dim)
+  ang = positions.astype(jnp.float32)[..., None, None] * inv  # [b, t, 1, half]
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  xr, rest = x[..., :rope_dim], x[..., rope_dim:]
+  if interleaved:
+    x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    y = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xr.shape)
+  else:
+    x1, x2 = xr[..., :half], xr[..., half:]
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return jnp.concatenate([y, rest], axis=-1) if rest.shape[-1] else y
+
+
+def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
+              positions: jax.Array, cfg: ModelConfig, ex: Exec, kv_len: int):
+  """Causal GQA self-attention with a KV cache (llama; qwen3 q/k norm; qwen35 output gate).
+
+  x [b, t, m] (already normed); ai: this layer's index in the attention stacks (traced);
+  k_cache/v_cache [n_attn, b, S, k, d]: the whole stacked cache, updated in place at
+  [ai, row, positions]; positions int32 [b, t] (absolute). Only the first `kv_len` (static)
+  cached positions are read: the caller picks a bucket >= max(positions) + 1.
+  Returns (out [b, t, m], k_cache, v_cache).
+  """
+  b, t, _ = x.shape
+  H, K, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
+  q = linear(x, w["attn.wq"], ai, ex)
+  if cfg.attn_output_gate:  # per head [q | gate]
+    q = q.reshape(b, t, H, 2 * D)
+    q, gate = q[..., :D], q[..., D:].reshape(b, t, H * D)
+  else:
+    q, gate = q.reshape(b, t, H, D), None
+  k = linear(x, w["attn.wk"], ai, ex).reshape(b, t, K, D)
+  v = linear(x, w["attn.wv"], ai, ex).reshape(b, t, K, Dv)
+  if cfg.qk_norm:
+    q = rms_norm(q, w["attn.q_norm"][ai], cfg.rms_eps)
+    k = rms_norm(k, w["attn.k_norm"][ai], cfg.rms_eps)
+  q = rope(q, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved)
+  k = rope(k, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved)
+
+  # Write the new keys/values at their positions (out-of-range positions are dropped).
+  bidx = jnp.arange(b)[:, None]
+  k_cache = k_cache.at[ai, bidx, positions].set(k.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[ai, bidx, positions].set(v.astype(v_cache.dtype), mode="drop")
+
+  zero = jnp.zeros((), jnp.int32)
+  ks = jax.lax.dynamic_slice(k_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
+  vs = jax.lax.dynamic_slice(v_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, Dv))[0]
+  ks, vs = ks.astype(jnp.float32), vs.astype(jnp.float32)
+  qg = q.reshape(b, t, K, H // K, D) * (D ** -0.5)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, ks)
+  visible = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [b, t, s]
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  p = jax.nn.softmax(scores, axis=-1)
+  o = jnp.einsum("bkgts,bskd->btkgd", p, vs).reshape(b, t, H * Dv)
+  if gate is not None:
+    o = o * jax.nn.sigmoid(gate)
+  return linear(o, w["attn.wo"], ai, ex), k_cache, v_cache
+
+
+def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
+           ex: Exec) -> jax.Array:
+  """Dense SwiGLU FFN: down(silu(gate x) * up x)."""
+  h = jax.nn.silu(linear(x, w_gate, li, ex)) * linear(x, w_up, li, ex)
+  return linear(h, w_down, li, ex)

@@ -1,0 +1,152 @@
+"""Command line: python -m jaxvt.run [--model PATH] [--prompt TEXT] [--offload-gb N] ...
+
+With no flags it answers a short chat prompt with the embedded default model. Generated text
+streams to stdout; progress, the placement and timings go to stderr. Errors a user can cause are
+one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from jaxvt.errors import JaxvtError
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("model", None, "GGUF file to run (default: the embedded SmolLM2-135M-Instruct "
+                    "Q4_1).", flag_values=FLAGS)
+flags.DEFINE_string("prompt", None, f"Prompt text (default: a chat prompt, {DEFAULT_PROMPT!r}).",
+                    flag_values=FLAGS)
+flags.DEFINE_boolean("chat", None, "Wrap the prompt in the model's chat template (default: on "
+                     "for the default prompt, off for --prompt).", flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate.", flag_values=FLAGS)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", flag_values=FLAGS)
+flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).",
+                     flag_values=FLAGS)
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "Random seed for sampling.", flag_values=FLAGS)
+flags.DEFINE_integer("max_context", 2048, "Context length to allocate (prompt + generation).",
+                     flag_values=FLAGS)
+flags.DEFINE_string("offload_gb", "0", "GiB of weights to keep in the pinned host tier, read in "
+                    "place by the kernels; 'auto' picks the best safe budget.", flag_values=FLAGS)
+flags.DEFINE_float("device_gb", None, "Behave as if the device had this many GiB.",
+                   flag_values=FLAGS)
+flags.DEFINE_boolean("force", False, "Run a budget the planner calls unsafe.", flag_values=FLAGS)
+flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
+                     "generate.", flag_values=FLAGS)
+
+
+def _validate(F) -> None:
+  if F.max_tokens < 1:
+    raise JaxvtError(f"--max-tokens must be at least 1 (got {F.max_tokens})")
+  if F.temperature < 0:
+    raise JaxvtError(f"--temperature must be >= 0 (got {F.temperature})")
+  if F.top_k < 0:
+    raise JaxvtError(f"--top-k must be >= 0 (got {F.top_k})")
+  if not 0.0 < F.top_p <= 1.0:
+    raise JaxvtError(f"--top-p must be in (0, 1] (got {F.top_p})")
+  if F.max_context < 1:
+    raise JaxvtError(f"--max-context must be at least 1 (got {F.max_context})")
+  if F.device_gb is not None and F.device_gb <= 0:
+    raise JaxvtError(f"--device-gb must be positive (got {F.device_gb})")
+
+
+def parse_offload(value: str) -> float | str:
+  if value.strip().lower() == "auto":
+    return "auto"
+  try:
+    gb = float(value)
+  except ValueError:
+    raise JaxvtError(f"--offload-gb takes a number of GiB or 'auto' (got {value!r})") from None
+  if gb < 0:
+    raise JaxvtError(f"--offload-gb must be >= 0 (got {value})")
+  return gb
+
+
+class _Bar:
+  """A progress bar on stderr while weights load."""
+
+  def __init__(self, total: int):
+    self.total, self.done, self.shown = max(total, 1), 0, -1
+
+  def __call__(self, nbytes: int) -> None:
+    self.done += nbytes
+    pct = min(100, int(100 * self.done / self.total))
+    if pct != self.shown:
+      self.shown = pct
+      bar = "#" * (pct // 4)
+      sys.stderr.write(f"\rloading weights [{bar:<25}] {pct:3d}%")
+      if pct == 100:
+        sys.stderr.write("\n")
+      sys.stderr.flush()
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+  """Accepts --max-tokens as well as absl's --max_tokens spelling."""
+  out = argv[:1]
+  for a in argv[1:]:
+    if a.startswith("--") and len(a) > 2:
+      name, eq, val = a[2:].partition("=")
+      a = "--" + name.replace("-", "_") + eq + val
+    out.append(a)
+  return out
+
+
+def main(argv: list[str]) -> int:
+  try:
+    FLAGS(normalize_argv(argv))
+  except flags.Error as e:
+    print(f"jaxvt: error: {e}", file=sys.stderr)
+    return 2
+  F = FLAGS
+  try:
+    _validate(F)
+    offload = parse_offload(F.offload_gb)
+    import os
+
+    from jaxvt import engine as engine_mod
+    from jaxvt.gguf.default_model import default_model_path
+    from jaxvt.sampling import SamplingParams
+
+    path = F.model or default_model_path()
+    bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
+
+    def show_plan(placed):
+      print(placed.report(), file=sys.stderr if not F.plan else sys.stdout)
+
+    if F.plan:
+      from jaxvt.offload import placement
+      print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
+                                  max_context=F.max_context, force=F.force))
+      return 0
+    eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
+                          device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan)
+    with eng:
+      chat = F.chat if F.chat is not None else F.prompt is None
+      prompt = F.prompt if F.prompt is not None else DEFAULT_PROMPT
+      params = SamplingParams(F.temperature, F.top_k, F.top_p)
+
+      def emit(text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+      out = eng.generate(prompt, max_tokens=F.max_tokens, sampling=params, seed=F.seed,
+                         chat=chat, on_text=emit)
+      sys.stdout.write("\n")
+      s = out.stats
+      print(f"load {eng.load_seconds:.2f} s | prefill {s.prompt_tokens} tok at "
+            f"{s.prefill_tok_s:.1f} tok/s | decode {s.generated_tokens} tok at "
+            f"{s.decode_tok_s:.1f} tok/s | stop: {out.stopped_by}", file=sys.stderr)
+  except JaxvtError as e:
+    print(f"jaxvt: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

@@ -1,0 +1,37 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus), as pure jittable functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 0.0  # 0: greedy (argmax)
+  top_k: int = 0  # 0: no top-k cut
+  top_p: float = 1.0  # 1: no nucleus cut
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature <= 0.0
+
+
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+  """logits float32 [b, vocab] -> token ids int32 [b]. `params` is static."""
+  if params.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  x = logits.astype(jnp.float32) / params.temperature
+  if params.top_k > 0:
+    kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if params.top_p < 1.0:
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least one token)
+    keep_sorted = jnp.cumsum(probs, axis=-1) - probs < params.top_p
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x < cutoff, -jnp.inf, x)
+  return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
