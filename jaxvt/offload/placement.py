@@ -1,0 +1,130 @@
+"""The edge between the pure planner and a run: device facts, rates, the plan and its checks.
+
+`plan_for_engine` turns a file's unit sizes, `--offload-gb` (GiB or "auto"), `--device-gb` and
+`--force` into a `Placed` the loader follows; `plan_report` is `python -m jaxvt.run --plan`.
+Everything here reads the device or /proc; the decisions themselves are jaxvt.offload.plan,
+.memory and .cost, which are pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxvt.errors import JaxvtError
+from jaxvt.model.config import ModelConfig
+from jaxvt.offload import cost, memory, probe, report
+from jaxvt.offload.plan import DEVICE, GiB, HOST, Plan, Policy, ceil_gib, plan
+
+
+@dataclasses.dataclass
+class Placed:
+  """A checked plan and what it was checked against."""
+  plan: Plan
+  facts: memory.DeviceFacts
+  breakdown: memory.Breakdown
+  rates: cost.Rates
+  prediction: cost.Prediction
+  safe_budget: int | None
+  reason: str  # how the budget was chosen
+
+  def placement(self, name: str, layer: int | None) -> str:
+    return self.plan.placement.get((name, layer), DEVICE)
+
+  @property
+  def host_bytes(self) -> int:
+    return self.plan.host_bytes
+
+  def make_host_tier(self):
+    from jaxvt.offload.host_tier import HostTier
+    return HostTier()
+
+  def report(self) -> str:
+    """A few lines for the run log: what went where, and the device-memory headroom."""
+    p, bd = self.plan, self.breakdown
+    n_host = sum(1 for k in p.kinds if k == HOST)
+    lines = [f"placement: {self.reason}",
+             f"  device: {p.device_bytes / GiB:.2f} GiB of weights ({len(p.kinds) - n_host} "
+             f"tensors); host tier: {p.host_bytes / GiB:.2f} GiB ({n_host} tensors), "
+             f"{p.host_read_bytes / 1e6:.1f} MB read per token"]
+    roles = {}
+    for (role, kind), (n, b) in p.totals().items():
+      if kind == HOST and n:
+        roles[role.value] = (n, b)
+    if roles:
+      lines.append("  in the host tier: " + ", ".join(
+          f"{r} {n} ({b / GiB:.2f} GiB)" for r, (n, b) in roles.items()))
+    lines.append(f"  device memory: {bd.capacity / GiB:.2f} GiB ({self.facts.source}), "
+                 f"headroom {bd.headroom / GiB:.2f} GiB, slack {bd.slack / GiB:.2f} GiB")
+    return "\n".join(lines)
+
+  def full_report(self) -> str:
+    return report.format_plan(self.plan, self.breakdown, self.facts, self.prediction,
+                              self.rates, self.safe_budget)
+
+
+def _facts(device, device_gb: float | None) -> memory.DeviceFacts:
+  platform = probe._platform_of(device)  # pylint: disable=protected-access
+  if device_gb is None and platform == "cpu":
+    avail = memory.read_mem_available()
+    if avail is None:
+      raise JaxvtError("cannot read available memory for the CPU device; pass --device-gb N")
+    return memory.DeviceFacts(avail, "cpu", str(device.device_kind), "MemAvailable (CPU)")
+  return probe.device_facts(device, device_gb)
+
+
+def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str = 0.0,
+                    device_gb: float | None = None, force: bool = False, device=None,
+                    max_context: int = 2048, kernels: bool = True,
+                    policy: Policy = Policy()) -> Placed:
+  """Plans `units` (jaxvt.loader.UnitBytes) for `device`; raises JaxvtError for unsafe plans."""
+  import jax
+  device = device or jax.devices()[0]
+  sizes = {(u.name, u.layer): u.nbytes for u in units}
+  facts = _facts(device, device_gb)
+  rates = probe.load_rates(device)
+  shape = memory.RunShape(batch=policy.batch, max_context=max_context,
+                          prefill_chunk=max_context, kv_elem_bytes=4)
+  base = plan(cfg, decls, sizes, 0, policy)
+  if offload_gb == "auto":
+    ab = cost.auto_budget(base, facts, rates, cfg, shape)
+    placed, reason = ab.plan, ab.reason
+  else:
+    placed = base.rebudget(int(round(float(offload_gb) * GiB)))
+    reason = (f"--offload-gb {float(offload_gb):g}" if offload_gb else
+              "nothing offloaded (--offload-gb 0)")
+  if placed.host_bytes and not kernels:
+    raise JaxvtError("this plan puts weights in the host tier, which needs jaxvt's FFI kernels, "
+                     f"but none are built for the {device.platform} backend; reinstall jaxvt "
+                     "(pip install .) or pass --offload-gb 0")
+  bd = memory.check(placed, facts, cfg, shape, force=force)
+  memory.host_memory_check(placed.host_bytes, memory.read_mem_available())
+  safe = memory.smallest_safe_budget(base, facts, cfg, shape)
+  pred = cost.predict(placed, rates, cfg, shape)
+  return Placed(placed, facts, bd, rates, pred, safe, reason)
+
+
+def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
+                max_context: int = 2048) -> str:
+  """`--plan`: the plan for the file at `path` without loading any weights."""
+  import dataclasses as dc
+
+  from jaxvt import loader
+  from jaxvt.gguf.names import gguf_name
+  from jaxvt.gguf.reader import open_gguf
+  from jaxvt.model.config import from_gguf_metadata
+  from jaxvt.model.declare import declare
+  gf = open_gguf(path)
+  cfg = from_gguf_metadata(gf.metadata)
+  cfg = dc.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
+  decls = declare(cfg)
+  loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
+  units = loader.unit_bytes(gf, cfg.arch, decls)
+  placed = plan_for_engine(cfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
+                           force=True, max_context=max_context)
+  text = placed.full_report()
+  if placed.breakdown.headroom < placed.breakdown.slack:
+    safe = placed.safe_budget
+    text += (f"UNSAFE: headroom {placed.breakdown.headroom / GiB:.2f} GiB is below the slack; "
+             + (f"the smallest safe budget is {ceil_gib(safe):.1f} GiB\n" if safe is not None
+                else "no budget is safe on this device\n"))
+  return f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n{placed.reason}\n" + text
