@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     if F.plan:
       from jaxvt.offload import placement
       print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                                  max_context=F.max_context, force=F.force))
+                                  max_context=F.max_context))
       return 0
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan)

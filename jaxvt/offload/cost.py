@@ -1,0 +1,172 @@
+"""Cost model: predicted milliseconds per decode step for a plan, and `--offload-gb auto`.
+
+  ms/step = device bytes read / device read rate            (resident weights, KV cache, state)
+          + host bytes read / host tier's GEMV read rate     (host-tier weights, read in place)
+          + kernel calls per step x launch overhead          (fixed per-layer costs)
+
+The host rate is the rate our matrix kernels reach reading weights from the host tier, never the
+streaming or DMA number: on the origin's gfx1200 streaming gave 23 GB/s and the real GEMM 8, so a
+budget sized from streaming was ~3x optimistic (ORIGIN.md 2). Rates come from the probe's cache
+(jaxvt.offload.probe.load_rates) or the platform defaults below, and say which in `source`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxvt.errors import JaxvtError
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.declare import Role
+from jaxvt.offload import memory
+from jaxvt.offload.plan import GiB, HOST, Plan, ceil_gib
+
+# Device work per layer that is not a weight read, as kernel launches after XLA's fusion (norms,
+# RoPE, attention core or the DeltaNet recurrence, routing, residual adds): a rough constant.
+FUSED_OPS_PER_LAYER = 6
+# `auto_budget` takes a budget above the smallest safe one only for at least this predicted gain.
+AUTO_MIN_GAIN = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """Read rates (GB/s, 1e9 bytes) and fixed costs of one device."""
+  platform: str
+  device_read_gbps: float  # our matrix kernels reading quantized weights from device memory
+  host_read_gbps: float  # the same kernels reading the host tier in place (GEMV rate)
+  launch_us: float  # fixed cost of one kernel call
+  dma_h2d_gbps: float | None = None  # informational: pinned host -> device copy
+  zero_copy_gbps: float | None = None  # informational: streaming read of host memory
+  managed_migrates: bool | None = None  # None: not measured; placement never relies on it
+  source: str = ""
+
+  def __post_init__(self):
+    if not (self.device_read_gbps > 0 and self.host_read_gbps > 0 and self.launch_us >= 0):
+      raise JaxvtError(f"rates must be positive (device {self.device_read_gbps}, host "
+                       f"{self.host_read_gbps} GB/s); re-run python -m jaxvt.offload.probe")
+
+
+# Platform defaults, used until the probe has measured the device (and said so in `source`).
+DEFAULT_RATES: dict[str, Rates] = {
+    # H200, measured 2026-11-29 by this module's probe: jaxvt's Q4_K qmatmul at batch 1 read
+    # 451 GB/s from HBM and 49.7 from the host tier (DMA 54.9, zero-copy 50.6, managed 7.2 then
+    # 3551: it migrates); FACTS.md 1: scattered routed-expert slices 47.5, the MoE host rate.
+    "cuda": Rates("cuda", 451.0, 47.5, 4.0, 54.9, 50.6, True,
+                  "default for cuda: H200 figures of 2026-11-29, not this device"),
+    # RX 9060 XT (ORIGIN.md): GEMM from host 8 GB/s (streaming 23); ~320 GB/s GDDR6 at ~80%.
+    "rocm": Rates("rocm", 250.0, 8.0, 8.0, None, 23.0, False,
+                  "default for rocm: the origin's gfx1200 figures, not this device"),
+    # CPU: both tiers are host DRAM; a conservative two-core rate.
+    "cpu": Rates("cpu", 10.0, 10.0, 2.0, None, None, None,
+                 "default for cpu: both tiers in host DRAM, not measured"),
+}
+
+
+def default_rates(platform: str) -> Rates:
+  key = {"gpu": "cuda"}.get(platform.lower(), platform.lower())
+  if key not in DEFAULT_RATES:
+    raise JaxvtError(f"no default rates for platform '{platform}'; run python -m "
+                     "jaxvt.offload.probe on it")
+  return DEFAULT_RATES[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  batch: int
+  context_pos: int
+  device_read_bytes: int  # weights + KV cache + recurrent state, per step
+  host_read_bytes: int
+  kernel_calls: int
+  device_ms: float
+  host_ms: float
+  fixed_ms: float
+
+  @property
+  def ms_per_step(self) -> float:
+    return self.device_ms + self.host_ms + self.fixed_ms
+
+  @property
+  def tokens_per_s(self) -> float:
+    return 1000.0 * self.batch / self.ms_per_step
+
+
+def kernel_calls(plan: Plan, cfg: ModelConfig) -> int:
+  """Kernel launches per decode step: one per matrix unit (a layer's routed gate/up/down are one
+  fused call) plus FUSED_OPS_PER_LAYER per layer."""
+  calls = 0
+  for u in plan.units:
+    if u.role in (Role.NORM, Role.SMALL):
+      continue
+    if u.role is Role.ROUTED_EXPERTS and u.name != "moe.w_gate":
+      continue
+    calls += 1
+  return calls + FUSED_OPS_PER_LAYER * cfg.n_layers
+
+
+def state_read_bytes(cfg: ModelConfig, shape: memory.RunShape, context_pos: int) -> int:
+  """KV cache read at position `context_pos` plus DeltaNet state read and written, per step."""
+  kv = (len(cfg.attention_layers) * cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) *
+        context_pos * shape.batch * shape.kv_elem_bytes)
+  return kv + 2 * memory.recurrent_state_bytes(cfg, shape)
+
+
+def predict(plan: Plan, rates: Rates, cfg: ModelConfig, shape: memory.RunShape = memory.RunShape(),
+            context_pos: int | None = None) -> Prediction:
+  """Predicted decode-step time; `context_pos` defaults to half the context (a full run's mean)."""
+  pos = shape.max_context // 2 if context_pos is None else context_pos
+  dev = plan.device_read_bytes + state_read_bytes(cfg, shape, pos)
+  host = plan.host_read_bytes
+  calls = kernel_calls(plan, cfg)
+  return Prediction(plan.policy.batch, pos, dev, host, calls,
+                    dev / rates.device_read_gbps / 1e6, host / rates.host_read_gbps / 1e6,
+                    calls * rates.launch_us / 1000.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBudget:
+  budget_bytes: int
+  plan: Plan
+  prediction: Prediction
+  reason: str  # one line for the CLI
+
+
+def auto_budget(plan: Plan, facts: memory.DeviceFacts, rates: Rates, cfg: ModelConfig,
+                shape: memory.RunShape = memory.RunShape(), workspace_bytes: int | None = None,
+                context_pos: int | None = None) -> AutoBudget:
+  """`--offload-gb auto`: among the safe budgets, the one predicted fastest.
+
+  Candidates are the budgets where the plan changes (`plan.steps()`) from the smallest safe one
+  up. A larger budget wins only if predicted at least AUTO_MIN_GAIN faster than every smaller
+  one (the model is not that precise; equal rates, as on CPU, tie). More budget only adds host
+  reads, so while the host tier is slower than the device this is the smallest safe budget, and
+  0 when the model fits: offload left on for a model that fits is the loss users report most
+  (vLLM, 19x; ANCHORS.md).
+  """
+  safe = memory.smallest_safe_budget(plan, facts, cfg, shape, workspace_bytes)
+  if safe is None:
+    memory.check(plan.rebudget(plan.max_useful_budget), facts, cfg, shape, workspace_bytes)
+    raise AssertionError("unreachable: check raises when no budget is safe")
+  first = plan.rebudget(safe)
+  pred = predict(first, rates, cfg, shape, context_pos)
+  steps = plan.steps()
+  k = steps.index(safe)  # units of the order in the host tier at the smallest safe budget
+  best, best_ms = safe, pred.ms_per_step
+  dev, host = pred.device_read_bytes, pred.host_read_bytes
+  for i in range(k, len(plan.order)):
+    r = plan.units[plan.order[i]].read_bytes
+    dev, host = dev - r, host + r
+    ms = dev / rates.device_read_gbps / 1e6 + host / rates.host_read_gbps / 1e6 + pred.fixed_ms
+    if ms < best_ms * (1 - AUTO_MIN_GAIN):
+      best, best_ms = steps[i + 1], ms
+  if best != safe:
+    first = plan.rebudget(best)
+    pred = predict(first, rates, cfg, shape, context_pos)
+  slack = f"the {facts.slack / GiB:.2f} GiB slack on this {facts.capacity_bytes / GiB:.1f} GiB device"
+  if not any(kind == HOST for kind in first.kinds):
+    why = f"the model fits with {slack}; nothing offloaded"
+  elif best == safe:
+    why = f"the smallest budget that keeps {slack}"
+  else:
+    why = f"predicted fastest on these rates (the smallest safe, {ceil_gib(safe):.1f} GiB, is slower)"
+  reason = (f"--offload-gb auto: {ceil_gib(best):.1f} GiB, {why}; predicted "
+            f"{pred.tokens_per_s:.1f} tok/s ({rates.source.split(':')[0]})")
+  return AutoBudget(best, first, pred, reason)

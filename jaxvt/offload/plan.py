@@ -1,0 +1,447 @@
+"""Placement pass: every weight unit goes to the "device" tier or the pinned "host" tier.
+
+A placement unit is `(canonical name, layer)` for a stacked weight and `(name, None)` for a global
+one (see jaxvt.model.declare). Inputs: the declarations, each unit's bytes in its GGUF format
+(`TensorBytes`; `estimate_bytes` gives them for weightless planning), the offload budget (the most
+bytes the host tier may hold) and a `Policy`. Output: a frozen `Plan`.
+
+Rule (decided here, tested as properties):
+
+1. Units the user forces with an override (`--offload-pattern REGEX=host|device`, first match
+   wins) go where they are told; forced host bytes count against the budget, and a budget below
+   them is an error. NORM, ROUTER and SMALL units never leave the device, override or not.
+2. The other offloadable units are sorted once, independently of the budget (the policy order
+   below), and the host tier takes the longest *prefix* of that order that fits in what the
+   forced units leave of the budget.
+
+So a plan never exceeds its budget, and it is monotone: a larger budget gives a longer prefix,
+never moving a unit back to the device. The prefix rule can leave up to one unit's bytes of the
+budget unused (at most ~0.2 GiB for a Qwen3.6-35B-A3B expert stack). "Skip a unit that does not
+fit and keep filling with later, smaller ones" fits more exactly but is not monotone: with order
+A 3, B 5, C 2, a budget of 5 takes {A, C} and a budget of 8 takes {A, B}, moving C back.
+
+Policy order. Moving a unit of `b` bytes to the host tier costs, per decode step, its bytes read
+per step times (1/host rate - 1/device rate); every unit pays the same rates, so the cost per
+byte of device memory freed is the unit's *read fraction* (bytes read per step / bytes held).
+At batch B: the token embedding reads B rows (B/vocab, ~4e-6 at batch 1); routed experts read
+the experts the tokens chose (1 - (1 - k/E)^B, 1/32 for 8 of 256 at batch 1); everything else is
+read whole (1). So the embedding goes first, then routed experts; the rest all read fraction 1,
+and are ranked by how well their reads hide: large dense-FFN matrices stream best; shared-expert
+and DeltaNet matrices are mid-sized; attention matrices are small (per-call overhead dominates);
+the output head is last, a single large read at the end of the step that nothing overlaps.
+A tied embedding is also the output head (read whole every step), so it ranks as OUTPUT.
+Within a rank: by layer, first to last, then in declaration order, so each layer's gate/up/down
+move together and a budget of N layers' experts offloads exactly the experts of layers 0..N-1, as
+llama.cpp's `--n-cpu-moe N` and vLLM's `--cpu-offload-gb` do: A/B runs against those peers
+then move the same tensors. The scan runs every layer through one body and a layer's tier is
+data, so which end goes first does not change the per-step cost. `Policy.layers="last"` reverses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import types
+from typing import Iterable, Mapping, Sequence
+
+from jaxvt.errors import JaxvtError
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.declare import OFFLOADABLE, Role, WeightDecl
+
+DEVICE = "device"
+HOST = "host"
+KINDS = (DEVICE, HOST)
+GiB = 1 << 30
+
+Unit = tuple[str, "int | None"]  # (canonical name, layer); layer None for a global tensor
+TensorBytes = Mapping[Unit, int]  # unit -> bytes of that unit in its GGUF format
+
+# ggml type ids (gguf.GGMLQuantizationType).
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+
+# Ranks of the default policy; equal ranks interleave by layer (see the module docstring).
+DEFAULT_ORDER: tuple[tuple[Role, ...], ...] = (
+    (Role.EMBEDDING,), (Role.ROUTED_EXPERTS,), (Role.DENSE_FFN,),
+    (Role.SHARED_EXPERT, Role.DELTANET), (Role.ATTENTION,), (Role.OUTPUT,))
+
+
+# (elements, bytes) per block of the nine formats jaxvt runs, for when jaxvt.gguf.quants (which
+# needs the gguf package) cannot be imported, e.g. on a device machine running the probe.
+_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20),
+           Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+
+
+def row_bytes(type_id: int, cols: int) -> int:
+  """Bytes of one row of `cols` elements in ggml format `type_id` (jaxvt.gguf.quants.row_bytes
+  when importable); JaxvtError for an unsupported format or a partial block."""
+  try:
+    from jaxvt.gguf.quants import row_bytes as _rb  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    _rb = None
+  if _rb is not None:
+    return int(_rb(type_id, cols))
+  if type_id not in _BLOCKS:
+    raise JaxvtError(f"ggml type {type_id} is not a format jaxvt runs")
+  elems, nbytes = _BLOCKS[type_id]
+  if cols <= 0 or cols % elems:
+    raise JaxvtError(f"{cols} columns are not whole blocks of {elems} for ggml type {type_id}")
+  return cols // elems * nbytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Weightless sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """Formats by role (and by canonical name, which wins) for weightless byte estimates.
+
+  Vectors (non-matrix declarations) are always F32. A matrix whose columns are not a multiple of
+  its format's block falls back as llama.cpp's quantizer does, to a supported block-32 format
+  (`fallbacks`), then to F16.
+  """
+  name: str
+  roles: tuple[tuple[Role, int], ...]
+  names: tuple[tuple[str, int], ...] = ()
+  fallbacks: tuple[tuple[int, int], ...] = ((Q4_K, Q4_1), (Q5_K, Q8_0), (Q6_K, Q8_0))
+
+  def type_of(self, decl: WeightDecl) -> int:
+    if not decl.matrix:
+      return F32
+    by_name = dict(self.names)
+    t = by_name.get(decl.name, dict(self.roles)[decl.role])
+    cols = decl.shape[-1]
+    for cand in (t, dict(self.fallbacks).get(t, F16), F16):
+      try:
+        row_bytes(cand, cols)
+        return cand
+      except JaxvtError:
+        continue
+    return F32
+
+
+# Like llama.cpp's Q4_K_S: Q4_K nearly everywhere; attention V and DeltaNet/shared matrices get
+# Q5_K, the output head Q6_K; routers stay F32 (llama.cpp never quantizes ffn_gate_inp).
+Q4_K_S_LIKE = Recipe(
+    name="Q4_K_S-like",
+    roles=((Role.ROUTED_EXPERTS, Q4_K), (Role.SHARED_EXPERT, Q5_K), (Role.DENSE_FFN, Q4_K),
+           (Role.DELTANET, Q5_K), (Role.ATTENTION, Q4_K), (Role.OUTPUT, Q6_K),
+           (Role.EMBEDDING, Q4_K), (Role.ROUTER, F32), (Role.NORM, F32), (Role.SMALL, F32)),
+    names=(("attn.wv", Q5_K),))
+
+
+def decl_units(decl: WeightDecl) -> list[Unit]:
+  return [(decl.name, None)] if decl.layers is None else [(decl.name, l) for l in decl.layers]
+
+
+def estimate_bytes(decls: Sequence[WeightDecl], recipe: Recipe = Q4_K_S_LIKE, *,
+                   tied_embeddings: bool = False) -> dict[Unit, int]:
+  """Unit -> bytes for a model without its file; `lm_head` is omitted when embeddings are tied."""
+  out: dict[Unit, int] = {}
+  for d in decls:
+    if d.name == "lm_head" and tied_embeddings:
+      continue
+    t = recipe.type_of(d)
+    rows = d.numel // d.shape[-1]
+    nbytes = rows * row_bytes(t, d.shape[-1])
+    for u in decl_units(d):
+      out[u] = nbytes
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy and overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+  """A user-forced placement: units whose label or GGUF name `re.search`-matches go to `kind`."""
+  pattern: str
+  kind: str
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise JaxvtError(f"--offload-pattern '{self.pattern}={self.kind}': the kind must be "
+                       "'host' or 'device'")
+    try:
+      re.compile(self.pattern)
+    except re.error as e:
+      raise JaxvtError(f"--offload-pattern '{self.pattern}': not a regular expression ({e})")
+
+  def matches(self, labels: Iterable[str]) -> bool:
+    rx = _compiled(self.pattern)
+    return any(rx.search(s) for s in labels if s)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> re.Pattern:
+  return re.compile(pattern)
+
+
+def parse_overrides(specs: Iterable[str]) -> tuple[Override, ...]:
+  """`["exps=host", r"blk\\.3\\.=device", "attn"]` -> Overrides; a bare REGEX means host.
+
+  Each spec is one `--offload-pattern` flag value; the kind follows the last '='. Commas are not
+  separators (regexes use them), so give the flag once per pattern.
+  """
+  out = []
+  for spec in specs:
+    pat, sep, kind = spec.rpartition("=")
+    if not sep or kind not in KINDS:
+      pat, kind = spec, HOST
+    if not pat:
+      raise JaxvtError(f"--offload-pattern '{spec}': empty pattern; use REGEX=host|device")
+    out.append(Override(pat, kind))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  batch: int = 1  # sequences decoded per step (read fractions depend on it)
+  order: tuple[tuple[Role, ...], ...] = DEFAULT_ORDER  # offload ranks, first offloaded first
+  layers: str = "first"  # "first": layer 0 first within a rank; "last": the last layer first
+  overrides: tuple[Override, ...] = ()
+
+  def __post_init__(self):
+    if self.batch < 1:
+      raise JaxvtError(f"batch {self.batch} must be at least 1")
+    if self.layers not in ("first", "last"):
+      raise ValueError(f"Policy.layers must be 'first' or 'last', not {self.layers!r}")
+    ranked = [r for group in self.order for r in group]
+    if sorted(ranked) != sorted(OFFLOADABLE) or len(set(ranked)) != len(ranked):
+      raise ValueError("Policy.order must rank every offloadable role exactly once")
+
+  def rank(self, role: Role) -> int:
+    for i, group in enumerate(self.order):
+      if role in group:
+        return i
+    raise KeyError(role)
+
+
+# ----------------------------------------------------------------------------------------------
+# Units and reads
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitInfo:
+  name: str
+  layer: int | None
+  role: Role
+  nbytes: int  # bytes held
+  read_bytes: int  # bytes read per decode step (batch sequences, one token each)
+  offloadable: bool
+  rank_role: Role  # the role it ranks as (a tied embedding ranks as OUTPUT)
+  label: str  # "blk.{layer}.{name}" or "{name}"
+
+  @property
+  def unit(self) -> Unit:
+    return (self.name, self.layer)
+
+
+def read_fraction(role: Role, cfg: ModelConfig, batch: int, tied: bool = False) -> float:
+  """Bytes read per decode step of `batch` tokens / bytes held, for a unit of `role`."""
+  if role is Role.ROUTED_EXPERTS and cfg.n_experts:
+    return 1.0 - (1.0 - cfg.n_experts_used / cfg.n_experts) ** batch
+  if role is Role.EMBEDDING:
+    rows = min(batch, cfg.vocab_size) / cfg.vocab_size
+    return 1.0 + rows if tied else rows
+  return 1.0
+
+
+def _gguf_name(arch: str, name: str, layer: int | None) -> str:
+  try:
+    from jaxvt.gguf.names import gguf_name  # pylint: disable=import-outside-toplevel
+    return gguf_name(arch, name, layer)
+  except (JaxvtError, ValueError, ImportError):
+    return ""
+
+
+def unit_infos(cfg: ModelConfig, decls: Sequence[WeightDecl], sizes: TensorBytes,
+               batch: int = 1) -> tuple[UnitInfo, ...]:
+  """One UnitInfo per unit present in `sizes`, in declaration order."""
+  tied = ("lm_head", None) not in sizes
+  seen = set()
+  out = []
+  for d in decls:
+    for u in decl_units(d):
+      if u not in sizes:
+        if d.optional:
+          continue
+        raise ValueError(f"no byte size for {u}")
+      seen.add(u)
+      nbytes = int(sizes[u])
+      if nbytes < 0:
+        raise ValueError(f"negative size for {u}")
+      is_tied = d.role is Role.EMBEDDING and tied
+      frac = read_fraction(d.role, cfg, batch, is_tied)
+      out.append(UnitInfo(
+          name=d.name, layer=u[1], role=d.role, nbytes=nbytes, read_bytes=round(nbytes * frac),
+          offloadable=d.role in OFFLOADABLE,
+          rank_role=Role.OUTPUT if is_tied else d.role,
+          label=d.name if u[1] is None else f"blk.{u[1]}.{d.name}"))
+  extra = set(sizes) - seen
+  if extra:
+    raise ValueError(f"sizes name undeclared units: {sorted(extra, key=str)[:3]}")
+  return tuple(out)
+
+
+def _forced(arch: str, infos: Sequence[UnitInfo],
+            overrides: Sequence[Override]) -> tuple[str | None, ...]:
+  """The kind each unit is forced to (first matching override), or None.
+
+  A pattern is searched in the unit's label ("blk.3.moe.w_up") and its GGUF tensor name
+  ("blk.3.ffn_up_exps.weight"), so llama.cpp-style patterns such as "exps" work.
+  """
+  forced: list[str | None] = [None] * len(infos)
+  if not overrides:
+    return tuple(forced)
+  names = [(u.label, _gguf_name(arch, u.name, u.layer)) for u in infos]
+  for ov in overrides:
+    hit = False
+    for i, u in enumerate(infos):
+      if u.offloadable and ov.matches(names[i]):
+        hit = True
+        if forced[i] is None:
+          forced[i] = ov.kind
+    if not hit:
+      raise JaxvtError(f"--offload-pattern '{ov.pattern}={ov.kind}' matches no offloadable weight "
+                       "(norms, routers and small vectors always stay on the device); match "
+                       "canonical labels like 'blk.3.moe.w_up' or GGUF names like "
+                       "'blk.3.ffn_up_exps.weight'")
+  return tuple(forced)
+
+
+def offload_order(infos: Sequence[UnitInfo], policy: Policy,
+                  forced: Sequence[str | None]) -> tuple[int, ...]:
+  """Indices of the units the budget fills, first offloaded first (budget-independent)."""
+  sign = 1 if policy.layers == "first" else -1
+
+  def key(i: int):
+    u = infos[i]
+    layer = -1 if u.layer is None else u.layer
+    return (policy.rank(u.rank_role), sign * layer, i)
+
+  return tuple(sorted((i for i, u in enumerate(infos) if u.offloadable and forced[i] is None),
+                      key=key))
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Unit -> "device" | "host" with the inputs that produced it (for re-budgeting).
+
+  `units`, `kinds` and `forced` are parallel, in declaration order; `order` indexes `units`:
+  the automatic offload order. Byte totals are per decode step of `policy.batch` tokens.
+  """
+  budget_bytes: int
+  policy: Policy
+  units: tuple[UnitInfo, ...]
+  kinds: tuple[str, ...]
+  forced: tuple[str | None, ...]
+  order: tuple[int, ...]
+
+  @functools.cached_property
+  def placement(self) -> Mapping[Unit, str]:
+    return types.MappingProxyType({u.unit: k for u, k in zip(self.units, self.kinds)})
+
+  def kind(self, unit: Unit) -> str:
+    return self.placement[unit]
+
+  def _sum(self, field: str, kind: str) -> int:
+    return sum(getattr(u, field) for u, k in zip(self.units, self.kinds) if k == kind)
+
+  @property
+  def host_bytes(self) -> int:
+    return self._sum("nbytes", HOST)
+
+  @property
+  def device_bytes(self) -> int:
+    """Weight bytes resident on the device."""
+    return self._sum("nbytes", DEVICE)
+
+  @property
+  def total_bytes(self) -> int:
+    return sum(u.nbytes for u in self.units)
+
+  @property
+  def host_read_bytes(self) -> int:
+    """Host-tier bytes read per decode step (per token at batch 1)."""
+    return self._sum("read_bytes", HOST)
+
+  @property
+  def device_read_bytes(self) -> int:
+    """Device-resident weight bytes read per decode step."""
+    return self._sum("read_bytes", DEVICE)
+
+  @property
+  def forced_host_bytes(self) -> int:
+    return sum(u.nbytes for u, f in zip(self.units, self.forced) if f == HOST)
+
+  @property
+  def max_useful_budget(self) -> int:
+    """The budget beyond which nothing more moves: forced + every automatic unit."""
+    return self.forced_host_bytes + sum(self.units[i].nbytes for i in self.order)
+
+  def totals(self) -> dict[tuple[Role, str], tuple[int, int]]:
+    """(role, kind) -> (units, bytes), for every role present, both kinds, sorted."""
+    acc: dict[tuple[Role, str], list[int]] = {}
+    for u in self.units:
+      for k in KINDS:
+        acc.setdefault((u.role, k), [0, 0])
+    for u, k in zip(self.units, self.kinds):
+      acc[(u.role, k)][0] += 1
+      acc[(u.role, k)][1] += u.nbytes
+    roles = list(Role)
+    return {key: (v[0], v[1]) for key, v in
+            sorted(acc.items(), key=lambda kv: (roles.index(kv[0][0]), KINDS.index(kv[0][1])))}
+
+  def steps(self) -> tuple[int, ...]:
+    """The budgets at which the plan changes: forced bytes, then + each unit of the order.
+
+    `rebudget(steps()[i])` puts exactly the first i units of the order in the host tier.
+    """
+    out = [self.forced_host_bytes]
+    for i in self.order:
+      out.append(out[-1] + self.units[i].nbytes)
+    return tuple(out)
+
+  def rebudget(self, budget_bytes: int) -> "Plan":
+    """The plan the same inputs give under another budget."""
+    return _place(self.units, self.policy, self.forced, self.order, budget_bytes)
+
+
+def _place(units: tuple[UnitInfo, ...], policy: Policy, forced: tuple[str | None, ...],
+           order: tuple[int, ...], budget_bytes: int) -> Plan:
+  budget_bytes = int(budget_bytes)
+  if budget_bytes < 0:
+    raise JaxvtError(f"offload budget {budget_bytes / GiB:.1f} GiB is negative; pass 0 or more")
+  kinds = [f if f is not None else DEVICE for f in forced]
+  left = budget_bytes - sum(u.nbytes for u, f in zip(units, forced) if f == HOST)
+  if left < 0:
+    used = budget_bytes - left
+    raise JaxvtError(f"--offload-pattern forces {used / GiB:.2f} GiB into the host tier, above the "
+                     f"{budget_bytes / GiB:.2f} GiB offload budget; raise --offload-gb to at least "
+                     f"{ceil_gib(used):.1f} or narrow the pattern")
+  for i in order:
+    if units[i].nbytes > left:
+      break
+    kinds[i] = HOST
+    left -= units[i].nbytes
+  return Plan(budget_bytes, policy, units, tuple(kinds), forced, order)
+
+
+def ceil_gib(nbytes: int) -> float:
+  """Bytes as GiB rounded up to 0.1 (a budget shown this way is never below `nbytes`)."""
+  return -(-int(nbytes) * 10 // GiB) / 10
+
+
+def plan(cfg: ModelConfig, decls: Sequence[WeightDecl], sizes: TensorBytes, budget_bytes: int,
+         policy: Policy = Policy()) -> Plan:
+  """Places every unit of `sizes` under `budget_bytes` of host tier (see the module docstring)."""
+  infos = unit_infos(cfg, decls, sizes, policy.batch)
+  forced = _forced(cfg.arch, infos, policy.overrides)
+  return _place(infos, policy, forced, offload_order(infos, policy, forced), budget_bytes)

@@ -1,0 +1,277 @@
+"""Measured read rates of the current device, cached per device: `python -m jaxvt.offload.probe`.
+
+Arms (GB/s = 1e9 bytes/s):
+  dma_h2d       pinned host -> device copy (the link's practical ceiling)
+  zero_copy     a kernel streaming host memory in place
+  host_gemv     jaxvt's qmatmul reading a host-tier QWeight: the host tier's rate, the one the
+                cost model uses (streaming overstated the origin's GEMM by ~3x)
+  device_gemv   the same kernel reading a device-tier QWeight
+  managed       first and repeated device reads of managed memory: it migrates when the repeat
+                runs faster than the link can deliver (H200: 7 then ~4000 GB/s; gfx1200: flat)
+
+The first three and `managed` call the nanobind extension `jaxvt.ffi._jaxvt_ffi`; this module
+imports without it and says at run time what is missing. Results are cached as JSON at
+`~/.cache/jaxvt/probe-<platform>-<device_kind>.json`; `load_rates` returns them, or the
+platform's defaults when there is no cache, and `Rates.source` says which.
+This is the one module of jaxvt.offload that touches a JAX device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from jaxvt.errors import JaxvtError
+from jaxvt.offload import cost
+from jaxvt.offload.memory import DeviceFacts
+
+CACHE_VERSION = 1
+Q4_K = 12
+
+
+def _platform_of(device) -> str:
+  p = str(getattr(device, "platform", "cpu")).lower()
+  if p == "gpu":  # older jaxlibs: tell CUDA from ROCm by the client's version string
+    client = getattr(device, "client", None)
+    p = "rocm" if "rocm" in str(getattr(client, "platform_version", "")).lower() else "cuda"
+  return p
+
+
+def cache_path(platform: str, device_kind: str, cache_dir: str | os.PathLike | None = None) -> Path:
+  """`<cache_dir or ~/.cache/jaxvt>/probe-<platform>-<device_kind>.json` (kind made file-safe)."""
+  kind = re.sub(r"[^A-Za-z0-9._-]+", "_", device_kind).strip("_") or "unknown"
+  base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "jaxvt"
+  return base / f"probe-{platform.lower()}-{kind}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+  platform: str
+  device_kind: str
+  nbytes: int
+  dma_h2d_gbps: float | None = None
+  zero_copy_gbps: float | None = None
+  host_gemv_gbps: float | None = None
+  device_gemv_gbps: float | None = None
+  managed_first_gbps: float | None = None
+  managed_repeat_gbps: float | None = None
+  managed_migrates: bool | None = None  # None: no managed allocator on this build/device
+  launch_us: float | None = None
+  notes: tuple[str, ...] = ()
+
+  def to_json(self) -> str:
+    d = dataclasses.asdict(self)
+    d["notes"] = list(self.notes)
+    d["version"] = CACHE_VERSION
+    return json.dumps(d, indent=1, sort_keys=True)
+
+  @classmethod
+  def from_json(cls, text: str) -> "ProbeResult":
+    d = json.loads(text)
+    if d.pop("version", None) != CACHE_VERSION:
+      raise ValueError("probe cache from another version")
+    d["notes"] = tuple(d.get("notes", ()))
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def managed_migrates(first_gbps: float, repeat_gbps: float, link_gbps: float | None) -> bool:
+  """Managed memory migrated when repeated reads beat what the link can carry (from device
+  memory) by a clear margin; without a link figure, when the repeat is 4x the first touch."""
+  if link_gbps:
+    return repeat_gbps > 1.5 * link_gbps
+  return repeat_gbps > 4.0 * first_gbps
+
+
+def rates_from_probe(r: ProbeResult, source: str) -> cost.Rates:
+  """Rates for the cost model: measured where the probe measured, platform default elsewhere.
+
+  The host rate is the host-tier GEMV rate only; a missing one falls back to the platform
+  default, never to the streaming or DMA number.
+  """
+  d = cost.default_rates(r.platform)
+  defaulted = [n for n, v in (("host GEMV", r.host_gemv_gbps), ("device GEMV", r.device_gemv_gbps),
+                              ("launch", r.launch_us)) if not v]
+  note = f" (defaults for {', '.join(defaulted)})" if defaulted else ""
+  return cost.Rates(
+      platform=r.platform, device_read_gbps=r.device_gemv_gbps or d.device_read_gbps,
+      host_read_gbps=r.host_gemv_gbps or d.host_read_gbps, launch_us=r.launch_us or d.launch_us,
+      dma_h2d_gbps=r.dma_h2d_gbps, zero_copy_gbps=r.zero_copy_gbps,
+      managed_migrates=r.managed_migrates, source=f"measured: {source}{note}")
+
+
+def load_rates(device=None, *, platform: str | None = None, device_kind: str | None = None,
+               path: str | os.PathLike | None = None) -> cost.Rates:
+  """Cached probe rates for `device` (or platform/device_kind), else the platform defaults.
+
+  Reads a file only; never measures. `Rates.source` starts with "measured" or "default".
+  """
+  if platform is None:
+    platform = _platform_of(device) if device is not None else "cpu"
+  if device_kind is None:
+    device_kind = str(getattr(device, "device_kind", "")) if device is not None else ""
+  p = Path(path) if path is not None else cache_path(platform, device_kind)
+  try:
+    r = ProbeResult.from_json(p.read_text(encoding="utf-8"))
+  except (OSError, ValueError, TypeError, KeyError):
+    return cost.default_rates(platform)
+  return rates_from_probe(r, str(p))
+
+
+def device_facts(device=None, device_gb: float | None = None) -> DeviceFacts:
+  """DeviceFacts of a JAX device (`memory_stats()['bytes_limit']`), or from --device-gb."""
+  import jax  # pylint: disable=import-outside-toplevel
+  device = device if device is not None else jax.devices()[0]
+  stats = device.memory_stats() if device_gb is None else None
+  return DeviceFacts.from_memory_stats(stats, _platform_of(device), str(device.device_kind),
+                                       device_gb)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurement (needs the extension and a device)
+
+
+def _extension():
+  try:
+    from jaxvt.ffi import _jaxvt_ffi  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise JaxvtError("the probe needs jaxvt's compiled extension jaxvt.ffi._jaxvt_ffi, which is "
+                     f"not importable ({e}); build it with JAXVT_GPU=CUDA (or HIP) pip install -e "
+                     ".") from None
+  return _jaxvt_ffi
+
+
+def time_qmatmul(w, iters: int = 20) -> float:
+  """GB/s of `jaxvt.ffi.ops.qmatmul` reading the single layer of QWeight `w` at batch 1."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jaxvt.ffi import ops  # pylint: disable=import-outside-toplevel
+  from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
+  m = w.meta
+  nbytes = max(m.experts, 1) * m.rows * row_bytes(m.formats[0], m.cols)
+  f = jax.jit(lambda x, w: ops.qmatmul(x, w, jnp.int32(0)))
+  x = jnp.ones((1, m.cols), jnp.float32)
+  f(x, w).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    y = f(x, w)
+  y.block_until_ready()
+  return nbytes * iters / (time.perf_counter() - t0) / 1e9
+
+
+def device_qweight(nbytes: int, cols: int = 4096, type_id: int = Q4_K, device=None):
+  """A one-layer, all-device QWeight of about `nbytes` (zero blocks: valid in every format)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
+  from jaxvt.qweight import QMeta, QWeight  # pylint: disable=import-outside-toplevel
+  rb = row_bytes(type_id, cols)
+  rows = max(1, nbytes // rb)
+  put = lambda a: jax.device_put(a, device)
+  return QWeight(put(np.zeros((1, rows * rb), np.uint8)), put(np.zeros((1, 2), np.uint32)),
+                 put(np.full((1,), type_id, np.int32)), QMeta(rows, cols, 0, (type_id,), 1))
+
+
+def host_qweight(nbytes: int, ext, gpu: bool, cols: int = 4096, type_id: int = Q4_K, device=None):
+  """A one-layer QWeight of about `nbytes` whose layer lives in host-tier memory allocated by the
+  extension (`host_alloc`: pinned and device-mapped with `gpu`), zero-filled; returns
+  (weight, close) where close() frees the memory."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
+  from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64  # pylint: disable=import-outside-toplevel
+  rb = row_bytes(type_id, cols)
+  rows = max(1, nbytes // rb)
+  host, dev_addr = ext.host_alloc(rows * rb, False, gpu)
+  ctypes.memset(host, 0, rows * rb)
+  put = lambda a: jax.device_put(a, device)
+  w = QWeight(put(np.zeros((1, 1), np.uint8)), put(split_u64([dev_addr])),
+              put(np.full((1,), type_id | HOST_BIT, np.int32)),
+              QMeta(rows, cols, 0, (type_id,), 1, host_layers=(0,)))
+  return w, lambda: ext.host_free(host, gpu)
+
+
+# What a failing GEMV arm may raise (missing Python ops, an unsupported platform, XLA errors).
+_ARM_ERRORS = (ImportError, AttributeError, JaxvtError, RuntimeError, NotImplementedError,
+               ValueError)
+
+
+def _why(e: BaseException) -> str:
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
+def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
+              make_host_weight: Callable[[int], tuple[object, Callable[[], None]]] | None = None
+              ) -> ProbeResult:
+  """Measures every arm on `device`; an arm that cannot run is None, with a note saying why.
+
+  `make_host_weight(nbytes) -> (QWeight, close)`: a one-layer weight in the host tier; default
+  `host_qweight` on the extension's allocator.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  device = device if device is not None else jax.devices()[0]
+  platform = _platform_of(device)
+  ext = _extension()
+  notes = []
+  kw = {}
+  kw["dma_h2d_gbps"] = float(ext.measure_dma_h2d(nbytes, iters))
+  kw["zero_copy_gbps"] = float(ext.measure_zero_copy_read(nbytes, iters))
+  managed = ext.measure_managed(nbytes)
+  if managed is None:
+    notes.append("no managed allocator: placement never uses managed memory")
+  else:
+    first, repeat = (float(v) for v in managed)
+    kw.update(managed_first_gbps=first, managed_repeat_gbps=repeat,
+              managed_migrates=managed_migrates(first, repeat, kw["dma_h2d_gbps"]))
+  gemv_bytes = min(nbytes, 256 << 20)
+  try:
+    kw["device_gemv_gbps"] = time_qmatmul(device_qweight(gemv_bytes, device=device), iters * 5)
+  except _ARM_ERRORS as e:
+    notes.append(f"device GEMV not measured ({_why(e)})")
+  if make_host_weight is None:
+    gpu = platform in ("cuda", "rocm")
+    make_host_weight = lambda n: host_qweight(n, ext, gpu, device=device)
+  try:
+    w, close = make_host_weight(gemv_bytes)
+    try:
+      kw["host_gemv_gbps"] = time_qmatmul(w, iters)
+    finally:
+      close()
+  except _ARM_ERRORS as e:
+    notes.append(f"host GEMV not measured ({_why(e)}): the cost model uses the platform "
+                 "default, not the streaming rate")
+  return ProbeResult(platform, str(device.device_kind), nbytes, notes=tuple(notes), **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+  import argparse  # pylint: disable=import-outside-toplevel
+  ap = argparse.ArgumentParser(prog="python -m jaxvt.offload.probe", description=__doc__.split(
+      "\n")[0])
+  ap.add_argument("--bytes", type=int, default=1 << 30, help="buffer size per arm")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--cache", default=None, help="cache file (default ~/.cache/jaxvt/...)")
+  args = ap.parse_args(argv)
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    dev = jax.devices()[0]
+    r = run_probe(dev, args.bytes, args.iters)
+  except JaxvtError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return e.exit_code
+  path = Path(args.cache) if args.cache else cache_path(r.platform, r.device_kind)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(r.to_json(), encoding="utf-8")
+  print(r.to_json())
+  print(f"cached at {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,272 @@
+"""Placement pass: budget, monotonicity, roles that never move, overrides, determinism."""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxvt.errors import JaxvtError
+from jaxvt.model.declare import Role
+from jaxvt.offload import plan as P
+from jaxvt.offload.plan import DEVICE, GiB, HOST
+from test_plan_fixtures import CONFIGS, base_plan, host_set, jitter, model
+
+NEVER = (Role.NORM, Role.ROUTER, Role.SMALL)
+names = st.sampled_from(sorted(CONFIGS))
+fractions = st.floats(0.0, 1.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and reads
+
+
+def test_qwen36_35b_q4_k_s_like_size():
+  # Trunk only, 18.5 GiB: the 19.45 GiB UD-Q4_K_S file adds its MTP block (~0.45 GiB: 256
+  # experts x 3 x 512 x 2048 in Q4_K) and Unsloth's higher-bit choices; jaxvt loads no MTP block.
+  _, decls, sizes = model("qwen36_35b")
+  total = sum(sizes.values()) / GiB
+  assert 18.0 < total < 19.5, total
+  expert = 256 * 512 * (2048 // 256) * 144  # one Q4_K [256, 512, 2048] stack
+  assert sizes[("moe.w_gate", 0)] == expert
+  assert sizes[("lm_head", None)] == 248320 * 2048 // 256 * 210  # Q6_K
+  assert sizes[("moe.router", 5)] == 256 * 2048 * 4  # F32
+  assert len([u for u in sizes if u[0] == "attn.wq"]) == 10
+
+
+def test_smollm2_tied_and_fallback_formats():
+  cfg, decls, sizes = model("smollm2_135m")
+  assert ("lm_head", None) not in sizes
+  # 576 columns are no multiple of 256: Q4_K falls back to Q4_1 (32 elements, 20 bytes).
+  assert sizes[("embed", None)] == 49152 * 576 // 32 * 20
+  assert sizes[("ffn.w_down", 0)] == 576 * 1536 // 256 * 144  # 1536 columns: Q4_K
+  assert 0.06 < sum(sizes.values()) / GiB < 0.1
+
+
+def test_read_bytes_per_token():
+  p = base_plan("qwen36_35b")
+  by = {u.unit: u for u in p.units}
+  e = by[("moe.w_up", 3)]
+  assert e.read_bytes == e.nbytes // 32  # 8 of 256 experts
+  emb = by[("embed", None)]
+  assert emb.read_bytes == emb.nbytes // 248320  # one row
+  assert by[("lm_head", None)].read_bytes == by[("lm_head", None)].nbytes
+  p8 = base_plan("qwen36_35b", 8)
+  e8 = {u.unit: u for u in p8.units}[("moe.w_up", 3)]
+  assert e8.read_bytes == round(e8.nbytes * (1 - (1 - 8 / 256) ** 8))  # E(1-(1-k/E)^B) experts
+  assert {u.unit: u for u in p8.units}[("embed", None)].read_bytes == 8 * emb.read_bytes
+
+
+def test_tied_embedding_reads_whole_and_ranks_as_output():
+  p = base_plan("smollm2_135m")
+  emb = next(u for u in p.units if u.name == "embed")
+  row = emb.nbytes // 49152
+  assert emb.read_bytes == emb.nbytes + row
+  assert emb.rank_role is Role.OUTPUT
+  assert p.units[p.order[-1]].name == "embed"  # offloaded last
+
+
+def test_default_order_and_fractions():
+  cfg, _, _ = model("qwen36_35b")
+  p = base_plan("qwen36_35b")
+  order = [p.units[i] for i in p.order]
+  assert order[0].unit == ("embed", None)
+  assert [u.unit for u in order[1:4]] == [("moe.w_gate", 0), ("moe.w_up", 0), ("moe.w_down", 0)]
+  assert order[4].unit == ("moe.w_gate", 1)
+  assert order[-1].unit == ("lm_head", None)
+  roles = [u.role for u in order]
+  assert roles.index(Role.ATTENTION) > max(i for i, r in enumerate(roles) if r is Role.DELTANET)
+  # The default order never puts a unit that reads more per byte held before one that reads less.
+  for batch in (1, 4, 64):
+    fr = [u.read_bytes / u.nbytes for u in (base_plan("qwen36_35b", batch).units[i]
+                                            for i in base_plan("qwen36_35b", batch).order)]
+    assert all(a <= b + 1e-9 for a, b in zip(fr, fr[1:])), batch
+
+
+def test_layers_last_reverses_within_a_rank():
+  cfg, decls, sizes = model("qwen36_35b")
+  p = P.plan(cfg, decls, sizes, 0, P.Policy(layers="last"))
+  order = [p.units[i].unit for i in p.order]
+  assert order[1:4] == [("moe.w_gate", 39), ("moe.w_up", 39), ("moe.w_down", 39)]
+
+
+def test_35b_6gib_plan():
+  p = base_plan("qwen36_35b").rebudget(6 * GiB)
+  assert p.host_bytes <= 6 * GiB
+  hosts = host_set(p)
+  assert ("embed", None) in hosts
+  assert all((n, l) in hosts for l in range(13) for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
+  assert ("moe.w_up", 13) not in hosts
+  assert p.host_read_bytes == sum(u.read_bytes for u in p.units if u.unit in hosts)
+  assert p.host_bytes + p.device_bytes == p.total_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties
+
+
+@settings(max_examples=60, deadline=None)
+@given(names, fractions, st.integers(0, 2**31))
+def test_never_exceeds_budget_and_wastes_under_one_unit(name, frac, seed):
+  cfg, decls, sizes = model(name)
+  sizes = jitter(sizes, seed)
+  budget = int(frac * sum(sizes.values()))
+  p = P.plan(cfg, decls, sizes, budget)
+  assert p.host_bytes <= budget
+  nxt = [i for i in p.order if p.kinds[i] == DEVICE]
+  if nxt:  # the first unit left on the device did not fit: the waste is under one unit
+    assert p.host_bytes + p.units[nxt[0]].nbytes > budget
+  # The host tier is a prefix of the order.
+  k = sum(1 for i in p.order if p.kinds[i] == HOST)
+  assert all(p.kinds[i] == HOST for i in p.order[:k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(names, fractions, fractions, st.integers(0, 2**31))
+def test_monotone_in_budget(name, f1, f2, seed):
+  cfg, decls, sizes = model(name)
+  sizes = jitter(sizes, seed)
+  total = sum(sizes.values())
+  lo, hi = sorted((int(f1 * total), int(f2 * total)))
+  p_lo = P.plan(cfg, decls, sizes, lo)
+  assert host_set(p_lo) <= host_set(P.plan(cfg, decls, sizes, hi))
+  assert host_set(p_lo) <= host_set(p_lo.rebudget(hi))
+
+
+@settings(max_examples=40, deadline=None)
+@given(names, fractions, st.integers(0, 2**31), st.booleans())
+def test_norms_routers_small_stay_on_device(name, frac, seed, force_all):
+  cfg, decls, sizes = model(name)
+  sizes = jitter(sizes, seed)
+  total = sum(sizes.values())
+  pol = P.Policy(overrides=P.parse_overrides([".*"]) if force_all else ())
+  budget = total if force_all else int(frac * total)
+  p = P.plan(cfg, decls, sizes, budget, pol)
+  for u, k in zip(p.units, p.kinds):
+    if u.role in NEVER:
+      assert k == DEVICE, u
+    elif force_all:
+      assert k == HOST, u
+
+
+@settings(max_examples=30, deadline=None)
+@given(names, fractions, st.integers(0, 2**31))
+def test_deterministic(name, frac, seed):
+  cfg, decls, sizes = model(name)
+  sizes = jitter(sizes, seed)
+  budget = int(frac * sum(sizes.values()))
+  items = list(sizes.items())
+  random.Random(seed).shuffle(items)
+  a = P.plan(cfg, decls, sizes, budget)
+  b = P.plan(cfg, decls, dict(items), budget)  # mapping order does not matter
+  assert a.kinds == b.kinds and a.order == b.order
+  assert dict(a.placement) == dict(b.placement)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 39), st.integers(0, 39), fractions)
+def test_overrides_honoured_and_counted(l_host, l_dev, frac):
+  cfg, decls, sizes = model("qwen36_35b")
+  specs = [rf"blk\.{l_host}\.ffn_(gate|up|down)_exps=host", rf"blk\.{l_dev}\.=device", "embed=device"]
+  pol = P.Policy(overrides=P.parse_overrides(specs))
+  forced = sum(sizes[(n, l_host)] for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
+  total = sum(sizes.values())
+  budget = forced + int(frac * (total - forced))
+  p = P.plan(cfg, decls, sizes, budget, pol)
+  assert p.forced_host_bytes == forced
+  assert p.host_bytes <= budget
+  for u, k in zip(p.units, p.kinds):
+    if u.layer == l_host and u.role is Role.ROUTED_EXPERTS:
+      assert k == HOST  # first match wins, even where layer l_dev == l_host
+    elif (u.layer == l_dev and u.offloadable) or u.name == "embed":
+      assert k == DEVICE
+  if forced > 0:
+    with pytest.raises(JaxvtError, match="forces .* GiB into the host tier"):
+      P.plan(cfg, decls, sizes, forced - 1, pol)
+
+
+@settings(max_examples=30, deadline=None)
+@given(names, st.integers(0, 2**31))
+def test_steps_are_the_budgets_where_the_plan_changes(name, seed):
+  cfg, decls, sizes = model(name)
+  p = P.plan(cfg, decls, jitter(sizes, seed), 0)
+  steps = p.steps()
+  assert steps[-1] == p.max_useful_budget == p.total_bytes - sum(
+      u.nbytes for u in p.units if not u.offloadable)
+  i = random.Random(seed).randrange(len(steps))
+  q = p.rebudget(steps[i])
+  assert host_set(q) == {p.units[j].unit for j in p.order[:i]}
+  if i:  # one byte less and the i-th unit no longer fits (jittered sizes are >= 1)
+    assert host_set(p.rebudget(steps[i] - 1)) == {p.units[j].unit for j in p.order[:i - 1]}
+
+
+def test_totals_add_up():
+  for name in CONFIGS:
+    p = base_plan(name).rebudget(GiB // 20)
+    t = p.totals()
+    assert sum(n for n, _ in t.values()) == len(p.units)
+    assert sum(b for (_, k), (_, b) in t.items() if k == HOST) == p.host_bytes
+    assert sum(b for (_, k), (_, b) in t.items() if k == DEVICE) == p.device_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and errors
+
+
+def test_parse_overrides():
+  ovs = P.parse_overrides(["exps", r"blk\.1[0-9]\.=device", "a=b=host", "x{1,3}=device"])
+  assert [(o.pattern, o.kind) for o in ovs] == [
+      ("exps", HOST), (r"blk\.1[0-9]\.", DEVICE), ("a=b", HOST), ("x{1,3}", DEVICE)]
+  with pytest.raises(JaxvtError, match="not a regular expression"):
+    P.parse_overrides(["(unclosed=host"])
+  with pytest.raises(JaxvtError, match="empty pattern"):
+    P.parse_overrides(["=host"])
+
+
+def test_override_matching_nothing_offloadable_is_an_error():
+  cfg, decls, sizes = model("qwen36_35b")
+  for spec in ("norm", "no_such_tensor=device"):
+    with pytest.raises(JaxvtError, match="matches no offloadable weight"):
+      P.plan(cfg, decls, sizes, GiB, P.Policy(overrides=P.parse_overrides([spec])))
+
+
+def test_bad_budget_and_sizes():
+  cfg, decls, sizes = model("smollm2_135m")
+  with pytest.raises(JaxvtError, match="negative"):
+    P.plan(cfg, decls, sizes, -1)
+  missing = dict(sizes)
+  del missing[("attn.wq", 0)]
+  with pytest.raises(ValueError, match="no byte size"):
+    P.plan(cfg, decls, missing, 0)
+  with pytest.raises(ValueError, match="undeclared"):
+    P.plan(cfg, decls, {**sizes, ("bogus", 0): 1}, 0)
+  with pytest.raises(ValueError, match="every offloadable role"):
+    P.Policy(order=((Role.EMBEDDING,),))
+  with pytest.raises(JaxvtError, match="batch"):
+    P.Policy(batch=0)
+
+
+def test_ceil_gib_never_below():
+  for n in (0, 1, GiB, 6 * GiB + 1, 4060938240):
+    g = P.ceil_gib(n)
+    assert int(g * GiB) >= n and g - 0.1 < n / GiB + 1e-12
+
+
+def test_row_bytes_table_matches_quants(monkeypatch):
+  import sys
+
+  from jaxvt.gguf import quants
+
+  cases = [(t, c) for t in (0, 1, 2, 3, 8, 12, 13, 14, 30) for c in (256, 2048, 576)]
+  want = {}
+  for t, c in cases:
+    try:
+      want[(t, c)] = quants.row_bytes(t, c)
+    except JaxvtError:
+      want[(t, c)] = None
+  monkeypatch.setitem(sys.modules, "jaxvt.gguf.quants", None)  # as without the gguf package
+  for (t, c), w in want.items():
+    if w is None:
+      with pytest.raises(JaxvtError):
+        P.row_bytes(t, c)
+    else:
+      assert P.row_bytes(t, c) == w

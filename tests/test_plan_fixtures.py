@@ -1,0 +1,57 @@
+"""Weightless model configurations shared by the planner tests (no tests here)."""
+
+import functools
+import random
+
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.declare import declare
+from jaxvt.offload import plan as P
+from jaxvt.offload.plan import HOST
+
+
+def qwen36_35b() -> ModelConfig:
+  """Qwen3.6-35B-A3B as FACTS.md section 4 gives it."""
+  return ModelConfig(
+      arch="qwen35moe", n_layers=40, d_model=2048, n_heads=16, n_kv_heads=2, head_dim=256,
+      v_head_dim=256, ffn_dim=0, vocab_size=248320, rms_eps=1e-6, rope_theta=1e7, rope_dim=64,
+      context_length=262144, tied_embeddings=False, rope_interleaved=False, qk_norm=True,
+      attn_output_gate=True,
+      layer_types=tuple("attention" if (i + 1) % 4 == 0 else "deltanet" for i in range(40)),
+      n_experts=256, n_experts_used=8, expert_ffn_dim=512, shared_ffn_dim=512,
+      ssm_conv_kernel=4, ssm_k_heads=16, ssm_v_heads=32, ssm_k_dim=128, ssm_v_dim=128,
+      n_nextn=1)
+
+
+def smollm2_135m() -> ModelConfig:
+  """SmolLM2-135M: llama, tied embeddings."""
+  return ModelConfig(
+      arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, v_head_dim=64,
+      ffn_dim=1536, vocab_size=49152, rms_eps=1e-5, rope_theta=100000.0, rope_dim=64,
+      context_length=8192, tied_embeddings=True)
+
+
+CONFIGS = {"qwen36_35b": qwen36_35b, "smollm2_135m": smollm2_135m}
+
+
+@functools.lru_cache(maxsize=None)
+def model(name):
+  cfg = CONFIGS[name]()
+  decls = declare(cfg)
+  sizes = P.estimate_bytes(decls, tied_embeddings=cfg.tied_embeddings)
+  return cfg, decls, sizes
+
+
+@functools.lru_cache(maxsize=None)
+def base_plan(name, batch=1):
+  cfg, decls, sizes = model(name)
+  return P.plan(cfg, decls, sizes, 0, P.Policy(batch=batch))
+
+
+def host_set(p):
+  return {u.unit for u, k in zip(p.units, p.kinds) if k == HOST}
+
+
+def jitter(sizes, seed):
+  """Sizes as other quantization recipes might give them: each unit scaled by 1/4..4."""
+  rng = random.Random(seed)
+  return {u: max(1, int(b * rng.uniform(0.25, 4.0))) for u, b in sizes.items()}
