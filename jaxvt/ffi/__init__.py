@@ -1,0 +1,59 @@
+"""jaxvt's XLA FFI kernels over GGUF block formats.
+
+The compiled extension `jaxvt.ffi._jaxvt_ffi` holds the handlers (platform "cpu" always, "CUDA"
+or "ROCM" when built with a GPU toolchain), the host-tier allocator and the bandwidth probes.
+`jaxvt.ffi.ops` has the ops and their jnp references; importing it registers the handlers with
+JAX once (`register()`, idempotent). Nothing here is imported by `import jaxvt`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from types import ModuleType
+
+TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant")
+_lock = threading.Lock()
+_registered: set[str] = set()
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+  """The compiled extension module, or None when jaxvt was installed without it."""
+  try:
+    from jaxvt.ffi import _jaxvt_ffi
+  except ImportError:
+    return None
+  return _jaxvt_ffi
+
+
+def _platform_key(platform: str) -> str:
+  p = platform.lower()
+  if p in ("cuda", "gpu"):
+    return "CUDA"
+  if p in ("rocm", "hip"):
+    return "ROCM"
+  return p
+
+
+def available(platform: str = "cpu") -> bool:
+  """Whether kernels exist for `platform` ("cpu", "cuda"/"gpu", "rocm"; any case)."""
+  ext = extension()
+  return ext is not None and _platform_key(platform) in ext.registrations()
+
+
+def register() -> tuple[str, ...]:
+  """Registers every handler the extension has with JAX (once); returns the platforms done."""
+  import jax
+
+  ext = extension()
+  if ext is None:
+    return ()
+  with _lock:
+    for platform, targets in ext.registrations().items():
+      if platform in _registered:
+        continue
+      for name, capsule in targets.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+      _registered.add(platform)
+    return tuple(sorted(_registered))

@@ -107,7 +107,8 @@ def recurrent_state_bytes(cfg: ModelConfig, shape: RunShape) -> int:
 def estimate_workspace_bytes(cfg: ModelConfig, shape: RunShape) -> int:
   """An analytic bound on the prefill program's temporaries, for planning before compiling.
 
-  T = batch * prefill_chunk tokens. Logits for every position (T * vocab); the residual stream
+  T = batch * prefill_chunk tokens. Logits at each row's last position only (jaxvt's prefill
+  returns no others: batch * vocab); the residual stream
   and its normed copies (6 * T * d); and the largest layer body's temporaries, reused across the
   scan: attention (q/k/v, gate, output and the T x context score matrix per head), DeltaNet
   (projections, per-64-token-chunk states), FFN (gate/up products; the MoE router logits and the
@@ -117,7 +118,7 @@ def estimate_workspace_bytes(cfg: ModelConfig, shape: RunShape) -> int:
   b, t_seq = shape.batch, shape.prefill_chunk
   t = b * t_seq
   d = cfg.d_model
-  logits = t * cfg.vocab_size * a
+  logits = b * cfg.vocab_size * a
   stream = 6 * t * d * a
   bodies = [0]
   if cfg.attention_layers:

@@ -1,0 +1,240 @@
+// XLA FFI handlers for platform "cpu". Buffers are host memory here, so the handler reads the
+// layer index, fmts and table itself and calls the CPU kernels (kernels_cpu.h).
+//
+// Operands (see jaxvt/ffi/ops.py): x or ids, then the QWeight's data uint8 [n, stride],
+// table uint32 [L, 2], fmts int32 [L], then layer int32 [] (and ids for the expert op).
+// Attributes: rows, cols (and experts) of one layer's matrix.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "formats.h"
+#include "handlers.h"
+#include "kernels_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxvt {
+namespace {
+
+struct Layer {
+  const uint8_t* base;
+  int fmt;
+};
+
+ffi::ErrorOr<Layer> GetLayer(const ffi::AnyBuffer& data, const ffi::Buffer<ffi::U32>& table,
+                             const ffi::Buffer<ffi::S32>& fmts, const ffi::Buffer<ffi::S32>& layer,
+                             int64_t cols) {
+  auto dd = data.dimensions();
+  const int64_t stride = dd.size() == 2 ? dd[1] : 0;
+  const int64_t n_layers = static_cast<int64_t>(fmts.element_count());
+  if (n_layers <= 0 || static_cast<int64_t>(table.element_count()) != 2 * n_layers)
+    return ffi::Unexpected(ffi::Error::InvalidArgument("jaxvt: table must be uint32 [L, 2], fmts int32 [L]"));
+  LayerRef r = resolve_layer(static_cast<const uint8_t*>(data.untyped_data()), stride,
+                             table.typed_data(), fmts.typed_data(), n_layers, layer.typed_data()[0]);
+  if (!fmt_supported(r.fmt) || cols % kblock_elems(r.fmt) != 0)
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jaxvt: layer format " + std::to_string(r.fmt) + " with " + std::to_string(cols) +
+        " columns is not supported by the CPU kernels"));
+  return Layer{r.base, r.fmt};
+}
+
+// Partial sums of each activation row (what the factored dot products need).
+struct XSums {
+  std::vector<float> s16, s32;
+  std::vector<const float*> p16, p32;
+  XSums(const float* x, int64_t n, int64_t cols) : s16(n * cols / 16), s32(n * cols / 32), p16(n), p32(n) {
+    for (int64_t i = 0; i < n; ++i) {
+      p16[i] = s16.data() + i * (cols / 16);
+      p32[i] = s32.data() + i * (cols / 32);
+      cpu::x_sums(x + i * cols, cols, s16.data() + i * (cols / 16), s32.data() + i * (cols / 32));
+    }
+  }
+};
+
+// Splits `rows` output rows of `groups` independent products into tasks of at least 16 rows,
+// about 4 per thread in all; small products run as one task (no thread hand-off).
+int64_t RowsPerTask(int64_t rows, int64_t groups, int64_t bytes_per_group, int64_t batch) {
+  if (bytes_per_group * groups * std::max<int64_t>(batch, 1) < (48 << 10)) return rows;
+  const int64_t want = 4 * cpu::num_threads();
+  int64_t per = (rows * groups + want - 1) / want;
+  per = (per + 15) / 16 * 16;
+  return std::clamp<int64_t>(per, 16, rows);
+}
+
+ffi::Error QMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                      ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t n = static_cast<int64_t>(x.element_count()) / cols;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  XSums xs(xp, n, cols);
+  std::vector<const float*> xr(n);
+  std::vector<float*> yr(n);
+  for (int64_t i = 0; i < n; ++i) {
+    xr[i] = xp + i * cols;
+    yr[i] = yp + i * rows;
+  }
+  cpu::Batch bt{n, xr.data(), xs.p16.data(), xs.p32.data(), yr.data()};
+  const int64_t per = RowsPerTask(rows, 1, rows * row_bytes(L.fmt, cols), n);
+  auto task = [&](int64_t t) {
+    cpu::gemv_rows(L.fmt, L.base, cols, bt, t * per, std::min(rows, (t + 1) * per));
+  };
+  cpu::parallel_for((rows + per - 1) / per, task);
+  return ffi::Error::Success();
+}
+
+// x: [T, cols] (one row per token) or [T, k, cols] (one per routed slot); ids [T, k].
+// Each distinct routed expert is read once and applied to all the slots routed to it.
+ffi::Error QMatmulExpertsCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                             ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
+                             int64_t experts) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t S = static_cast<int64_t>(ids.element_count());
+  auto id_dims = ids.dimensions();
+  const int64_t k = id_dims.size() >= 1 ? id_dims.back() : 1;
+  const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;  // T or S
+  const bool per_slot = nx == S;
+  const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int32_t* idp = ids.typed_data();
+  XSums xs(xp, nx, cols);
+
+  // Group slots by expert (first-appearance order); ids are clamped into [0, experts).
+  const int32_t emax = static_cast<int32_t>(std::max<int64_t>(experts, 1) - 1);
+  std::vector<int32_t> group_of_expert(emax + 1, -1), expert_of_group;
+  std::vector<std::vector<int32_t>> slots;
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t e = std::clamp<int32_t>(idp[s], 0, emax);
+    if (group_of_expert[e] < 0) {
+      group_of_expert[e] = static_cast<int32_t>(expert_of_group.size());
+      expert_of_group.push_back(e);
+      slots.emplace_back();
+    }
+    slots[group_of_expert[e]].push_back(static_cast<int32_t>(s));
+  }
+  const int64_t G = static_cast<int64_t>(expert_of_group.size());
+  std::vector<const float*> xr(S), s16(S), s32(S);
+  std::vector<float*> yr(S);
+  std::vector<cpu::Batch> batches(G);
+  int64_t pos = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t start = pos;
+    for (int32_t s : slots[g]) {
+      const int64_t xi = per_slot ? s : s / k;
+      xr[pos] = xp + xi * cols;
+      s16[pos] = xs.p16[xi];
+      s32[pos] = xs.p32[xi];
+      yr[pos] = yp + s * rows;
+      ++pos;
+    }
+    batches[g] = cpu::Batch{pos - start, xr.data() + start, s16.data() + start, s32.data() + start,
+                            yr.data() + start};
+  }
+  const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
+  const int64_t tpg = (rows + per - 1) / per;
+  auto task = [&](int64_t t) {
+    const int64_t g = t / tpg, c = t % tpg;
+    cpu::gemv_rows(L.fmt, L.base + static_cast<int64_t>(expert_of_group[g]) * mat_bytes, cols,
+                   batches[g], c * per, std::min(rows, (c + 1) * per));
+  };
+  cpu::parallel_for(G * tpg, task);
+  return ffi::Error::Success();
+}
+
+ffi::Error QEmbedCpu(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                     ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                     ffi::ResultBuffer<ffi::F32> out, int64_t rows, int64_t cols) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  const int32_t* idp = ids.typed_data();
+  float* op = out->typed_data();
+  auto task = [&](int64_t i) {
+    const int64_t r = std::clamp<int64_t>(idp[i], 0, rows - 1);
+    cpu::dequant_rows_f32(L.fmt, L.base, cols, r, r + 1, op + i * cols);
+  };
+  if (n * cols < (1 << 16)) {
+    for (int64_t i = 0; i < n; ++i) task(i);
+  } else {
+    cpu::parallel_for(n, task);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error QDequantCpu(ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::BF16> out, int64_t rows,
+                       int64_t cols, int64_t experts) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t total = rows * std::max<int64_t>(experts, 1);
+  uint16_t* op = reinterpret_cast<uint16_t*>(out->untyped_data());
+  const int64_t per = RowsPerTask(total, 1, total * row_bytes(L.fmt, cols), 1);
+  auto task = [&](int64_t t) {
+    const int64_t r0 = t * per, r1 = std::min(total, r0 + per);
+    cpu::dequant_rows_bf16(L.fmt, L.base, cols, r0, r1, op + r0 * cols);
+  };
+  cpu::parallel_for((total + per - 1) / per, task);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxvt
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulCpu, jaxvt::QMatmulCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsCpu, jaxvt::QMatmulExpertsCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQEmbedCpu, jaxvt::QEmbedCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQDequantCpu, jaxvt::QDequantCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"));

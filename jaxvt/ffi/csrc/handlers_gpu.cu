@@ -1,0 +1,136 @@
+// XLA FFI handlers for platform "CUDA" (nvcc) or "ROCM" (hipcc). They only pass device pointers
+// and static shapes to the launchers: the layer index, fmts, table and ids stay on the device and
+// are read by the kernels. With no host-side per-step logic, each handler carries the
+// command-buffer trait, so XLA may capture it into a CUDA graph and replay it.
+#include <cstdint>
+#include <string>
+
+#include "handlers.h"
+#include "kernels_gpu.h"
+#include "vendor.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxvt {
+namespace {
+
+gpu::WeightArgs Weights(const ffi::AnyBuffer& data, const ffi::Buffer<ffi::U32>& table,
+                        const ffi::Buffer<ffi::S32>& fmts, const ffi::Buffer<ffi::S32>& layer) {
+  auto dd = data.dimensions();
+  return gpu::WeightArgs{static_cast<const uint8_t*>(data.untyped_data()),
+                         dd.size() == 2 ? dd[1] : 0,
+                         table.typed_data(),
+                         fmts.typed_data(),
+                         static_cast<int64_t>(fmts.element_count()),
+                         layer.typed_data()};
+}
+
+ffi::Error Status(gpuError_t e, const char* op) {
+  if (e == gpuSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxvt ") + op + ": " + gpuGetErrorString(e));
+}
+
+ffi::Error QMatmulGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                      ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t rows,
+                      int64_t cols) {
+  const int64_t batch = static_cast<int64_t>(x.element_count()) / cols;
+  return Status(gpu::launch_qmatmul(s, Weights(data, table, fmts, layer), x.typed_data(), batch,
+                                    y->typed_data(), rows, cols),
+                "qmatmul");
+}
+
+ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                             ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
+                             int64_t experts) {
+  const int64_t slots = static_cast<int64_t>(ids.element_count());
+  auto idd = ids.dimensions();
+  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
+  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
+  return Status(gpu::launch_qmatmul_experts(s, Weights(data, table, fmts, layer), x.typed_data(),
+                                            per_slot, ids.typed_data(), slots, k, y->typed_data(),
+                                            rows, cols, experts),
+                "qmatmul_experts");
+}
+
+ffi::Error QEmbedGpu(gpuStream_t s, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data,
+                     ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t rows,
+                     int64_t cols) {
+  return Status(gpu::launch_qembed(s, Weights(data, table, fmts, layer), ids.typed_data(),
+                                   static_cast<int64_t>(ids.element_count()), out->typed_data(),
+                                   rows, cols),
+                "qembed");
+}
+
+ffi::Error QDequantGpu(gpuStream_t s, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                       ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::BF16> out, int64_t rows, int64_t cols,
+                       int64_t experts) {
+  return Status(gpu::launch_qdequant(s, Weights(data, table, fmts, layer),
+                                     reinterpret_cast<uint16_t*>(out->untyped_data()), rows, cols,
+                                     experts),
+                "qdequant");
+}
+
+}  // namespace
+}  // namespace jaxvt
+
+constexpr auto kCmdBuffer = ffi::Traits::kCmdBufferCompatible;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulGpu, jaxvt::QMatmulGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsGpu, jaxvt::QMatmulExpertsGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQEmbedGpu, jaxvt::QEmbedGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQDequantGpu, jaxvt::QDequantGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"),
+                              {kCmdBuffer});

@@ -1,0 +1,58 @@
+// CPU kernels of jaxvt: fused dequantize-and-dot over GGUF blocks, dequantization, a thread pool.
+//
+// Numerics: weights are dequantized to float32 exactly as ggml does; dot products accumulate in
+// float32. The AVX2 path factors each unit's scale out of its dot product (d*sum(q*x) - m*sum(x),
+// with sum(x) precomputed per 16/32 elements), so its rounding differs from a plain
+// dequantize-then-dot by float32 accumulation-order effects only.
+#ifndef JAXVT_FFI_CSRC_KERNELS_CPU_H_
+#define JAXVT_FFI_CSRC_KERNELS_CPU_H_
+
+#include <cstdint>
+
+namespace jaxvt::cpu {
+
+// A batch of B activation rows for one weight matrix. x[b] points at cols floats; s16[b] / s32[b]
+// at cols/16 and cols/32 partial sums of x[b] (see x_sums); y[b] at the output row (rows floats).
+struct Batch {
+  int64_t n;
+  const float* const* x;
+  const float* const* s16;
+  const float* const* s32;
+  float* const* y;
+};
+
+// s16[i] = sum x[16i : 16i+16], s32[i] = sum x[32i : 32i+32].
+void x_sums(const float* x, int64_t cols, float* s16, float* s32);
+
+// y[b][r] = sum_k W[r, k] * x[b][k] for rows r in [r0, r1) of the matrix at w (format fmt,
+// row_bytes rb). Returns false for an unsupported format.
+bool gemv_rows(int fmt, const uint8_t* w, int64_t cols, const Batch& batch, int64_t r0, int64_t r1);
+
+// Rows [r0, r1) of the matrix at w dequantized to float32 (out: (r1-r0) x cols) or bf16 bits.
+bool dequant_rows_f32(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1, float* out);
+bool dequant_rows_bf16(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1,
+                       uint16_t* out);
+
+// Runs fn(ctx, task) for task in [0, n) on the pool's threads and the caller; returns when all
+// are done. Tasks must be independent. Falls back to the calling thread alone when the pool is
+// busy with another caller.
+using TaskFn = void (*)(void* ctx, int64_t task);
+void parallel_for(int64_t n, TaskFn fn, void* ctx);
+template <class F>
+void parallel_for(int64_t n, F& f) {
+  parallel_for(n, [](void* c, int64_t t) { (*static_cast<F*>(c))(t); }, &f);
+}
+
+int num_threads();           // threads used by parallel_for (the caller included)
+void set_num_threads(int n);  // n <= 0: the CPUs this process may run on
+const char* isa();            // "avx2" or "generic": the GEMV path chosen at run time
+void force_generic(bool on);  // tests: use the portable path even where AVX2 exists
+
+// The AVX2+FMA+F16C implementation (kernels_cpu_avx2.cc); only called when the CPU has them.
+namespace avx2 {
+bool gemv_rows(int fmt, const uint8_t* w, int64_t cols, const Batch& batch, int64_t r0, int64_t r1);
+}
+
+}  // namespace jaxvt::cpu
+
+#endif  // JAXVT_FFI_CSRC_KERNELS_CPU_H_

@@ -1,0 +1,47 @@
+// Launchers of jaxvt's GPU kernels (kernels_gpu.cu). Compiled by nvcc or hipcc only.
+//
+// Every per-step choice (which layer, its format, its tier and address, which experts) is read by
+// the kernels from device-visible memory; launch geometry depends only on static shapes and the
+// device, so the launches are safe to capture into CUDA graphs / XLA command buffers.
+#ifndef JAXVT_FFI_CSRC_KERNELS_GPU_H_
+#define JAXVT_FFI_CSRC_KERNELS_GPU_H_
+
+#include <cstdint>
+
+#include "vendor.h"
+
+namespace jaxvt::gpu {
+
+// A QWeight as the kernels see it (all pointers are device-visible).
+struct WeightArgs {
+  const uint8_t* data;    // device-tier stack [n, stride]
+  int64_t stride;
+  const uint32_t* table;  // [L, 2]
+  const int32_t* fmts;    // [L]
+  int64_t n_layers;
+  const int32_t* layer;   // [] (device scalar)
+};
+
+// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows].
+gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
+                          int64_t rows, int64_t cols);
+// y[slot, r] = sum_k W_e[r, k] x_slot[k], e = ids[slot]; x [T, cols] (x_per_slot = false, token of
+// slot = slot / k) or [T*k, cols]; y [T*k, rows]. Each routed expert is read once per 16 slots.
+gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
+                                  const int32_t* ids, int64_t slots, int64_t k, float* y,
+                                  int64_t rows, int64_t cols, int64_t experts);
+// out[i, :] = W[ids[i], :] as float32.
+gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,
+                         int64_t rows, int64_t cols);
+// out = the whole layer (experts x rows x cols, experts >= 1) as bf16 bits.
+gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, int64_t rows,
+                           int64_t cols, int64_t experts);
+
+// Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink).
+gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigned* sink);
+
+int sm_count();  // multiprocessors of the current device (cached)
+
+}  // namespace jaxvt::gpu
+
+#endif  // JAXVT_FFI_CSRC_KERNELS_GPU_H_

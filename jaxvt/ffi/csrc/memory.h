@@ -1,0 +1,32 @@
+// Host-tier memory and bandwidth probes, as module.cc sees them. The GPU implementation is
+// memory_gpu.cu (CUDA or HIP); module.cc has the CPU one (aligned plain memory, memcpy numbers).
+#ifndef JAXVT_FFI_CSRC_MEMORY_H_
+#define JAXVT_FFI_CSRC_MEMORY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace jaxvt::gpu_mem {
+
+int device_count();  // 0 when the runtime finds no device (or fails to start)
+
+// Pinned, device-mapped host memory. Returns false (and *err) on failure, having freed anything
+// it allocated. coherent: HIP fine-grained (bypasses the GPU L2) vs coarse-grained memory; CUDA
+// pinned memory is coherent either way.
+bool host_alloc(size_t nbytes, bool coherent, uintptr_t* host, uintptr_t* device, std::string* err);
+void host_free(uintptr_t host);
+
+// Managed memory; false with *err empty when the device cannot use it concurrently.
+bool managed_alloc(size_t nbytes, uintptr_t* ptr, std::string* err);
+void managed_free(uintptr_t ptr);
+
+// GB/s (1e9 bytes/s). Negative on failure, with *err set.
+double measure_dma_h2d(size_t nbytes, int iters, std::string* err);
+double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, std::string* err);
+// First and repeated device read of host-written managed memory; false if unsupported.
+bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err);
+
+}  // namespace jaxvt::gpu_mem
+
+#endif  // JAXVT_FFI_CSRC_MEMORY_H_

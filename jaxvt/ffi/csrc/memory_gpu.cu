@@ -1,0 +1,160 @@
+// Pinned host-tier allocation and the raw bandwidth probes, for CUDA and HIP (vendor.h).
+#include <cstring>
+#include <string>
+
+#include "kernels_gpu.h"
+#include "memory.h"
+#include "vendor.h"
+
+namespace jaxvt::gpu_mem {
+namespace {
+
+bool ok(gpuError_t e, const char* what, std::string* err) {
+  if (e == gpuSuccess) return true;
+  if (err) *err = std::string(what) + ": " + gpuGetErrorString(e);
+  (void)gpuGetLastError();  // clear the error state
+  return false;
+}
+
+// Events, a stream and a sink word for timing; released on scope exit.
+struct Timer {
+  gpuStream_t s = nullptr;
+  gpuEvent_t a = nullptr, b = nullptr;
+  unsigned* sink = nullptr;
+  bool ready = false;
+  explicit Timer(std::string* err) {
+    ready = ok(gpuStreamCreate(&s), "stream", err) && ok(gpuEventCreate(&a), "event", err) &&
+            ok(gpuEventCreate(&b), "event", err) &&
+            ok(gpuMalloc(reinterpret_cast<void**>(&sink), sizeof(unsigned)), "malloc", err);
+  }
+  ~Timer() {
+    if (sink) (void)gpuFree(sink);
+    if (a) (void)gpuEventDestroy(a);
+    if (b) (void)gpuEventDestroy(b);
+    if (s) (void)gpuStreamDestroy(s);
+  }
+  double ms() {
+    float v = 0.f;
+    (void)gpuEventElapsedTime(&v, a, b);
+    return v;
+  }
+};
+
+}  // namespace
+
+int device_count() {
+  int n = 0;
+  if (gpuGetDeviceCount(&n) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+bool host_alloc(size_t nbytes, bool coherent, uintptr_t* host, uintptr_t* device, std::string* err) {
+  void* h = nullptr;
+  const unsigned flags = gpuHostAllocMapped | gpuHostAllocPortable |
+                         (coherent ? gpuHostAllocCoherent : gpuHostAllocNonCoherent);
+  if (!ok(gpuHostAlloc(&h, nbytes, flags), "pinned host allocation", err)) return false;
+  void* d = nullptr;
+  if (!ok(gpuHostGetDevicePointer(&d, h, 0), "device pointer of pinned memory", err)) {
+    (void)gpuFreeHost(h);
+    return false;
+  }
+  *host = reinterpret_cast<uintptr_t>(h);
+  *device = reinterpret_cast<uintptr_t>(d);
+  return true;
+}
+
+void host_free(uintptr_t host) {
+  if (host) (void)gpuFreeHost(reinterpret_cast<void*>(host));
+}
+
+bool managed_alloc(size_t nbytes, uintptr_t* ptr, std::string* err) {
+  int dev = 0, concurrent = 0;
+  if (!ok(gpuGetDevice(&dev), "device", err)) return false;
+  (void)gpuDeviceGetAttribute(&concurrent, gpuDevAttrConcurrentManagedAccess, dev);
+  if (!concurrent) {
+    if (err) err->clear();
+    return false;
+  }
+  size_t free_b = 0, total_b = 0;
+  if (!ok(gpuMemGetInfo(&free_b, &total_b), "memory info", err)) return false;
+  if (nbytes > free_b / 2) {  // never ask for more managed memory than the card can hold
+    if (err) *err = "managed allocation larger than half the free device memory";
+    return false;
+  }
+  void* p = nullptr;
+  if (!ok(gpuMallocManaged(&p, nbytes, gpuMemAttachGlobal), "managed allocation", err)) return false;
+  *ptr = reinterpret_cast<uintptr_t>(p);
+  return true;
+}
+
+void managed_free(uintptr_t ptr) {
+  if (ptr) (void)gpuFree(reinterpret_cast<void*>(ptr));
+}
+
+double measure_dma_h2d(size_t nbytes, int iters, std::string* err) {
+  Timer t(err);
+  if (!t.ready) return -1;
+  uintptr_t h = 0, hd = 0;
+  if (!host_alloc(nbytes, true, &h, &hd, err)) return -1;
+  std::memset(reinterpret_cast<void*>(h), 1, nbytes);
+  void* d = nullptr;
+  double gbs = -1;
+  if (ok(gpuMalloc(&d, nbytes), "device allocation", err)) {
+    const void* src = reinterpret_cast<const void*>(h);
+    bool good = ok(gpuMemcpyAsync(d, src, nbytes, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+                ok(gpuEventRecord(t.a, t.s), "event", err);
+    for (int i = 0; good && i < iters; ++i)
+      good = ok(gpuMemcpyAsync(d, src, nbytes, gpuMemcpyHostToDevice, t.s), "copy", err);
+    good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
+    if (good) gbs = static_cast<double>(nbytes) * iters / 1e6 / t.ms();
+    (void)gpuFree(d);
+  }
+  host_free(h);
+  return gbs;
+}
+
+double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, std::string* err) {
+  Timer t(err);
+  if (!t.ready) return -1;
+  uintptr_t h = 0, hd = 0;
+  if (!host_alloc(nbytes, coherent, &h, &hd, err)) return -1;
+  std::memset(reinterpret_cast<void*>(h), 1, nbytes);
+  const int64_t n16 = static_cast<int64_t>(nbytes / 16);
+  const void* p = reinterpret_cast<const void*>(hd);
+  double gbs = -1;
+  bool good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink), "read kernel", err) &&
+              ok(gpuEventRecord(t.a, t.s), "event", err);
+  for (int i = 0; good && i < iters; ++i) good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink), "read kernel", err);
+  good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
+  if (good) gbs = static_cast<double>(n16) * 16 * iters / 1e6 / t.ms();
+  host_free(h);
+  return gbs;
+}
+
+bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err) {
+  uintptr_t m = 0;
+  if (!managed_alloc(nbytes, &m, err)) return false;
+  Timer t(err);
+  bool good = t.ready;
+  if (good) {
+    std::memset(reinterpret_cast<void*>(m), 1, nbytes);  // host touch: pages start on the host
+    const int64_t n16 = static_cast<int64_t>(nbytes / 16);
+    const void* p = reinterpret_cast<const void*>(m);
+    double v[2] = {0, 0};
+    for (int i = 0; good && i < 2; ++i) {
+      good = ok(gpuEventRecord(t.a, t.s), "event", err) &&
+             ok(gpu::launch_stream_read(t.s, p, n16, t.sink), "read kernel", err) &&
+             ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
+      if (good) v[i] = static_cast<double>(n16) * 16 / 1e6 / t.ms();
+    }
+    *first = v[0];
+    *repeat = v[1];
+  }
+  managed_free(m);
+  return good;
+}
+
+}  // namespace jaxvt::gpu_mem

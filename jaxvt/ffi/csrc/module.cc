@@ -1,0 +1,280 @@
+// nanobind module jaxvt.ffi._jaxvt_ffi: the XLA FFI handler capsules by platform, the host-tier
+// allocator, and the raw measurement primitives the bandwidth probe calls.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "formats.h"
+#include "handlers.h"
+#include "kernels_cpu.h"
+#include "memory.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must take an XLA_FFI_CallFrame*");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+#if defined(JAXVT_WITH_GPU)
+constexpr const char* kGpuPlatform = JAXVT_GPU_PLATFORM;
+#else
+constexpr const char* kGpuPlatform = "";
+#endif
+
+nb::dict Registrations() {
+  nb::dict out, cpu;
+  cpu["jaxvt_qmatmul"] = Capsule(JaxvtQMatmulCpu);
+  cpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsCpu);
+  cpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedCpu);
+  cpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantCpu);
+  out["cpu"] = cpu;
+#if defined(JAXVT_WITH_GPU)
+  nb::dict gpu;
+  gpu["jaxvt_qmatmul"] = Capsule(JaxvtQMatmulGpu);
+  gpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsGpu);
+  gpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedGpu);
+  gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
+  out[kGpuPlatform] = gpu;
+#endif
+  return out;
+}
+
+int GpuDeviceCount() {
+#if defined(JAXVT_WITH_GPU)
+  return jaxvt::gpu_mem::device_count();
+#else
+  return 0;
+#endif
+}
+
+bool UseGpu() { return GpuDeviceCount() > 0; }
+
+constexpr size_t kPage = 4096;
+
+// ---- host tier ---------------------------------------------------------------------------------
+
+std::pair<uintptr_t, uintptr_t> HostAlloc(size_t nbytes, bool coherent, bool gpu) {
+  if (nbytes == 0) throw std::invalid_argument("host tier allocation of 0 bytes");
+  if (gpu) {
+#if defined(JAXVT_WITH_GPU)
+    uintptr_t h = 0, d = 0;
+    std::string err;
+    if (!jaxvt::gpu_mem::host_alloc(nbytes, coherent, &h, &d, &err)) throw std::runtime_error(err);
+    return {h, d};
+#else
+    throw std::runtime_error("this build of jaxvt has no GPU support (rebuild with JAXVT_GPU=CUDA or HIP)");
+#endif
+  }
+  if (nbytes > (SIZE_MAX - kPage)) throw std::runtime_error("size out of range");
+  void* p = std::aligned_alloc(kPage, (nbytes + kPage - 1) / kPage * kPage);
+  if (!p) throw std::runtime_error("out of host memory (aligned_alloc failed)");
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  return {a, a};
+}
+
+void HostFree(uintptr_t host, bool gpu) {
+  if (!host) return;
+  if (gpu) {
+#if defined(JAXVT_WITH_GPU)
+    jaxvt::gpu_mem::host_free(host);
+#endif
+    return;
+  }
+  std::free(reinterpret_cast<void*>(host));
+}
+
+std::optional<uintptr_t> ManagedAlloc(size_t nbytes) {
+#if defined(JAXVT_WITH_GPU)
+  if (!UseGpu()) return std::nullopt;
+  uintptr_t p = 0;
+  std::string err;
+  if (jaxvt::gpu_mem::managed_alloc(nbytes, &p, &err)) return p;
+  if (!err.empty()) throw std::runtime_error(err);
+#endif
+  (void)nbytes;
+  return std::nullopt;
+}
+
+void ManagedFree(uintptr_t p) {
+#if defined(JAXVT_WITH_GPU)
+  jaxvt::gpu_mem::managed_free(p);
+#else
+  (void)p;
+#endif
+}
+
+// ---- measurement primitives (GB/s = 1e9 bytes/s) -----------------------------------------------
+
+double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+struct HostBuf {
+  void* p;
+  explicit HostBuf(size_t n) : p(std::aligned_alloc(kPage, (n + kPage - 1) / kPage * kPage)) {
+    if (!p) throw std::runtime_error("out of host memory");
+    std::memset(p, 1, n);
+  }
+  ~HostBuf() { std::free(p); }
+};
+
+double CpuCopy(size_t nbytes, int iters) {
+  HostBuf a(nbytes), b(nbytes);
+  std::memcpy(b.p, a.p, nbytes);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) std::memcpy(b.p, a.p, nbytes);
+  return static_cast<double>(nbytes) * iters / 1e9 / Seconds(std::chrono::steady_clock::now() - t0);
+}
+
+double CpuRead(size_t nbytes, int iters) {
+  HostBuf a(nbytes);
+  const uint64_t* p = static_cast<const uint64_t*>(a.p);
+  const size_t n = nbytes / 8;
+  volatile uint64_t sink = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int it = 0; it < iters; ++it) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      s0 ^= p[i];
+      s1 ^= p[i + 1];
+      s2 ^= p[i + 2];
+      s3 ^= p[i + 3];
+    }
+    for (; i < n; ++i) s0 ^= p[i];
+    sink = sink + (s0 ^ s1 ^ s2 ^ s3);
+  }
+  return static_cast<double>(n) * 8 * iters / 1e9 / Seconds(std::chrono::steady_clock::now() - t0);
+}
+
+double MeasureDmaH2D(size_t nbytes, int iters) {
+  if (iters < 1) iters = 1;
+#if defined(JAXVT_WITH_GPU)
+  if (UseGpu()) {
+    std::string err;
+    double v = jaxvt::gpu_mem::measure_dma_h2d(nbytes, iters, &err);
+    if (v < 0) throw std::runtime_error(err);
+    return v;
+  }
+#endif
+  return CpuCopy(nbytes, iters);
+}
+
+double MeasureZeroCopyRead(size_t nbytes, int iters, bool coherent) {
+  if (iters < 1) iters = 1;
+#if defined(JAXVT_WITH_GPU)
+  if (UseGpu()) {
+    std::string err;
+    double v = jaxvt::gpu_mem::measure_zero_copy_read(nbytes, iters, coherent, &err);
+    if (v < 0) throw std::runtime_error(err);
+    return v;
+  }
+#endif
+  (void)coherent;
+  return CpuRead(nbytes, iters);
+}
+
+std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
+#if defined(JAXVT_WITH_GPU)
+  if (UseGpu()) {
+    double first = 0, repeat = 0;
+    std::string err;
+    if (jaxvt::gpu_mem::measure_managed(nbytes, &first, &repeat, &err))
+      return std::make_pair(first, repeat);
+    if (!err.empty()) throw std::runtime_error(err);
+  }
+#endif
+  (void)nbytes;
+  return std::nullopt;
+}
+
+// Times the CPU GEMV kernel alone (no XLA): weights at `addr` (rows x cols of format fmt), batch
+// rows of x = 1/cols; returns seconds per call.
+double BenchCpuGemv(int fmt, uintptr_t addr, int64_t rows, int64_t cols, int64_t batch, int iters) {
+  if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
+    throw std::invalid_argument("unsupported format or shape");
+  std::vector<float> x(batch * cols, 1.0f / static_cast<float>(cols)), y(batch * rows);
+  std::vector<float> s16(batch * cols / 16), s32(batch * cols / 32);
+  std::vector<const float*> xr(batch), p16(batch), p32(batch);
+  std::vector<float*> yr(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    xr[b] = x.data() + b * cols;
+    p16[b] = s16.data() + b * cols / 16;
+    p32[b] = s32.data() + b * cols / 32;
+    yr[b] = y.data() + b * rows;
+    jaxvt::cpu::x_sums(xr[b], cols, s16.data() + b * cols / 16, s32.data() + b * cols / 32);
+  }
+  jaxvt::cpu::Batch bt{batch, xr.data(), p16.data(), p32.data(), yr.data()};
+  const auto* w = reinterpret_cast<const uint8_t*>(addr);
+  const int64_t per = std::max<int64_t>(16, (rows + 4 * jaxvt::cpu::num_threads() - 1) /
+                                                (4 * jaxvt::cpu::num_threads()));
+  auto run = [&] {
+    auto task = [&](int64_t t) {
+      jaxvt::cpu::gemv_rows(fmt, w, cols, bt, t * per, std::min(rows, (t + 1) * per));
+    };
+    jaxvt::cpu::parallel_for((rows + per - 1) / per, task);
+  };
+  run();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) run();
+  return Seconds(std::chrono::steady_clock::now() - t0) / std::max(iters, 1);
+}
+
+}  // namespace
+
+NB_MODULE(_jaxvt_ffi, m) {
+  m.doc() = "jaxvt's XLA FFI kernels (GGUF block formats), host-tier allocator and probes.";
+  m.def("registrations", &Registrations,
+        "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
+  m.def("gpu_platform", [] { return std::string(kGpuPlatform); },
+        "'CUDA' or 'ROCM' when built with a GPU toolchain, else ''.");
+  m.def("gpu_device_count", &GpuDeviceCount, "GPUs the runtime sees (0 without GPU support).");
+  m.def("host_alloc", &HostAlloc, nb::arg("nbytes"), nb::arg("coherent") = false,
+        nb::arg("gpu") = false,
+        "(host address, device address) of nbytes of host-tier memory: pinned and device-mapped "
+        "with gpu=True, page-aligned plain memory otherwise. Raises on failure.");
+  m.def("host_free", &HostFree, nb::arg("host"), nb::arg("gpu") = false);
+  m.def("managed_alloc", &ManagedAlloc, nb::arg("nbytes"),
+        "Managed-memory address, or None where the backend has none (CPU builds, no device, "
+        "no concurrent managed access).");
+  m.def("managed_free", &ManagedFree, nb::arg("ptr"));
+  m.def("measure_dma_h2d", &MeasureDmaH2D, nb::arg("nbytes"), nb::arg("iters"),
+        "GB/s of pinned host -> device copies (memcpy GB/s on CPU).");
+  m.def("measure_zero_copy_read", &MeasureZeroCopyRead, nb::arg("nbytes"), nb::arg("iters"),
+        nb::arg("coherent") = false,
+        "GB/s of a kernel streaming mapped pinned host memory (plain read GB/s on CPU).");
+  m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
+        "(first, repeat) device-read GB/s of host-written managed memory, or None.");
+  m.def("cpu_threads", &jaxvt::cpu::num_threads, "Threads the CPU kernels use (caller included).");
+  m.def("set_cpu_threads", &jaxvt::cpu::set_num_threads, nb::arg("n"),
+        "Set the CPU kernels' thread count (n <= 0: the CPUs this process may use). Not while a "
+        "kernel runs.");
+  m.def("cpu_isa", [] { return std::string(jaxvt::cpu::isa()); },
+        "'avx2' or 'generic': the CPU GEMV path chosen at run time.");
+  m.def("set_cpu_isa", [](const std::string& isa) {
+          if (isa != "auto" && isa != "generic") throw std::invalid_argument("isa must be 'auto' or 'generic'");
+          jaxvt::cpu::force_generic(isa == "generic");
+        }, nb::arg("isa"), "'generic' forces the portable CPU path (for tests); 'auto' undoes it.");
+  m.def("bench_cpu_gemv", &BenchCpuGemv, nb::arg("fmt"), nb::arg("addr"), nb::arg("rows"),
+        nb::arg("cols"), nb::arg("batch"), nb::arg("iters"),
+        "Seconds per call of the CPU GEMV kernel alone on the matrix at addr.");
+}

@@ -1,0 +1,120 @@
+// One header that maps the gpu* names used by jaxvt's device code onto CUDA or HIP.
+//
+// The same sources compile with nvcc (JAXVT_GPU_CUDA) and with hipcc -x hip (JAXVT_GPU_HIP), in the
+// manner of jaxlib's gpu/vendor.h. Device code must use only the names defined here (plus the
+// language's common subset: __global__, __shared__, threadIdx, <<<...>>>), never cuda*/hip* directly.
+//
+// Warps: jaxvt kernels are written for a *logical* warp of 32 lanes. On NVIDIA and on AMD wave32
+// parts (RDNA) it is the hardware warp; on AMD wave64 parts (CDNA) a wavefront holds two logical
+// warps, and shuffles pass width 32 so they never cross between them.
+#ifndef JAXVT_FFI_CSRC_VENDOR_H_
+#define JAXVT_FFI_CSRC_VENDOR_H_
+
+#if defined(JAXVT_GPU_CUDA)
+
+#include <cuda_runtime.h>
+
+#define JAXVT_GPU_NAME "CUDA"
+typedef cudaStream_t gpuStream_t;
+typedef cudaError_t gpuError_t;
+typedef cudaEvent_t gpuEvent_t;
+#define gpuSuccess cudaSuccess
+#define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetLastError cudaGetLastError
+#define gpuGetDevice cudaGetDevice
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuDeviceGetAttribute cudaDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuDevAttrConcurrentManagedAccess cudaDevAttrConcurrentManagedAccess
+#define gpuDeviceSynchronize cudaDeviceSynchronize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuMemGetInfo cudaMemGetInfo
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuStreamCreate cudaStreamCreate
+#define gpuStreamDestroy cudaStreamDestroy
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuEventCreate cudaEventCreate
+#define gpuEventDestroy cudaEventDestroy
+#define gpuEventRecord cudaEventRecord
+#define gpuEventSynchronize cudaEventSynchronize
+#define gpuEventElapsedTime cudaEventElapsedTime
+// Pinned host memory. CUDA's pinned memory is always coherent; the coherent/non-coherent flags
+// exist on HIP only and are 0 here so callers can pass them unconditionally.
+#define gpuHostAlloc cudaHostAlloc
+#define gpuFreeHost cudaFreeHost
+#define gpuHostGetDevicePointer cudaHostGetDevicePointer
+#define gpuHostAllocMapped cudaHostAllocMapped
+#define gpuHostAllocPortable cudaHostAllocPortable
+#define gpuHostAllocCoherent 0u
+#define gpuHostAllocNonCoherent 0u
+#define gpuMallocManaged cudaMallocManaged
+#define gpuMemAttachGlobal cudaMemAttachGlobal
+
+#define gpuShflXor(v, o) __shfl_xor_sync(0xffffffffu, (v), (o), 32)
+#define gpuSyncWarp() __syncwarp()
+
+#elif defined(JAXVT_GPU_HIP)
+
+#include <hip/hip_runtime.h>
+
+#define JAXVT_GPU_NAME "ROCM"
+typedef hipStream_t gpuStream_t;
+typedef hipError_t gpuError_t;
+typedef hipEvent_t gpuEvent_t;
+#define gpuSuccess hipSuccess
+#define gpuErrorMemoryAllocation hipErrorOutOfMemory
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetLastError hipGetLastError
+#define gpuGetDevice hipGetDevice
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuDeviceGetAttribute hipDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuDevAttrConcurrentManagedAccess hipDeviceAttributeConcurrentManagedAccess
+#define gpuDeviceSynchronize hipDeviceSynchronize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuMemGetInfo hipMemGetInfo
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuStreamCreate hipStreamCreate
+#define gpuStreamDestroy hipStreamDestroy
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuEventCreate hipEventCreate
+#define gpuEventDestroy hipEventDestroy
+#define gpuEventRecord hipEventRecord
+#define gpuEventSynchronize hipEventSynchronize
+#define gpuEventElapsedTime hipEventElapsedTime
+// Fine-grained ("coherent") host memory is not cached in the GPU's L2; coarse-grained
+// ("non-coherent") is. Weights are written once before any kernel reads them, so both are correct;
+// which one reads faster is a measurement (HostTier(coherent=...)).
+#define gpuHostAlloc hipHostMalloc
+#define gpuFreeHost hipHostFree
+#define gpuHostGetDevicePointer hipHostGetDevicePointer
+#define gpuHostAllocMapped hipHostMallocMapped
+#define gpuHostAllocPortable hipHostMallocPortable
+#define gpuHostAllocCoherent hipHostMallocCoherent
+#define gpuHostAllocNonCoherent hipHostMallocNonCoherent
+#define gpuMallocManaged hipMallocManaged
+#define gpuMemAttachGlobal hipMemAttachGlobal
+
+#define gpuShflXor(v, o) __shfl_xor((v), (o), 32)
+// Orders this wavefront's shared-memory writes before its later reads (lanes run in lock step).
+#define gpuSyncWarp()                                        \
+  do {                                                       \
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");   \
+    __builtin_amdgcn_wave_barrier();                         \
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");   \
+  } while (0)
+
+#else
+#error "vendor.h needs JAXVT_GPU_CUDA or JAXVT_GPU_HIP"
+#endif
+
+#endif  // JAXVT_FFI_CSRC_VENDOR_H_

@@ -1,0 +1,149 @@
+"""Kernel throughput: qmatmul GB/s from the host tier and the device tier against the link.
+
+  python -m jaxvt.ffi.kernel_bench            # GPU if the extension and JAX see one, else CPU
+  python -m jaxvt.ffi.kernel_bench --quick
+
+For each format and matrix shape it builds L layers holding the same valid random blocks at
+different addresses (L sized so the layers together exceed 256 MiB, far beyond the GPU's L2 and
+the CPU's L3), runs one jitted `lax.scan` over them with a traced layer index, and reports weight
+bytes read per second. The same run measures the DMA copy rate (the link's practical ceiling)
+and a plain streaming read of mapped pinned memory, so the ratios come from one machine state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvt import ffi
+from jaxvt.ffi import ops
+from jaxvt.offload.host_tier import HostTier
+from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+
+# ggml type id -> (name, block elements, block bytes, f16 scale offsets)
+FORMATS = {12: ("Q4_K", 256, 144, (0, 2)), 14: ("Q6_K", 256, 210, (208,)),
+           3: ("Q4_1", 32, 20, (0, 2)), 8: ("Q8_0", 32, 34, (0,)), 30: ("BF16", 1, 2, ())}
+SHAPES = [(2048, 512), (4096, 4096), (14336, 4096), (4096, 14336)]  # rows x cols
+MIB = 1 << 20
+
+
+def random_matrix(rng, fmt: int, rows: int, cols: int) -> np.ndarray:
+  """Valid random blocks, uint8 [rows * row_bytes]."""
+  _, be, bb, scales = FORMATS[fmt]
+  if fmt == 30:
+    x = (rng.standard_normal(rows * cols, dtype=np.float32) * 0.02)
+    return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+  nb = rows * cols // be
+  raw = rng.integers(0, 256, (nb, bb), dtype=np.uint8)
+  for off in scales:
+    raw[:, off:off + 2] = (rng.uniform(0.5, 1.5, nb) * 0.01).astype("<f2").view(np.uint8).reshape(nb, 2)
+  return raw.reshape(-1)
+
+
+def stack(raw: np.ndarray, fmt: int, rows: int, cols: int, layers: int, tier, device) -> QWeight:
+  """`layers` copies of raw: in `tier` (host) when given, else device-tier slots."""
+  table = np.zeros(layers, np.uint64)
+  fmts = np.full(layers, fmt, np.int32)
+  if tier is not None:
+    for l in range(layers):
+      buf = tier.alloc(raw.size)
+      buf.array[:] = raw
+      table[l] = buf.device_address
+    fmts |= HOST_BIT
+    data = jnp.zeros((1, 1), jnp.uint8, device=device)
+  else:
+    table[:] = np.arange(layers)
+    data = jax.device_put(np.broadcast_to(raw, (layers, raw.size)), device)
+  meta = QMeta(rows, cols, 0, (fmt,), layers, tuple(range(layers)) if tier is not None else ())
+  return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device), meta)
+
+
+def time_scan(w: QWeight, batch: int, device, reps: int) -> float:
+  """Seconds for one pass of qmatmul over every layer of w."""
+  x = jax.device_put(jnp.ones((batch, w.meta.cols), jnp.float32) * 1e-3, device)
+
+  @jax.jit
+  def run(x, w):
+    def body(acc, l):
+      y = ops.qmatmul(x, w, l)
+      return acc + y[:, 0], None
+    return jax.lax.scan(body, jnp.zeros((batch,), jnp.float32),
+                        jnp.arange(w.meta.n_layers, dtype=jnp.int32))[0]
+
+  run(x, w).block_until_ready()
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    run(x, w).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
+  """The CPU GEMV kernel alone (no XLA), on the shapes that set jaxvt's CPU decode speed."""
+  ext = ffi.extension()
+  rng = np.random.default_rng(0)
+  n0 = ext.cpu_threads()
+  try:
+    for th in threads:
+      ext.set_cpu_threads(th)
+      for fmt, rows, cols in [(3, 1536, 576), (3, 576, 1536), (12, 4096, 4096), (14, 4096, 4096)]:
+        raw = random_matrix(rng, fmt, rows, cols)
+        for b in (1, 4):
+          iters = max(3, int(2e8 / raw.size))
+          t = min(ext.bench_cpu_gemv(fmt, raw.ctypes.data, rows, cols, b, iters) for _ in range(3))
+          print(f"CPU {ext.cpu_isa()} {th} thr {FORMATS[fmt][0]} {rows}x{cols} batch {b}: "
+                f"{t * 1e6:8.1f} us  {raw.size / t / 1e9:5.2f} GB/s", flush=True)
+  finally:
+    ext.set_cpu_threads(n0)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="fewer shapes and batches")
+  p.add_argument("--total-mib", type=int, default=256, help="bytes of layers per case")
+  p.add_argument("--coherent", action="store_true", help="HIP fine-grained host memory")
+  p.add_argument("--cpu-gemv", action="store_true", help="only time the CPU GEMV kernel alone")
+  args = p.parse_args(argv)
+  if args.cpu_gemv:
+    cpu_gemv()
+    return
+  ext = ffi.extension()
+  gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
+  device = jax.devices("gpu" if gpu else "cpu")[0]
+  print(f"device {device.device_kind} ({device.platform}); CPU kernels: {ext.cpu_isa()}, "
+        f"{ext.cpu_threads()} threads")
+  n = args.total_mib * MIB
+  dma = ext.measure_dma_h2d(n, 5)
+  zc = ext.measure_zero_copy_read(n, 5, args.coherent)
+  print(f"{'DMA H2D' if gpu else 'memcpy'} {dma:.1f} GB/s; streaming read of "
+        f"{'mapped pinned' if gpu else 'host'} memory {zc:.1f} GB/s")
+  rng = np.random.default_rng(0)
+  shapes = SHAPES[:2] if args.quick else SHAPES
+  batches = (1, 8) if args.quick else (1, 4, 16)
+  tiers = ("host", "device") if gpu else ("host",)
+  print(f"{'format':6} {'rows x cols':>12} {'MiB':>6} {'tier':>6} "
+        + " ".join(f"{'b' + str(b) + ' GB/s':>10} {'%DMA':>5}" for b in batches))
+  for fmt, (name, *_rest) in FORMATS.items():
+    for rows, cols in shapes:
+      raw = random_matrix(rng, fmt, rows, cols)
+      layers = max(2, min(512, -(-n // raw.size)))
+      for tier_name in tiers:
+        with HostTier(coherent=args.coherent) as tier:
+          w = stack(raw, fmt, rows, cols, layers, tier if tier_name == "host" else None, device)
+          cells = []
+          for b in batches:
+            t = time_scan(w, b, device, reps=3)
+            gbs = raw.size * layers / t / 1e9
+            cells.append(f"{gbs:10.1f} {100 * gbs / dma:5.0f}")
+          print(f"{name:6} {rows:>5} x {cols:<5} {raw.size / MIB:6.1f} {tier_name:>6} "
+                + " ".join(cells), flush=True)
+          del w
+
+
+if __name__ == "__main__":
+  main()

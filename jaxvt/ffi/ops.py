@@ -1,0 +1,299 @@
+"""Ops over quantized weight stacks (`QWeight`), each beside its jnp reference (`*_ref`).
+
+Kernels (XLA FFI custom calls, `jaxvt.ffi._jaxvt_ffi`) read a layer's raw GGUF blocks where they
+are: device-tier layers inside `w.data`, host-tier layers in place in pinned host memory at the
+address in `w.table`. The layer index is an operand the kernel reads on the device, so every op
+works inside `lax.scan` / `fori_loop` with a traced layer and under CUDA-graph replay. All
+accumulation is float32 (see csrc/kernels_cpu.h and csrc/kernels_gpu.cu for the order).
+
+References dequantize the device-tier layer with `jaxvt.gguf.quants.dequantize` (picking the
+format with `lax.switch` over `w.meta.formats`) and use plain jnp math. They read device-tier
+layers only: for a host-tier layer they return NaN.
+
+Shapes (rows x cols is one layer's matrix, E = w.meta.experts):
+  qmatmul(x f32 [..., cols], w, layer)                 -> f32 [..., rows]
+  qmatmul_experts(x [T, cols] | [T, k, cols], w, layer, ids int32 [T, k]) -> f32 [T, k, rows]
+  moe_experts(x [T, cols], w_gate, w_up, w_down, layer, ids [T, k], weights [T, k]) -> [T, cols]
+  qembed(ids int32 [...], w, layer=0)                  -> f32 [..., cols]
+  qdequant(w, layer)                                   -> bf16 [rows, cols] or [E, rows, cols]
+Expert ids and embedding ids are clamped into range, like JAX gathers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvt import ffi as _ffi
+from jaxvt.errors import JaxvtError
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
+
+_ffi.register()
+
+# ggml type id -> (elements, bytes) of the block the kernels step by (32 elements for floats).
+_KBLOCK = {0: (32, 128), 1: (32, 64), 30: (32, 64), 2: (32, 18), 3: (32, 20), 8: (32, 34),
+           12: (256, 144), 13: (256, 176), 14: (256, 210)}
+_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K",
+          13: "Q5_K", 14: "Q6_K"}
+
+
+def _row_bytes(fmt: int, cols: int) -> int:
+  elems, nbytes = _KBLOCK[fmt]
+  return cols // elems * nbytes
+
+
+def _check(w: QWeight, op: str, experts: bool | None = None) -> None:
+  m = w.meta
+  for f in m.formats:
+    if f not in _KBLOCK:
+      raise JaxvtError(f"{op}: weight format ggml type {f} has no jaxvt kernel; use a GGUF whose "
+                       f"matrices are {', '.join(_NAMES.values())}")
+    if m.cols % _KBLOCK[f][0]:
+      raise JaxvtError(f"{op}: {m.cols} columns are not whole {_NAMES[f]} blocks of "
+                       f"{_KBLOCK[f][0]}; the tensor is mis-shaped")
+  if experts is True and not m.experts:
+    raise JaxvtError(f"{op} needs a stacked-experts weight (experts > 0); use qmatmul for a matrix")
+  if experts is False and m.experts:
+    raise JaxvtError(f"{op} got a stacked-experts weight; use qmatmul_experts")
+
+
+def _layer(layer) -> jax.Array:
+  layer = jnp.asarray(layer)
+  if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+    raise JaxvtError(f"the layer index must be an integer scalar, got {layer.dtype}{layer.shape}")
+  return layer.astype(jnp.int32)
+
+
+def _ids(ids) -> jax.Array:
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise JaxvtError(f"ids must be integers, got {ids.dtype}")
+  return ids.astype(jnp.int32)
+
+
+def _vmappable(fn, fast):
+  """custom_vmap around fn(*args): `fast(axis_size, in_batched, *args)` handles the batchings it
+  can in one call (returns None otherwise); the rest run one element at a time with lax.map."""
+  fn = jax.custom_batching.custom_vmap(fn)
+
+  @fn.def_vmap
+  def rule(axis_size, in_batched, *args):
+    out = fast(fn, axis_size, in_batched, *args)
+    if out is not None:
+      return out, True
+    batched = tuple(a for a, b in zip(args, in_batched) if b)
+
+    def one(sliced):
+      it = iter(sliced)
+      return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+    return jax.lax.map(one, batched), True
+
+  return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# qmatmul
+
+
+@functools.cache
+def _qmatmul_call(rows: int, cols: int):
+  def call(x2, data, table, fmts, layer):
+    out = jax.ShapeDtypeStruct((x2.shape[0], rows), jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_qmatmul", out)(
+        x2, data, table, fmts, layer, rows=np.int64(rows), cols=np.int64(cols))
+
+  def fast(fn, n, in_batched, x2, data, table, fmts, layer):
+    if any(in_batched[1:]):
+      return None
+    return fn(x2.reshape(-1, cols), data, table, fmts, layer).reshape(n, -1, rows)
+
+  return _vmappable(call, fast)
+
+
+def qmatmul(x: jax.Array, w: QWeight, layer) -> jax.Array:
+  """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T, reading W's blocks in place."""
+  _check(w, "qmatmul", experts=False)
+  m = w.meta
+  x = jnp.asarray(x, jnp.float32)
+  if x.shape[-1:] != (m.cols,):
+    raise JaxvtError(f"qmatmul: x has {x.shape[-1:]} columns, the weight {m.cols}")
+  lead = x.shape[:-1]
+  y = _qmatmul_call(m.rows, m.cols)(x.reshape(-1, m.cols), w.data, w.table, w.fmts, _layer(layer))
+  return y.reshape(*lead, m.rows)
+
+
+def _layer_bytes(w: QWeight, layer: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(raw uint8 [stride'] of the layer's device slot, format index into meta.formats, is_host)."""
+  m = w.meta
+  l = jnp.clip(layer, 0, m.n_layers - 1)
+  f = w.fmts[l]
+  slot = w.table[l, 0].astype(jnp.int32)
+  raw = jax.lax.dynamic_index_in_dim(w.data, jnp.where((f & HOST_BIT) != 0, 0, slot), 0,
+                                     keepdims=False)
+  need = max(max(m.experts, 1) * m.rows * _row_bytes(t, m.cols) for t in m.formats)
+  if raw.shape[0] < need:  # every layer in the host tier: data is a [1, 1] placeholder
+    raw = jnp.pad(raw, (0, need - raw.shape[0]))
+  fmt = f & FMT_MASK
+  index = sum(jnp.where(fmt == t, i, 0) for i, t in enumerate(m.formats))
+  return raw, jnp.asarray(index, jnp.int32), (f & HOST_BIT) != 0
+
+
+def _switch_formats(w: QWeight, layer, fn):
+  """fn(raw uint8 [E*rows, row_bytes], fmt) per format of the stack, chosen by the layer's."""
+  m = w.meta
+  raw, index, is_host = _layer_bytes(w, _layer(layer))
+
+  def branch(fmt):
+    rb = _row_bytes(fmt, m.cols)
+    return lambda r: fn(r[:max(m.experts, 1) * m.rows * rb].reshape(-1, rb), fmt)
+
+  out = jax.lax.switch(index, [branch(f) for f in m.formats], raw)
+  return jnp.where(is_host, jnp.nan, out)
+
+
+def _dequant(raw, fmt, cols):
+  from jaxvt.gguf.quants import dequantize
+  return dequantize(raw, fmt, cols)
+
+
+def qmatmul_ref(x: jax.Array, w: QWeight, layer) -> jax.Array:
+  """Reference for qmatmul: dequantize the device-tier layer (f32), then x @ W.T in f32."""
+  _check(w, "qmatmul_ref", experts=False)
+  m = w.meta
+  x = jnp.asarray(x, jnp.float32)
+  return _switch_formats(
+      w, layer, lambda r, f: jnp.einsum("...k,rk->...r", x, _dequant(r, f, m.cols),
+                                        precision=jax.lax.Precision.HIGHEST))
+
+
+# ---------------------------------------------------------------------------------------------
+# experts
+
+
+@functools.cache
+def _experts_call(rows: int, cols: int, experts: int):
+  def call(x, data, table, fmts, layer, ids):
+    out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_qmatmul_experts", out)(
+        x, data, table, fmts, layer, ids, rows=np.int64(rows), cols=np.int64(cols),
+        experts=np.int64(experts))
+
+  return _vmappable(call, lambda *a: None)
+
+
+def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Array:
+  """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows].
+
+  out[t, j] = W[layer, ids[t, j]] @ (x[t] or x[t, j]); only routed experts' bytes are read, each
+  distinct routed expert once per call (per 16 slots on GPU).
+  """
+  _check(w, "qmatmul_experts", experts=True)
+  m = w.meta
+  x = jnp.asarray(x, jnp.float32)
+  ids = _ids(ids)
+  if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
+    raise JaxvtError(f"qmatmul_experts: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] or "
+                     f"[T, k, {m.cols}] with ids [T, k]")
+  return _experts_call(m.rows, m.cols, m.experts)(x, w.data, w.table, w.fmts, _layer(layer), ids)
+
+
+def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Array:
+  """Reference for qmatmul_experts: gathers the routed experts' bytes, dequantizes, einsum."""
+  _check(w, "qmatmul_experts_ref", experts=True)
+  m = w.meta
+  x = jnp.asarray(x, jnp.float32)
+  ids = jnp.clip(_ids(ids), 0, m.experts - 1)
+
+  def fn(raw, fmt):
+    per_expert = raw.reshape(m.experts, -1)[ids]  # [T, k, rows * row_bytes]
+    wts = _dequant(per_expert.reshape(*ids.shape, m.rows, -1), fmt, m.cols)  # [T, k, rows, cols]
+    spec = "tc,tkrc->tkr" if x.ndim == 2 else "tkc,tkrc->tkr"
+    return jnp.einsum(spec, x, wts, precision=jax.lax.Precision.HIGHEST)
+
+  return _switch_formats(w, layer, fn)
+
+
+def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm):
+  x = jnp.asarray(x, jnp.float32)
+  h = jax.nn.silu(mm(x, w_gate, layer, ids)) * mm(x, w_up, layer, ids)  # [T, k, ffn]
+  d = mm(h, w_down, layer, ids)  # [T, k, cols]
+  return jnp.einsum("tk,tkd->td", jnp.asarray(weights, jnp.float32), d)
+
+
+def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):
+  """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
+  experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once."""
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts)
+
+
+def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):
+  """Reference for moe_experts."""
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# qembed
+
+
+@functools.cache
+def _embed_call(rows: int, cols: int):
+  def call(ids, data, table, fmts, layer):
+    out = jax.ShapeDtypeStruct((*ids.shape, cols), jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_qembed", out)(
+        ids, data, table, fmts, layer, rows=np.int64(rows), cols=np.int64(cols))
+
+  def fast(fn, n, in_batched, ids, *rest):
+    return None if any(in_batched[1:]) else fn(ids, *rest)
+
+  return _vmappable(call, fast)
+
+
+def qembed(ids: jax.Array, w: QWeight, layer=0) -> jax.Array:
+  """ids int32 [...] -> f32 [..., cols]: rows of W[layer] (only those rows are read)."""
+  _check(w, "qembed", experts=False)
+  m = w.meta
+  return _embed_call(m.rows, m.cols)(_ids(ids), w.data, w.table, w.fmts, _layer(layer))
+
+
+def qembed_ref(ids: jax.Array, w: QWeight, layer=0) -> jax.Array:
+  """Reference for qembed: gather raw rows, dequantize."""
+  _check(w, "qembed_ref", experts=False)
+  m = w.meta
+  ids = jnp.clip(_ids(ids), 0, m.rows - 1)
+  return _switch_formats(w, layer, lambda raw, f: _dequant(raw[ids], f, m.cols))
+
+
+# ---------------------------------------------------------------------------------------------
+# qdequant
+
+
+@functools.cache
+def _dequant_call(rows: int, cols: int, experts: int):
+  shape = (experts, rows, cols) if experts else (rows, cols)
+
+  def call(data, table, fmts, layer):
+    out = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    return jax.ffi.ffi_call("jaxvt_qdequant", out)(
+        data, table, fmts, layer, rows=np.int64(rows), cols=np.int64(cols),
+        experts=np.int64(experts))
+
+  return _vmappable(call, lambda *a: None)
+
+
+def qdequant(w: QWeight, layer) -> jax.Array:
+  """W[layer] as bf16 [rows, cols] ([E, rows, cols] for experts): staging for large batches."""
+  _check(w, "qdequant")
+  m = w.meta
+  return _dequant_call(m.rows, m.cols, m.experts)(w.data, w.table, w.fmts, _layer(layer))
+
+
+def qdequant_ref(w: QWeight, layer) -> jax.Array:
+  """Reference for qdequant."""
+  _check(w, "qdequant_ref")
+  m = w.meta
+  return _switch_formats(
+      w, layer, lambda raw, f: _dequant(raw, f, m.cols).reshape(w.shape)).astype(jnp.bfloat16)

@@ -1,0 +1,86 @@
+"""The kernel tests of test_ffi.py on a GPU (CUDA or ROCm), with host-tier layers in pinned,
+device-mapped memory. Run on a GPU host with `pytest -m gpu tests/test_ffi_gpu.py`.
+
+Skipped (with the reason) where JAX sees no GPU or the extension was built without GPU kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxvt import ffi
+
+
+def _gpu():
+  try:
+    return jax.devices("gpu")[0]
+  except RuntimeError:
+    return None
+
+
+GPU = _gpu()
+_REASON = ("JAX sees no GPU" if GPU is None else
+           f"jaxvt was built without {GPU.platform} kernels (rebuild with JAXVT_GPU=CUDA or HIP)")
+_OK = GPU is not None and ffi.available(GPU.platform)
+
+from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
+from test_ffi import (Q4_K, Q6_K, Q8_0, ROWS, COLS, assert_close, make_stack,  # noqa: E402
+                      matmul_ref, put)
+
+# CPU-only checks that the import brought along.
+del test_threads_and_portable_path_agree, test_user_errors, test_available_and_register_are_idempotent
+del test_dequant_helper_matches_gguf, test_reference_of_a_host_layer_is_nan, test_references_match_numpy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
+
+
+@pytest.fixture(scope="module")
+def device():
+  return GPU
+
+
+@pytest.fixture(scope="module")
+def tier():
+  from jaxvt.offload.host_tier import HostTier
+  with HostTier(backend="gpu") as t:
+    yield t
+
+
+def test_tier_is_pinned_and_device_mapped(tier):
+  buf = tier.alloc(1 << 20)
+  assert tier.backend == "gpu" and buf.device_address != 0
+  buf.array[:] = 7
+  assert int(buf.array.sum()) == 7 << 20
+
+
+def test_layer_operand_changes_between_replays(rng, device, tier):
+  """The layer index is read on the device, so repeated calls of one compiled program (which XLA
+  may replay as a CUDA graph, skipping the handler's host code) still follow the operand."""
+  from jaxvt.ffi import ops
+  fmts = [Q4_K, Q6_K, Q8_0]
+  s = make_stack(rng, fmts, ROWS, COLS, host=(1,), tier=tier)
+  x = rng.standard_normal((2, COLS)).astype(np.float32)
+  w, xd = put(s.w, device), put(x, device)
+
+  @jax.jit
+  def f(x, l):
+    outs = []
+    for _ in range(6):  # several custom calls in a row: a command-buffer candidate
+      outs.append(ops.qmatmul(x, w, l))
+    return jnp.stack(outs)
+
+  for l in [0, 1, 2, 1, 0, 2, 2]:
+    ys = np.asarray(f(xd, jnp.int32(l)))
+    for y in ys:
+      assert_close(y, matmul_ref(x, s.mats[l][0]))
+
+
+def test_managed_and_probes():
+  ext = ffi.extension()
+  assert ext.measure_dma_h2d(64 << 20, 3) > 1.0
+  assert ext.measure_zero_copy_read(64 << 20, 3) > 1.0
+  m = ext.measure_managed(64 << 20)
+  assert m is None or (m[0] > 0 and m[1] > 0)
