@@ -13,10 +13,15 @@ def main(argv=None) -> int:
   c.add_argument("--decode-tokens", type=int, default=64)
   c.add_argument("--repeats", type=int, default=3)
   c.add_argument("--threads", type=int, default=2)
+  t = sub.add_parser("tier", help="host-tier read rate vs the link (GPU; CPU runs it too)")
+  t.add_argument("--total-mib", type=int, default=256)
   args = ap.parse_args(argv)
   if args.which == "cpu":
     from jaxvt.bench import cpu
     print(cpu.main(args))
+  elif args.which == "tier":
+    from jaxvt.bench import tier
+    print(tier.main(args))
   return 0
 
 
