@@ -58,7 +58,7 @@ def _cli(*args):
 
 
 def test_cli_auto_with_small_device_forces_offload():
-  p = _cli("--prompt", "The capital of France is", "--max-tokens", "8", "--device-gb", "1.2",
+  p = _cli("--prompt", "The capital of France is", "--max-tokens", "8", "--device-gb", "0.78",
            "--offload-gb", "auto")
   assert p.returncode == 0, p.stderr
   assert "--offload-gb auto" in p.stderr
@@ -68,18 +68,18 @@ def test_cli_auto_with_small_device_forces_offload():
 
 
 def test_cli_unsafe_budget_refused_then_forced():
-  p = _cli("--max-tokens", "4", "--device-gb", "1.2", "--offload-gb", "0")
+  p = _cli("--max-tokens", "4", "--device-gb", "0.78", "--offload-gb", "0")
   assert p.returncode == 2 and "smallest safe budget" in p.stderr, p.stderr
   assert "Traceback" not in p.stderr
-  p = _cli("--prompt", "Hi", "--max-tokens", "4", "--device-gb", "1.2", "--offload-gb", "0",
+  p = _cli("--prompt", "Hi", "--max-tokens", "4", "--device-gb", "0.78", "--offload-gb", "0",
            "--force")
   assert p.returncode == 0, p.stderr
 
 
 def test_plan_golden():
-  """`--plan` for the default model on a fixed 1.2 GiB device is pinned (regenerate by
+  """`--plan` for the default model on a fixed 0.78 GiB device is pinned (regenerate by
   running the command below and saving its stdout to tests/reference/plan_default_model.txt)."""
-  p = _cli("--plan", "--device-gb", "1.2", "--offload-gb", "auto", "--max-context", "2048")
+  p = _cli("--plan", "--device-gb", "0.78", "--offload-gb", "auto", "--max-context", "2048")
   assert p.returncode == 0, p.stderr
   text = re.sub(r"^model: .*\n", "", p.stdout)
   if os.environ.get("JAXVT_REGEN_GOLDEN"):

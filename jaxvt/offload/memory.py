@@ -222,7 +222,7 @@ def check(plan: Plan, facts: DeviceFacts, cfg: ModelConfig, shape: RunShape,
           bd.slack)
   raise JaxvtError(f"{head}; no budget is safe: with every offloadable weight in the host tier "
                    f"the device still needs {need / GiB:.2f} of {bd.capacity / GiB:.2f} GiB; lower "
-                   "--max-context, --batch or the prefill chunk (or pass --force)")
+                   "--max-context (or pass --force)")
 
 
 def host_memory_check(host_bytes: int, available_host_bytes: int | None,
