@@ -109,7 +109,13 @@ def from_gguf_metadata(md: Mapping[str, Any]) -> ModelConfig:
   if vocab <= 0:
     raise JaxvtError("GGUF metadata gives no vocabulary size: the file is incomplete")
   interval = int(g("full_attention_interval", 0))
-  if arch in ("qwen35", "qwen35moe", "qwen3next"):
+  recurrent = g("attention.recurrent_layers")  # per block (MTP included); newer converters
+  if arch in ("qwen35", "qwen35moe", "qwen3next") and recurrent is not None:
+    if len(recurrent) < n_layers:
+      raise JaxvtError(f"'{p}attention.recurrent_layers' has {len(recurrent)} entries for "
+                       f"{n_layers} layers: the file is inconsistent; re-convert it")
+    layer_types = tuple("deltanet" if r else "attention" for r in list(recurrent)[:n_layers])
+  elif arch in ("qwen35", "qwen35moe", "qwen3next"):
     interval = interval or 4
     layer_types = tuple("attention" if (i + 1) % interval == 0 else "deltanet"
                         for i in range(n_layers))

@@ -1,0 +1,184 @@
+"""Gated DeltaNet (Qwen3.5 / Qwen3.6 / Qwen3-Next linear-attention layers), pure JAX.
+
+Per value head, with a recurrent state S of shape [dk, dv] (float32) and for every token:
+
+  S <- S * exp(g)                      g = log decay (<= 0)
+  delta = beta * (v - S^T k)           beta in (0, 1): the write strength
+  S <- S + k (x) delta
+  o = S^T q
+
+`gdn_recurrent` runs that step by step (decode); `gdn_chunked` computes the same in chunks of C
+tokens (prefill) with the WY / UT transform: inside a chunk, with gamma_i the cumulative log decay
+from the chunk start to token i and S0 the state entering the chunk,
+
+  S_i = exp(gamma_i) S0 + sum_{j<=i} exp(gamma_i - gamma_j) k_j u_j^T
+  (I + A) U = beta V - diag(beta exp(gamma)) K S0,   A_ij = beta_i exp(gamma_i - gamma_j) k_i.k_j (j < i)
+  o_i = exp(gamma_i) S0^T q_i + sum_{j<=i} exp(gamma_i - gamma_j) (q_i.k_j) u_j
+
+so one unit-lower-triangular solve per chunk replaces C sequential updates, and only the chunk
+boundary states are sequential. No exponent in it is positive, so nothing overflows.
+
+Letters: b batch, t tokens, h value heads, k key dim, v value dim, n chunks, c/i/j chunk positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxvt.model import layers
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.layers import Exec
+
+_HI = jax.lax.Precision.HIGHEST  # the chunked solve is sensitive; never let a GPU use TF32 here
+
+
+def _ein(spec: str, *xs) -> jax.Array:
+  return jnp.einsum(spec, *xs, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def gdn_recurrent(q, k, v, g, beta, state):
+  """Token-by-token gated delta rule.
+
+  q, k [b, t, h, dk] (expanded to the value heads, l2-normed, q scaled by dk^-0.5);
+  v [b, t, h, dv]; g (log decay, <= 0), beta [b, t, h]; state [b, h, dk, dv] float32.
+  Returns (o [b, t, h, dv] float32, final state [b, h, dk, dv] float32).
+  """
+  f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major for the scan
+
+  def step(S, xs):
+    q_t, k_t, v_t, g_t, b_t = xs  # [b, h, ...]
+    S = S * jnp.exp(g_t)[..., None, None]
+    delta = b_t[..., None] * (v_t - _ein("bhkv,bhk->bhv", S, k_t))
+    S = S + k_t[..., :, None] * delta[..., None, :]
+    return S, _ein("bhkv,bhk->bhv", S, q_t)
+
+  xs = tuple(map(f32, (q, k, v, g, beta)))
+  if q.shape[1] == 1:  # decode: no loop
+    S, o = step(state.astype(jnp.float32), tuple(x[0] for x in xs))
+    return o[:, None], S
+  S, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
+  return jnp.moveaxis(o, 0, 1), S
+
+
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
+  """The gated delta rule in chunks of `chunk` tokens (WY / UT form); same contract as
+  `gdn_recurrent`. t need not be a multiple of the chunk: the tail is padded with g = beta = 0
+  tokens, which leave the state unchanged.
+  """
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  C = max(1, min(chunk, t))
+  pad = (-t) % C
+  n = (t + pad) // C
+
+  def chunks(x):  # [b, t, h, ...] -> [n, b, h, C, ...]
+    x = x.astype(jnp.float32)
+    if pad:
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(b, n, C, h, *x.shape[3:])
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+  q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+  gam = jnp.cumsum(g, axis=-1)  # [n, b, h, C]: log decay from the chunk start to token i
+  causal = jnp.tril(jnp.ones((C, C), bool))  # j <= i
+  strict = jnp.tril(jnp.ones((C, C), bool), -1)  # j < i
+  diff = gam[..., :, None] - gam[..., None, :]  # [.., i, j] = gamma_i - gamma_j (<= 0 where j <= i)
+  decay = jnp.exp(jnp.where(causal, diff, -jnp.inf))  # 0 above the diagonal, no overflow
+
+  a = jnp.where(strict, beta[..., :, None] * _ein("nbhik,nbhjk->nbhij", k, k) * decay, 0.0)
+  solve = lambda rhs: jax.lax.linalg.triangular_solve(
+      a, rhs, left_side=True, lower=True, unit_diagonal=True)  # (I + A)^-1 rhs
+  u0 = solve(beta[..., None] * v)  # [n, b, h, C, dv]
+  w = solve((beta * jnp.exp(gam))[..., None] * k)  # [n, b, h, C, dk]
+  qd = q * jnp.exp(gam)[..., None]  # reads the entering state
+  attn = _ein("nbhik,nbhjk->nbhij", q, k) * decay  # intra-chunk, diagonal included
+  kd = k * jnp.exp(gam[..., -1:] - gam)[..., None]  # decayed to the chunk end
+  chunk_decay = jnp.exp(gam[..., -1])[..., None, None]  # [n, b, h, 1, 1]
+
+  def step(S, xs):
+    u0_c, w_c, qd_c, attn_c, kd_c, cd_c = xs
+    u = u0_c - _ein("bhck,bhkv->bhcv", w_c, S)
+    o = _ein("bhck,bhkv->bhcv", qd_c, S) + _ein("bhij,bhjv->bhiv", attn_c, u)
+    S = S * cd_c + _ein("bhck,bhcv->bhkv", kd_c, u)
+    return S, o
+
+  S, o = jax.lax.scan(step, state.astype(jnp.float32), (u0, w, qd, attn, kd, chunk_decay))
+  o = jnp.moveaxis(o, 3, 2)  # [n, b, C, h, dv]
+  o = jnp.moveaxis(o, 0, 1).reshape(b, n * C, h, dv)[:, :t]
+  return o, S
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _expand_heads(x: jax.Array, n_v: int, order: str) -> jax.Array:
+  """[b, t, n_k, d] -> [b, t, n_v, d]: value head j reads q/k head j % n_k ("tiled", the
+  qwen35 GGUF order) or j // (n_v / n_k) ("grouped", HF and qwen3next GGUF order)."""
+  n_k = x.shape[2]
+  if n_k == n_v:
+    return x
+  if order == "tiled":
+    return jnp.tile(x, (1, 1, n_v // n_k, 1))
+  if order == "grouped":
+    return jnp.repeat(x, n_v // n_k, axis=2)
+  raise ValueError(f"unknown ssm_value_order {order!r}")
+
+
+def causal_conv(x: jax.Array, conv_state: jax.Array, kernel: jax.Array, valid: jax.Array):
+  """Depthwise causal conv1d over time, continuing from `conv_state`.
+
+  x [b, t, c] (this call's inputs), conv_state [b, K-1, c] (the K-1 inputs before them),
+  kernel [c, K] (kernel[:, K-1] weighs the current token), valid [b, t] bool with the real tokens
+  a prefix of each row (right padding). Returns (y [b, t, c] before the activation, new conv
+  state [b, K-1, c] = the last K-1 inputs up to each row's last real token).
+  """
+  b, t, c = x.shape
+  K = kernel.shape[-1]
+  xs = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+  y = sum(xs[:, j:j + t] * kernel[:, j] for j in range(K))
+  n_valid = jnp.sum(valid.astype(jnp.int32), axis=1)  # [b]
+  idx = n_valid[:, None] + jnp.arange(K - 1)[None, :]  # rows n .. n+K-2 of xs
+  new_state = jnp.take_along_axis(xs, idx[:, :, None], axis=1)
+  return y, new_state
+
+
+def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfig, ex: Exec):
+  """One Gated DeltaNet mixer (the block's residual and norms live in the decoder).
+
+  h [b, t, d] (already normed); w: all weights (whole stacks; matrices read through
+  layers.linear at stack index `gi`, vectors indexed [gi]); conv_state [b, K-1, conv_dim];
+  ssm_state [b, n_v, dk, dv] float32; valid [b, t] bool (padding, on the right, leaves both
+  states unchanged). Returns (out [b, t, d] float32, conv_state, ssm_state).
+  """
+  b, t, _ = h.shape
+  nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
+  with jax.named_scope("gdn_in"):
+    mixed = layers.linear(h, w["gdn.w_qkv"], gi, ex)  # [b, t, 2 nk dk + nv dv]
+    z = layers.linear(h, w["gdn.w_z"], gi, ex).reshape(b, t, nv, dv)
+    beta = jax.nn.sigmoid(layers.linear(h, w["gdn.w_beta"], gi, ex))  # [b, t, nv]
+    alpha = layers.linear(h, w["gdn.w_alpha"], gi, ex)
+    g = w["gdn.a"][gi] * jax.nn.softplus(alpha + w["gdn.dt_bias"][gi])  # ssm_a = -exp(A_log)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    g = jnp.where(valid[..., None], g, 0.0)
+
+  with jax.named_scope("gdn_conv"):
+    mixed, conv_state = causal_conv(mixed, conv_state, w["gdn.conv"][gi], valid)
+    mixed = jax.nn.silu(mixed)
+  q = mixed[..., :nk * dk].reshape(b, t, nk, dk)
+  k = mixed[..., nk * dk:2 * nk * dk].reshape(b, t, nk, dk)
+  v = mixed[..., 2 * nk * dk:].reshape(b, t, nv, dv)
+  q = _l2norm(q) * (dk ** -0.5)
+  k = _l2norm(k)
+  q = _expand_heads(q, nv, cfg.ssm_value_order)
+  k = _expand_heads(k, nv, cfg.ssm_value_order)
+
+  with jax.named_scope("gdn_core"):
+    rule = gdn_recurrent if t == 1 else gdn_chunked
+    o, ssm_state = rule(q, k, v, g, beta, ssm_state)
+
+  with jax.named_scope("gdn_out"):
+    y = layers.rms_norm(o, w["gdn.norm"][gi], cfg.rms_eps) * jax.nn.silu(z)  # ssm_norm: no +1
+    out = layers.linear(y.reshape(b, t, nv * dv), w["gdn.w_out"], gi, ex)
+  return out, conv_state, ssm_state

@@ -1,0 +1,108 @@
+"""Mixture-of-experts FFN (qwen3moe, qwen35moe, qwen3next): softmax router, top-k, SwiGLU experts,
+optional shared expert behind a sigmoid gate.
+
+  p = softmax(router x)            over all experts, float32
+  ids, wts = top_k(p)              renormalised to sum 1 when cfg.norm_topk_prob
+  y = sum_k wts_k * down_e(silu(gate_e x) * up_e x)           (routed experts, e = ids_k)
+    + sigmoid(shexp_gate . x) * down_s(silu(gate_s x) * up_s x)  (shared expert, if any)
+
+The routed experts go through `jaxvt.ffi.ops.moe_experts` (kernels: reads only the routed
+experts' bytes, from either memory tier) or, without kernels, its jnp reference (few tokens) or a
+one-pass-per-expert reference (many tokens; see below). Letters: T tokens, k routed slots,
+e experts, f expert hidden, d model dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxvt.model import layers
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.layers import Exec
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
+
+
+def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
+  """Router logits [T, E] -> (ids int32 [T, k], weights float32 [T, k])."""
+  p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  wts, ids = jax.lax.top_k(p, k)
+  if renormalise:
+    wts = wts / jnp.sum(wts, axis=-1, keepdims=True)
+  return ids.astype(jnp.int32), wts
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference path for the routed experts.
+#
+# jaxvt.ffi.ops.moe_experts_ref gathers the routed experts' matrices per token and slot: a
+# [T, k, rows, cols] float32 intermediate, fine for decode but 137 GB for a 4096-token prefill of
+# Qwen3.6-35B-A3B. For many tokens we instead pass once over the experts, each dequantized once
+# and applied to every token with its combine weight (0 where not routed): memory O(T d + rows cols).
+
+def _layer_expert(w: QWeight, layer, e, fmt: int) -> jax.Array:
+  """Expert `e` of layer `layer` (device tier) of an expert stack, dequantized: f32 [rows, cols]."""
+  from jaxvt.gguf import quants
+  m = w.meta
+  nbytes = m.rows * quants.row_bytes(fmt, m.cols)
+  slot = w.table[layer, 0].astype(jnp.int32)
+  raw = jax.lax.dynamic_index_in_dim(w.data, slot, 0, keepdims=False)[:m.experts * nbytes]
+  if raw.shape[0] < m.experts * nbytes:  # every layer host-tier: data is a placeholder
+    raw = jnp.pad(raw, (0, m.experts * nbytes - raw.shape[0]))
+  raw = jax.lax.dynamic_slice_in_dim(raw, e * nbytes, nbytes)
+  return quants.dequantize(raw.reshape(m.rows, -1), fmt, m.cols)
+
+
+def _expert_matrix(w: QWeight, layer, e) -> jax.Array:
+  formats = w.meta.formats
+  if len(formats) == 1:
+    return _layer_expert(w, layer, e, formats[0])
+  f = (w.fmts[layer] & FMT_MASK).astype(jnp.int32)
+  branch = sum(jnp.where(f == t, i, 0) for i, t in enumerate(formats))
+  return jax.lax.switch(branch, [lambda t=t: _layer_expert(w, layer, e, t) for t in formats])
+
+
+def experts_per_expert_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids,
+                           weights):
+  """Same contract as ops.moe_experts_ref, one pass per expert (for many tokens). Device-tier
+  layers only (NaN for a host-tier layer, like the ops references)."""
+  x = x.astype(jnp.float32)
+  E = w_gate.meta.experts
+  comb = jnp.sum(jnp.where(ids[..., None] == jnp.arange(E), weights[..., None], 0.0), axis=1)
+  dot = lambda a, b: jnp.dot(a, b.T, precision=jax.lax.Precision.HIGHEST)
+
+  def body(acc, e):
+    hid = jax.nn.silu(dot(x, _expert_matrix(w_gate, layer, e))) * dot(
+        x, _expert_matrix(w_up, layer, e))
+    return acc + dot(hid, _expert_matrix(w_down, layer, e)) * comb[:, e, None], None
+
+  acc, _ = jax.lax.scan(body, jnp.zeros_like(x), jnp.arange(E))
+  host = (w_gate.fmts[layer] & HOST_BIT) != 0
+  return jnp.where(host, jnp.nan, acc)
+
+
+def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
+  from jaxvt.ffi import ops
+  if ex.kernels:
+    return ops.moe_experts
+  return ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
+
+
+def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
+  """MoE FFN of layer `li` (traced int32 index into the stacks). h [b, t, d] (already normed)
+  -> float32 [b, t, d]."""
+  b, t, d = h.shape
+  x = h.reshape(b * t, d).astype(jnp.float32)
+  with jax.named_scope("router"):
+    ids, wts = route(layers.linear(x, w["moe.router"], li, ex), cfg.n_experts_used,
+                     cfg.norm_topk_prob)
+  with jax.named_scope("experts"):
+    routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
+    y = routed(x, w["moe.w_gate"], w["moe.w_up"], w["moe.w_down"], li, ids, wts)
+  if cfg.shared_ffn_dim:
+    with jax.named_scope("shared_expert"):
+      s = layers.swiglu(x, w["shexp.w_gate"], w["shexp.w_up"], w["shexp.w_down"], li, ex)
+      gate = jax.nn.sigmoid(jnp.dot(x, w["shexp.gate"][li].astype(jnp.float32),
+                                    precision=jax.lax.Precision.HIGHEST))  # [T]
+      y = y + gate[:, None] * s
+  return y.reshape(b, t, d)
