@@ -112,16 +112,16 @@ def main(argv: list[str]) -> int:
     from jaxvt.sampling import SamplingParams
 
     path = F.model or default_model_path()
-    bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
-
-    def show_plan(placed):
-      print(placed.report(), file=sys.stderr if not F.plan else sys.stdout)
-
     if F.plan:
       from jaxvt.offload import placement
       print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
                                   max_context=F.max_context))
       return 0
+    bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
+
+    def show_plan(placed):
+      print(placed.report(), file=sys.stderr if not F.plan else sys.stdout)
+
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan)
     with eng:

@@ -9,6 +9,7 @@ Everything here reads the device or /proc; the decisions themselves are jaxvt.of
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxvt.errors import JaxvtError
 from jaxvt.model.config import ModelConfig
@@ -103,9 +104,32 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   return Placed(placed, facts, bd, rates, pred, safe, reason)
 
 
+# Weightless model descriptions `--plan --model NAME` accepts: (config builder, format recipe).
+PRESETS = {"qwen3.6-35b-a3b": "a Qwen3.6-35B-A3B-shaped model, Q4_K_S-like formats"}
+
+
+def _weightless(name: str):
+  from jaxvt.gguf import synth
+  from jaxvt.model.declare import declare
+  from jaxvt.offload.plan import Q4_K_S_LIKE, estimate_bytes
+  from jaxvt.loader import UnitBytes
+  cfg = synth.qwen36_35b_a3b_config(n_nextn=0)
+  decls = declare(cfg)
+  sizes = estimate_bytes(decls, Q4_K_S_LIKE)
+  units = [UnitBytes(n, l, b, -1) for (n, l), b in sizes.items()]
+  return cfg, decls, units
+
+
 def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
                 max_context: int = 2048) -> str:
-  """`--plan`: the plan for the file at `path` without loading any weights."""
+  """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without loading
+  any weights."""
+  if path.lower() in PRESETS and not os.path.exists(path):
+    cfg, decls, units = _weightless(path.lower())
+    placed = plan_for_engine(cfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
+                             force=True, max_context=max_context)
+    return (f"model: {PRESETS[path.lower()]} (weightless; {cfg.n_layers} layers)\n"
+            f"{placed.reason}\n" + _unsafe_note(placed, placed.full_report()))
   import dataclasses as dc
 
   from jaxvt import loader
@@ -121,10 +145,14 @@ def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | 
   units = loader.unit_bytes(gf, cfg.arch, decls)
   placed = plan_for_engine(cfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
                            force=True, max_context=max_context)
-  text = placed.full_report()
+  return (f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n{placed.reason}\n"
+          + _unsafe_note(placed, placed.full_report()))
+
+
+def _unsafe_note(placed: Placed, text: str) -> str:
   if placed.breakdown.headroom < placed.breakdown.slack:
     safe = placed.safe_budget
     text += (f"UNSAFE: headroom {placed.breakdown.headroom / GiB:.2f} GiB is below the slack; "
              + (f"the smallest safe budget is {ceil_gib(safe):.1f} GiB\n" if safe is not None
                 else "no budget is safe on this device\n"))
-  return f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n{placed.reason}\n" + text
+  return text
