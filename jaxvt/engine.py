@@ -25,7 +25,7 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
 from jaxvt.sampling import SamplingParams, sample
 
-PREFILL_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
 
 
@@ -103,7 +103,10 @@ class Engine:
 
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
-    return decoder.init_cache(self.cfg, batch, self.max_context)
+    # ggml numerics: llama.cpp's default KV cache (type_k = type_v = f16); q and the attention
+    # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
+    kv = jnp.float16 if self.ex.ggml else jnp.float32
+    return decoder.init_cache(self.cfg, batch, self.max_context, kv_dtype=kv)
 
   def kv_len(self, n: int) -> int:
     return bucket(n, KV_BUCKETS, self.max_context)
@@ -206,10 +209,14 @@ class Engine:
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
-         on_plan: Callable[[object], None] | None = None) -> Engine:
+         on_plan: Callable[[object], None] | None = None, offload_pattern: tuple[str, ...] = (),
+         host_kind: str = "host") -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine. `offload_gb`: GiB of weights for the host tier, or
-  "auto"; `device_gb`: behave as if the device had this many GiB."""
+  "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
+  (`REGEX[=host|device]`) forcing matching weights' tier, counted against the budget;
+  `host_kind`: "host" (jaxvt's host tier, read in place) or "jax_pinned" (JAX's pinned_host
+  memory kind, copied to the device at each use: a benchmark arm)."""
   from jaxvt import ffi, loader
   from jaxvt.gguf.default_model import default_model_path
   from jaxvt.gguf.reader import open_gguf
@@ -234,15 +241,22 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     kernels = ffi.available(device.platform)
   tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
   units = loader.unit_bytes(gf, cfg.arch, decls)
+  from jaxvt.offload.plan import Policy, parse_overrides
+  policy = Policy(overrides=parse_overrides(offload_pattern))
   placed = placement_mod.plan_for_engine(cfg, decls, units, offload_gb=offload_gb,
                                          device_gb=device_gb, force=force, device=device,
-                                         max_context=max_context, kernels=kernels)
+                                         max_context=max_context, kernels=kernels,
+                                         policy=policy)
   if on_plan:
     on_plan(placed)
-  host_tier = placed.make_host_tier() if placed.host_bytes else None
+  where = placed.placement
+  if host_kind == "jax_pinned":
+    where = lambda n, l: "jax_pinned" if placed.placement(n, l) == "host" else "device"
+  elif host_kind != "host":
+    raise ValueError(f"host_kind must be 'host' or 'jax_pinned', not {host_kind!r}")
+  host_tier = placed.make_host_tier() if placed.host_bytes and host_kind == "host" else None
   try:
-    weights = loader.load_weights(gf, cfg.arch, decls, placed.placement, host_tier, device,
-                                  progress)
+    weights = loader.load_weights(gf, cfg.arch, decls, where, host_tier, device, progress)
   except BaseException:
     if host_tier is not None:
       host_tier.close()

@@ -120,6 +120,9 @@ def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, devic
                  progress) -> QWeight:
   tensors = [_tensor(gf, arch, d, l) for l in _layers(d)]
   experts = d.shape[0] if len(d.shape) == 3 else 0
+  kinds = {placement(d.name, l) for l in _layers(d)}
+  if "jax_pinned" in kinds:
+    return _load_jax_pinned(d, tensors, kinds, device, progress)
   rows, cols = d.shape[-2], d.shape[-1]
   fmts = np.zeros(len(tensors), np.int32)
   table = np.zeros(len(tensors), np.uint64)
@@ -162,6 +165,26 @@ def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, devic
                n_layers=len(tensors), host_layers=tuple(host_pos))
   return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device),
                  meta)
+
+
+def _load_jax_pinned(d: WeightDecl, tensors, kinds, device, progress) -> QWeight:
+  """A whole stack in JAX's pinned_host memory kind (QMeta.staged; see layers.stage)."""
+  if kinds != {"jax_pinned"}:
+    raise JaxvtError(f"'{d.name}': the jax_pinned kind places whole stacks only")
+  stride = max(t.n_bytes for t in tensors)
+  data = np.zeros((len(tensors), stride), np.uint8)
+  for i, t in enumerate(tensors):
+    data[i, :t.n_bytes] = t.raw().reshape(-1)
+    if progress:
+      progress(t.n_bytes)
+  pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  fmts = np.array([t.type_id for t in tensors], np.int32)
+  meta = QMeta(rows=d.shape[-2], cols=d.shape[-1], experts=d.shape[0] if len(d.shape) == 3 else 0,
+               formats=tuple(sorted(set(int(f) for f in fmts))), n_layers=len(tensors),
+               staged=True)
+  return QWeight(jax.device_put(data, pinned),
+                 jax.device_put(split_u64(np.arange(len(tensors))), device),
+                 jax.device_put(fmts, device), meta)
 
 
 def load_weights(gf: GGUFFile, arch: str, decls: list[WeightDecl], placement: Placement = all_device,

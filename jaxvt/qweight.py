@@ -38,6 +38,9 @@ class QMeta:
   formats: tuple[int, ...]  # sorted ggml type ids that occur in this stack
   n_layers: int
   host_layers: tuple[int, ...] = ()  # stack positions (0..L-1) that live in the host tier
+  # JAX's own pinned_host memory kind, used the documented way (a benchmark arm): `data` lives in
+  # pinned_host and every use copies the layer's bytes to the device first (jaxvt.model.layers).
+  staged: bool = False
 
   @property
   def any_host(self) -> bool:

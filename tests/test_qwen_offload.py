@@ -86,3 +86,18 @@ def test_weightless_plan_of_the_real_size_model():
   assert "weightless; 40 layers" in text and "18.48 GiB of weights" in text
   assert "routed_experts" in text and "safe offload budgets" in text
   assert "--offload-gb auto:" in text
+
+
+def test_jax_pinned_host_arm_same_tokens(model_file):
+  """The benchmark's JAX pinned_host arm (copy each layer's experts to the device per use)
+  computes the same function."""
+  arch, path = model_file
+  prompt = [5, 17, 42, 99]
+  with jaxvt.load(path, max_context=64) as dev:
+    want = dev.generate(prompt, max_tokens=6).tokens
+  with jaxvt.load(path, max_context=64, offload_gb=64, offload_pattern=("exps",),
+                  host_kind="jax_pinned") as arm:
+    w = arm.weights["moe.w_up"]
+    assert w.meta.staged and w.data.sharding.memory_kind == "pinned_host"
+    assert arm.host_tier is None
+    assert arm.generate(prompt, max_tokens=6).tokens == want

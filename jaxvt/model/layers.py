@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxvt.model.config import ModelConfig
 from jaxvt.qweight import QWeight
@@ -17,21 +18,52 @@ from jaxvt.qweight import QWeight
 
 @dataclasses.dataclass(frozen=True)
 class Exec:
-  """How to execute (not what to compute): static, hashable, passed beside the ModelConfig.
+  """How to execute: static, hashable, passed beside the ModelConfig.
 
-  kernels: run matrices through jaxvt.ffi's custom calls (required for host-tier weights);
-    False runs the jnp references (dequantize, then dot), which read device-tier weights only.
+  kernels: run matrices (and, on CPU, the ggml-exact norm / RoPE / attention / SwiGLU steps)
+    through jaxvt.ffi's custom calls (required for host-tier weights); False runs the jnp
+    references, which read device-tier weights only.
+  numerics: the arithmetic contract (jaxvt.ffi.numerics, docs/NUMERICS.md). "ggml" (default):
+    llama.cpp's CPU arithmetic: activations quantized to each weight format's vec-dot type and
+    dotted in integers; RMSNorm, RoPE, softmax and SwiGLU rounded as ggml rounds them; q and the
+    attention probabilities rounded to the KV-cache dtype. With kernels on CPU this reproduces
+    llama.cpp's logits bit for bit (Q4_0/Q4_1/Q8_0/F16/F32 weights, f16 or f32 cache). "f32":
+    exact dequantization and float32 math throughout (what a float framework computes).
   """
 
   kernels: bool = False
+  numerics: str = "ggml"
+
+  def __post_init__(self):
+    if self.numerics not in ("ggml", "f32"):
+      raise ValueError(f"Exec.numerics must be 'ggml' or 'f32', got {self.numerics!r}")
+
+  @property
+  def ggml(self) -> bool:
+    return self.numerics == "ggml"
+
+
+def stage(w: QWeight, layer):
+  """For a QWeight in JAX's pinned_host memory (meta.staged): copy layer `layer` to the device
+  (a DMA of the whole layer, as jax.device_put inside the scan does) and return (that one-layer
+  device QWeight, 0). Any other QWeight is returned as is."""
+  if not w.meta.staged:
+    return w, layer
+  row = jax.device_put(jax.lax.dynamic_index_in_dim(w.data, layer, 0, keepdims=True),
+                       jax.memory.Space.Device)
+  meta = dataclasses.replace(w.meta, n_layers=1, staged=False, host_layers=())
+  one = QWeight(row, jnp.zeros((1, 2), jnp.uint32), jax.lax.dynamic_slice_in_dim(w.fmts, layer, 1),
+                meta)
+  return one, jnp.int32(0)
 
 
 def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
   from jaxvt.ffi import ops  # the ops module registers the custom calls on first import
+  w, layer = stage(w, layer)
   if ex.kernels:
-    return ops.qmatmul(x.astype(jnp.float32), w, layer)
-  return ops.qmatmul_ref(x.astype(jnp.float32), w, layer)
+    return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
+  return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
 
 
 def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
@@ -41,20 +73,28 @@ def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
   return fn(ids, w, jnp.int32(0))
 
 
-def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
-  """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1)."""
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = None) -> jax.Array:
+  """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
+  With a ggml-numerics `ex`, ggml's rounding (jaxvt.ffi.ops.rms_norm)."""
+  if ex is not None and ex.ggml:
+    from jaxvt.ffi import ops
+    return ops.rms_norm(x, w, eps, kernels=ex.kernels)
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y if w is None else y * w
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
-         interleaved: bool) -> jax.Array:
+         interleaved: bool, ex: Exec | None = None) -> jax.Array:
   """Rotary embedding on the first `rope_dim` dims of each head.
 
   x [b, t, h, d], positions int32 [b, t]. `interleaved` rotates pairs (2i, 2i+1) (llama GGUF,
-  whose converter permuted q/k rows); otherwise pairs (i, i + rope_dim/2) (NEOX, Qwen).
+  whose converter permuted q/k rows); otherwise pairs (i, i + rope_dim/2) (NEOX, Qwen). With a
+  ggml-numerics `ex`, ggml_rope_ext's angles and rounding (jaxvt.ffi.ops.rope).
   """
+  if ex is not None and ex.ggml:
+    from jaxvt.ffi import ops
+    return ops.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
   half = rope_dim // 2
   inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dim)
   ang = positions.astype(jnp.float32)[..., None, None] * inv  # [b, t, 1, half]
@@ -70,13 +110,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
 
 
 def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
-              positions: jax.Array, cfg: ModelConfig, ex: Exec, kv_len: int):
+              positions: jax.Array, cfg: ModelConfig, ex: Exec, kv_len: int,
+              n_query: jax.Array | None = None):
   """Causal GQA self-attention with a KV cache (llama; qwen3 q/k norm; qwen35 output gate).
 
   x [b, t, m] (already normed); ai: this layer's index in the attention stacks (traced);
   k_cache/v_cache [n_attn, b, S, k, d]: the whole stacked cache, updated in place at
   [ai, row, positions]; positions int32 [b, t] (absolute). Only the first `kv_len` (static)
-  cached positions are read: the caller picks a bucket >= max(positions) + 1.
+  cached positions are read: the caller picks a bucket >= max(positions) + 1. n_query int32 [b]:
+  real query tokens per row (ggml numerics: llama.cpp's products for >= 2 tokens add in another
+  order than for one); None means t.
   Returns (out [b, t, m], k_cache, v_cache).
   """
   b, t, _ = x.shape
@@ -90,15 +133,25 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   k = linear(x, w["attn.wk"], ai, ex).reshape(b, t, K, D)
   v = linear(x, w["attn.wv"], ai, ex).reshape(b, t, K, Dv)
   if cfg.qk_norm:
-    q = rms_norm(q, w["attn.q_norm"][ai], cfg.rms_eps)
-    k = rms_norm(k, w["attn.k_norm"][ai], cfg.rms_eps)
-  q = rope(q, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved)
-  k = rope(k, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved)
+    q = rms_norm(q, w["attn.q_norm"][ai], cfg.rms_eps, ex)
+    k = rms_norm(k, w["attn.k_norm"][ai], cfg.rms_eps, ex)
+  q = rope(q, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved, ex)
+  k = rope(k, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved, ex)
 
   # Write the new keys/values at their positions (out-of-range positions are dropped).
   bidx = jnp.arange(b)[:, None]
   k_cache = k_cache.at[ai, bidx, positions].set(k.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[ai, bidx, positions].set(v.astype(v_cache.dtype), mode="drop")
+
+  if ex.ggml:
+    from jaxvt.ffi import ops
+    nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
+    scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
+    o = ops.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
+                      kernels=ex.kernels).reshape(b, t, H * Dv)
+    if gate is not None:
+      o = o * jax.nn.sigmoid(gate)
+    return linear(o, w["attn.wo"], ai, ex), k_cache, v_cache
 
   zero = jnp.zeros((), jnp.int32)
   ks = jax.lax.dynamic_slice(k_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
@@ -118,5 +171,10 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
 def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
            ex: Exec) -> jax.Array:
   """Dense SwiGLU FFN: down(silu(gate x) * up x)."""
-  h = jax.nn.silu(linear(x, w_gate, li, ex)) * linear(x, w_up, li, ex)
+  g, u = linear(x, w_gate, li, ex), linear(x, w_up, li, ex)
+  if ex.ggml:
+    from jaxvt.ffi import ops
+    h = ops.swiglu(g, u, kernels=ex.kernels)
+  else:
+    h = jax.nn.silu(g) * u
   return linear(h, w_down, li, ex)

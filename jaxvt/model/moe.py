@@ -14,6 +14,8 @@ e experts, f expert hidden, d model dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,8 +42,9 @@ def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.
 # Qwen3.6-35B-A3B. For many tokens we instead pass once over the experts, each dequantized once
 # and applied to every token with its combine weight (0 where not routed): memory O(T d + rows cols).
 
-def _layer_expert(w: QWeight, layer, e, fmt: int) -> jax.Array:
-  """Expert `e` of layer `layer` (device tier) of an expert stack, dequantized: f32 [rows, cols]."""
+def _layer_expert(w: QWeight, layer, e, fmt: int, raw_bytes: bool = False) -> jax.Array:
+  """Expert `e` of layer `layer` (device tier) of an expert stack, dequantized: f32 [rows, cols]
+  (raw_bytes: its blocks, uint8 [rows, row_bytes])."""
   from jaxvt.gguf import quants
   m = w.meta
   nbytes = m.rows * quants.row_bytes(fmt, m.cols)
@@ -49,32 +52,34 @@ def _layer_expert(w: QWeight, layer, e, fmt: int) -> jax.Array:
   raw = jax.lax.dynamic_index_in_dim(w.data, slot, 0, keepdims=False)[:m.experts * nbytes]
   if raw.shape[0] < m.experts * nbytes:  # every layer host-tier: data is a placeholder
     raw = jnp.pad(raw, (0, m.experts * nbytes - raw.shape[0]))
-  raw = jax.lax.dynamic_slice_in_dim(raw, e * nbytes, nbytes)
-  return quants.dequantize(raw.reshape(m.rows, -1), fmt, m.cols)
+  raw = jax.lax.dynamic_slice_in_dim(raw, e * nbytes, nbytes).reshape(m.rows, -1)
+  return raw if raw_bytes else quants.dequantize(raw, fmt, m.cols)
 
 
-def _expert_matrix(w: QWeight, layer, e) -> jax.Array:
+def _expert_product(x: jax.Array, w: QWeight, layer, e, mode: str) -> jax.Array:
+  """x f32 [T, cols] times expert e of layer `layer`: f32 [T, rows] (jaxvt.ffi.numerics.qdot)."""
+  from jaxvt.ffi import numerics
   formats = w.meta.formats
-  if len(formats) == 1:
-    return _layer_expert(w, layer, e, formats[0])
   f = (w.fmts[layer] & FMT_MASK).astype(jnp.int32)
   branch = sum(jnp.where(f == t, i, 0) for i, t in enumerate(formats))
-  return jax.lax.switch(branch, [lambda t=t: _layer_expert(w, layer, e, t) for t in formats])
+  fns = [lambda t=t: numerics.qdot(x, _layer_expert(w, layer, e, t, raw_bytes=True), t,
+                                   w.meta.cols, mode) for t in formats]
+  return fns[0]() if len(fns) == 1 else jax.lax.switch(branch, fns)
 
 
 def experts_per_expert_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids,
-                           weights):
+                           weights, mode: str = "ggml"):
   """Same contract as ops.moe_experts_ref, one pass per expert (for many tokens). Device-tier
   layers only (NaN for a host-tier layer, like the ops references)."""
+  from jaxvt.ffi import ops
   x = x.astype(jnp.float32)
   E = w_gate.meta.experts
   comb = jnp.sum(jnp.where(ids[..., None] == jnp.arange(E), weights[..., None], 0.0), axis=1)
-  dot = lambda a, b: jnp.dot(a, b.T, precision=jax.lax.Precision.HIGHEST)
 
   def body(acc, e):
-    hid = jax.nn.silu(dot(x, _expert_matrix(w_gate, layer, e))) * dot(
-        x, _expert_matrix(w_up, layer, e))
-    return acc + dot(hid, _expert_matrix(w_down, layer, e)) * comb[:, e, None], None
+    hid = ops.silu_mul(_expert_product(x, w_gate, layer, e, mode),
+                       _expert_product(x, w_up, layer, e, mode), mode)
+    return acc + _expert_product(hid, w_down, layer, e, mode) * comb[:, e, None], None
 
   acc, _ = jax.lax.scan(body, jnp.zeros_like(x), jnp.arange(E))
   host = (w_gate.fmts[layer] & HOST_BIT) != 0
@@ -84,8 +89,10 @@ def experts_per_expert_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, l
 def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
   from jaxvt.ffi import ops
   if ex.kernels:
-    return ops.moe_experts
-  return ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
+    fn = ops.moe_experts
+  else:
+    fn = ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
+  return functools.partial(fn, mode=ex.numerics)
 
 
 def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
@@ -98,7 +105,9 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
                      cfg.norm_topk_prob)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
-    y = routed(x, w["moe.w_gate"], w["moe.w_up"], w["moe.w_down"], li, ids, wts)
+    (wg, lg), (wu, _), (wd, _) = (layers.stage(w[n], li) for n in
+                                  ("moe.w_gate", "moe.w_up", "moe.w_down"))
+    y = routed(x, wg, wu, wd, lg, ids, wts)
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
       s = layers.swiglu(x, w["shexp.w_gate"], w["shexp.w_up"], w["shexp.w_down"], li, ex)

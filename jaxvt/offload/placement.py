@@ -85,7 +85,7 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   rates = probe.load_rates(device)
   shape = memory.RunShape(batch=policy.batch, max_context=max_context,
                           prefill_chunk=max_context, kv_elem_bytes=4)
-  base = plan(cfg, decls, sizes, 0, policy)
+  base = plan(cfg, decls, sizes, 1 << 62, policy)  # re-budgeted below; holds any forced units
   if offload_gb == "auto":
     ab = cost.auto_budget(base, facts, rates, cfg, shape)
     placed, reason = ab.plan, ab.reason
