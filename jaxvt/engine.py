@@ -139,8 +139,10 @@ class Engine:
   # ---- generation ----------------------------------------------------------------------
   def generate(self, prompt: str | list[int], max_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), seed: int = 0, chat: bool = False,
-               on_text: Callable[[str], None] | None = None) -> Generation:
-    """Generates up to `max_tokens` after `prompt` (text, or token ids); streams via on_text."""
+               on_text: Callable[[str], None] | None = None,
+               stop_at_eos: bool = True) -> Generation:
+    """Generates up to `max_tokens` after `prompt` (text, or token ids); streams via on_text.
+    stop_at_eos=False keeps going past end-of-generation tokens (benchmarks)."""
     tok = self.tokenizer
     if isinstance(prompt, str):
       if chat:
@@ -151,7 +153,7 @@ class Engine:
     if not ids:
       raise JaxvtError("the prompt is empty; pass --prompt TEXT")
     stats = GenerationStats(prompt_tokens=len(ids))
-    stops = set(tok.stop_ids)
+    stops = set(tok.stop_ids) if stop_at_eos else set()
     key = jax.random.key(seed)
     stream = tok.stream_decoder()
 

@@ -15,10 +15,22 @@ def main(argv=None) -> int:
   c.add_argument("--threads", type=int, default=2)
   t = sub.add_parser("tier", help="host-tier read rate vs the link (GPU; CPU runs it too)")
   t.add_argument("--total-mib", type=int, default=256)
+  o = sub.add_parser("offload", help="Qwen3.6-35B-A3B-shaped sweep in an emulated 16 GiB GPU")
+  o.add_argument("--model", default="/tmp/jaxvt-qwen36-35b-a3b-shape.gguf")
+  o.add_argument("--prompt", type=int, default=512)
+  o.add_argument("--gen", type=int, default=128)
+  o.add_argument("--time-limit", type=int, default=540)
+  o.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.which == "cpu":
     from jaxvt.bench import cpu
     print(cpu.main(args))
+  elif args.which == "offload":
+    from jaxvt.bench import offload
+    if args.child:
+      offload.child(args)
+    else:
+      print(offload.main(args))
   elif args.which == "tier":
     from jaxvt.bench import tier
     print(tier.main(args))
