@@ -241,8 +241,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   device = device or jax.devices()[0]
   if kernels is None:
     kernels = ffi.available(device.platform)
+  units = loader.unit_bytes(gf, cfg.arch, decls)  # checks every tensor's shape and format
   tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
-  units = loader.unit_bytes(gf, cfg.arch, decls)
   from jaxvt.offload.plan import Policy, parse_overrides
   policy = Policy(overrides=parse_overrides(offload_pattern))
   placed = placement_mod.plan_for_engine(cfg, decls, units, offload_gb=offload_gb,

@@ -74,14 +74,23 @@ class _Bar:
 
   def __call__(self, nbytes: int) -> None:
     self.done += nbytes
+    if self.shown == -2:
+      return
     pct = min(100, int(100 * self.done / self.total))
     if pct != self.shown:
       self.shown = pct
       bar = "#" * (pct // 4)
       sys.stderr.write(f"\rloading weights [{bar:<25}] {pct:3d}%")
       if pct == 100:
-        sys.stderr.write("\n")
+        self.finish()
       sys.stderr.flush()
+
+  def finish(self) -> None:
+    """Ends the bar's line (once), so what follows starts on a line of its own."""
+    if self.shown >= 0 and self.shown != -2:
+      sys.stderr.write("\n")
+      sys.stderr.flush()
+    self.shown = -2
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -102,28 +111,35 @@ def main(argv: list[str]) -> int:
     print(f"jaxvt: error: {e}", file=sys.stderr)
     return 2
   F = FLAGS
+  bar = None
   try:
     _validate(F)
     offload = parse_offload(F.offload_gb)
     import os
 
-    from jaxvt import engine as engine_mod
     from jaxvt.gguf.default_model import default_model_path
-    from jaxvt.sampling import SamplingParams
+    from jaxvt.offload.placement import PRESETS
 
     path = F.model or default_model_path()
+    if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
+      from jaxvt.gguf.reader import check_path
+      check_path(path)  # before JAX starts: a bad path is reported at once
     if F.plan:
       from jaxvt.offload import placement
       print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
                                   max_context=F.max_context))
       return 0
+    from jaxvt import engine as engine_mod
+    from jaxvt.sampling import SamplingParams
     bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
 
     def show_plan(placed):
-      print(placed.report(), file=sys.stderr if not F.plan else sys.stdout)
+      print(placed.report(), file=sys.stderr)
 
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan)
+    if bar:
+      bar.finish()
     with eng:
       chat = F.chat if F.chat is not None else F.prompt is None
       prompt = F.prompt if F.prompt is not None else DEFAULT_PROMPT
@@ -141,6 +157,8 @@ def main(argv: list[str]) -> int:
             f"{s.prefill_tok_s:.1f} tok/s | decode {s.generated_tokens} tok at "
             f"{s.decode_tok_s:.1f} tok/s | stop: {out.stopped_by}", file=sys.stderr)
   except JaxvtError as e:
+    if bar:
+      bar.finish()
     print(f"jaxvt: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:

@@ -52,10 +52,8 @@ def _decode_field(field) -> Any:
     return None
 
 
-def open_gguf(path: str) -> GGUFFile:
-  """Opens and validates `path`; raises JaxvtError for missing, non-GGUF or truncated files."""
-  import gguf
-
+def check_path(path: str) -> int:
+  """Cheap checks (exists, is a file, GGUF magic); returns the size. Raises JaxvtError."""
   if not os.path.exists(path):
     raise JaxvtError(f"model file not found: {path} (pass --model PATH to a .gguf file)")
   if os.path.isdir(path):
@@ -66,6 +64,14 @@ def open_gguf(path: str) -> GGUFFile:
   if magic != GGUF_MAGIC:
     raise JaxvtError(f"{path} is not a GGUF file (magic {magic!r}); convert the model with "
                      "llama.cpp's convert_hf_to_gguf.py")
+  return size
+
+
+def open_gguf(path: str) -> GGUFFile:
+  """Opens and validates `path`; raises JaxvtError for missing, non-GGUF or truncated files."""
+  import gguf
+
+  size = check_path(path)
   try:
     reader = gguf.GGUFReader(path, "r")
   except (ValueError, IndexError, OSError, KeyError, EOFError) as e:
