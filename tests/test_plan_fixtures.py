@@ -11,15 +11,8 @@ from jaxvt.offload.plan import HOST
 
 def qwen36_35b() -> ModelConfig:
   """Qwen3.6-35B-A3B as FACTS.md section 4 gives it."""
-  return ModelConfig(
-      arch="qwen35moe", n_layers=40, d_model=2048, n_heads=16, n_kv_heads=2, head_dim=256,
-      v_head_dim=256, ffn_dim=0, vocab_size=248320, rms_eps=1e-6, rope_theta=1e7, rope_dim=64,
-      context_length=262144, tied_embeddings=False, rope_interleaved=False, qk_norm=True,
-      attn_output_gate=True,
-      layer_types=tuple("attention" if (i + 1) % 4 == 0 else "deltanet" for i in range(40)),
-      n_experts=256, n_experts_used=8, expert_ffn_dim=512, shared_ffn_dim=512,
-      ssm_conv_kernel=4, ssm_k_heads=16, ssm_v_heads=32, ssm_k_dim=128, ssm_v_dim=128,
-      n_nextn=1)
+  from jaxvt.gguf.synth import qwen36_35b_a3b_config
+  return qwen36_35b_a3b_config(n_nextn=1)
 
 
 def smollm2_135m() -> ModelConfig:

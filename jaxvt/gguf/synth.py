@@ -128,17 +128,9 @@ CHAT_TEMPLATE = (
 
 
 def bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's reversible byte -> printable character map."""
-  keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-          + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-  out, extra = {}, 0
-  for b in range(256):
-    if b in keep:
-      out[b] = chr(b)
-    else:
-      out[b] = chr(256 + extra)
-      extra += 1
-  return out
+  """GPT-2's byte -> printable unicode map (the tokenizer's, shared)."""
+  from jaxvt.gguf.tokenizer import _bytes_to_unicode
+  return _bytes_to_unicode()
 
 
 @dataclasses.dataclass(frozen=True)
