@@ -199,11 +199,22 @@ def main(args) -> str:
   sweep, _ = _spawn("sweep", args, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac},
                     timeout=max(60, left() - 20))
   runs = dev_runs + pin_runs + sweep
+  body = render(runs, rates, frac, os.path.getsize(args.model) / GiB, args, report.machine(),
+                report.stamp())
+  _plot(runs, "docs/offload_sweep.png")
+  body += "\n\n![offload sweep](offload_sweep.png)\n"
+  report.write_section("offload", body)
+  return body
+
+
+def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, machine: str,
+           date: str) -> str:
+  """The markdown table of a sweep."""
   dma, hbm = rates.get("dma", 0.0), rates.get("hbm", 0.0)
   lines = [f"## Offload sweep: Qwen3.6-35B-A3B-shaped model in an emulated 16 GiB card\n",
            f"Command: `python -m jaxvt.bench offload --time-limit {args.time_limit}`  ",
-           f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n",
-           f"Model: {os.path.getsize(args.model) / GiB:.2f} GiB file (Q4_K_M-like synthetic "
+           f"Machine: {machine}  ", f"Date: {date}\n",
+           f"Model: {model_gib:.2f} GiB file (Q4_K_M-like synthetic "
            f"weights, 40 trunk layers + MTP block). 16 GiB card: XLA pool fraction {frac}. "
            f"Same run: DMA host->device {dma:.1f} GB/s, device copy {hbm:.0f} GB/s. Prompt "
            f"{args.prompt} tokens, {args.gen} greedy tokens. Roofline = host bytes/DMA + device "
@@ -218,11 +229,7 @@ def main(args) -> str:
                  f"{r.host_gib:.2f} | {r.host_mb_per_token:.0f} | {r.prefill_tok_s:.1f} | "
                  f"{r.decode_tok_s:.2f} | {ms:.1f} | {r.predicted_ms:.1f} | {roof:.1f} | "
                  f"{r.peak_gib:.2f}/{r.pool_gib:.2f} | {r.note} |")
-  body = "\n".join(lines)
-  _plot(runs, "docs/offload_sweep.png")
-  body += "\n\n![offload sweep](offload_sweep.png)\n"
-  report.write_section("offload", body)
-  return body
+  return "\n".join(lines)
 
 
 def _plot(runs: list[Run], path: str) -> None:
