@@ -263,7 +263,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     if host_tier is not None:
       host_tier.close()
     raise
-  ex = Exec(kernels=kernels)
+  # ggml's arithmetic (Q8 activations, integer dots) has kernels on the CPU, where it makes
+  # jaxvt agree with llama.cpp; GPU kernels compute in float32 (dequantize, f32 dot).
+  ex = Exec(kernels=kernels, numerics="ggml" if device.platform == "cpu" else "f32")
   return Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
                 path=path, load_seconds=time.perf_counter() - t0, plan=placed,
                 host_tier=host_tier)

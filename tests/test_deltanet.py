@@ -204,7 +204,7 @@ def _jit_block(cfg, ex):
   return jax.jit(functools.partial(deltanet.deltanet_block, cfg=cfg, ex=ex))
 
 
-def block(cfg, w, gi, h, conv, ssm, valid=None, ex=Exec(kernels=False)):
+def block(cfg, w, gi, h, conv, ssm, valid=None, ex=Exec(kernels=False, numerics="f32")):
   if valid is None:
     valid = np.ones(h.shape[:2], bool)
   out, conv, ssm = _jit_block(cfg, ex)(jnp.asarray(h, jnp.float32), w, jnp.int32(gi),

@@ -1,12 +1,16 @@
 """jaxvt.ffi kernels against float64 numpy references (gguf-py's dequantizer), on CPU.
 
-Every op x every format, mixed per-layer formats, host-tier vs device-tier layers (bitwise
-equal), a traced layer index inside lax.scan, expert routing (only routed experts' bytes may
-matter), batch shapes and vmap. Tolerances: see tests/test_ffi_cases.py. test_ffi_gpu.py runs the
+Every op x every format in both arithmetic contracts ("ggml": activations quantized to the
+weight's ggml vec-dot type; "f32"), mixed per-layer formats, host-tier vs device-tier layers
+(bitwise equal), a traced layer index inside lax.scan, expert routing (only routed experts' bytes
+may matter), batch shapes and vmap; the ggml-exact model ops (rms_norm, swiglu, rope, attention)
+against their jnp formulas. Tolerances: see tests/test_ffi_cases.py. test_ffi_gpu.py runs the
 same tests on a GPU by overriding the `device` and `tier` fixtures.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +27,9 @@ if ffi.available("cpu"):
   from jaxvt.ffi import ops
   from jaxvt.offload.host_tier import HostTier
 
-from test_ffi_cases import (ALL, BF16, F32, NAMES, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, assert_close,
-                            dequant, experts_ref, make_stack, matmul_ref, poison_experts)
+from test_ffi_cases import (ALL, BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,
+                            assert_close, dequant, experts_ref, make_stack, poison_experts,
+                            quantize_x)
 
 ROWS, COLS = 48, 512
 K_AND_SOME = [Q4_K, Q5_K, Q6_K, Q8_0, Q4_1, BF16]
@@ -50,28 +55,32 @@ def put(tree, device):
   return jax.device_put(tree, device)
 
 
-qmatmul = jax.jit(lambda x, w, l: ops.qmatmul(x, w, l))
+qmatmul = jax.jit(lambda x, w, l, mode="ggml": ops.qmatmul(x, w, l, mode), static_argnums=3)
 qembed = jax.jit(lambda i, w, l: ops.qembed(i, w, l))
 qdequant = jax.jit(lambda w, l: ops.qdequant(w, l))
-experts = jax.jit(lambda x, w, l, i: ops.qmatmul_experts(x, w, l, i))
+experts = jax.jit(lambda x, w, l, i, mode="ggml": ops.qmatmul_experts(x, w, l, i, mode),
+                  static_argnums=4)
+MODES = ["ggml", "f32"]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", ALL, ids=NAMES.get)
 @pytest.mark.parametrize("lead", [(), (1,), (3,), (2, 5), (17,)], ids=str)
-def test_qmatmul_formats_and_batches(fmt, lead, rng, device):
+def test_qmatmul_formats_and_batches(fmt, lead, mode, rng, device):
   s = make_stack(rng, [fmt], ROWS, COLS)
   x = rng.standard_normal((*lead, COLS)).astype(np.float32)
-  y = qmatmul(put(x, device), put(s.w, device), 0)
-  assert_close(y, matmul_ref(x, s.mats[0][0]))
+  y = qmatmul(put(x, device), put(s.w, device), 0, mode)
+  assert_close(y, s.ref(x, 0, mode=mode))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", [Q4_K, Q6_K, Q8_0, BF16, F32], ids=NAMES.get)
 @pytest.mark.parametrize("batch", [1, 4])
-def test_qmatmul_wide_rows(fmt, batch, rng, device):
+def test_qmatmul_wide_rows(fmt, batch, mode, rng, device):
   """Rows larger than one GPU streaming chunk (2 KiB): the kernel walks them in pieces."""
   s = make_stack(rng, [fmt], 8, 4096)
   x = rng.standard_normal((batch, 4096)).astype(np.float32)
-  assert_close(qmatmul(put(x, device), put(s.w, device), 0), matmul_ref(x, s.mats[0][0]))
+  assert_close(qmatmul(put(x, device), put(s.w, device), 0, mode), s.ref(x, 0, mode=mode))
 
 
 @pytest.mark.parametrize("fmt", ALL, ids=NAMES.get)
@@ -107,7 +116,7 @@ def test_mixed_formats_in_scan(rng, device):
   w, xd = put(s.w, device), put(x, device)
   ys = np.asarray(jax.jit(scan_matmul, static_argnums=2)(xd, w, len(fmts)))
   for l in range(len(fmts)):
-    assert_close(ys[l], matmul_ref(x, s.mats[l][0]))
+    assert_close(ys[l], s.ref(x, l))
     np.testing.assert_array_equal(ys[l], np.asarray(qmatmul(xd, w, l)))
   # Out-of-range layer indices are clamped like a JAX dynamic index.
   np.testing.assert_array_equal(np.asarray(qmatmul(xd, w, 99)), ys[-1])
@@ -139,20 +148,21 @@ def test_host_tier_bitwise_equal_to_device_tier(rng, device, tier):
     for a, b in zip(outs[0], o):
       np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
   for l in range(L):
-    assert_close(outs[0][0][l], matmul_ref(np.asarray(x), base.mats[l][0]))
-    assert_close(outs[0][3][l], experts_ref(np.asarray(x), ex.mats[l], np.asarray(ids)))
+    assert_close(outs[0][0][l], base.ref(np.asarray(x), l))
+    assert_close(outs[0][3][l], experts_ref(np.asarray(x), ex, l, np.asarray(ids)))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", K_AND_SOME, ids=NAMES.get)
 @pytest.mark.parametrize("per_slot", [False, True], ids=["x[T]", "x[T,k]"])
-def test_experts_routing(fmt, per_slot, rng, device):
+def test_experts_routing(fmt, per_slot, mode, rng, device):
   E, T, k = 6, 5, 3
   s = make_stack(rng, [Q4_K, fmt], 32, 512, experts=E)
   ids = np.array([[0, 2, 5], [2, 2, 1], [5, 0, 9], [3, -1, 3], [1, 1, 1]], np.int32)
   x = rng.standard_normal((T, k, 512) if per_slot else (T, 512)).astype(np.float32)
-  y = experts(put(x, device), put(s.w, device), 1, put(ids, device))
+  y = experts(put(x, device), put(s.w, device), 1, put(ids, device), mode)
   assert y.shape == (T, k, 32)
-  assert_close(y, experts_ref(x, s.mats[1], ids))
+  assert_close(y, experts_ref(x, s, 1, ids, mode))
 
 
 @pytest.mark.parametrize("fmt", K_AND_SOME, ids=NAMES.get)
@@ -174,7 +184,8 @@ def test_experts_read_only_routed_bytes(fmt, rng, device, tier):
   assert np.isnan(bad[0, 0]).all() and np.isfinite(bad[1]).all()
 
 
-def test_moe_experts(rng, device):
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_experts(mode, rng, device):
   E, T, k, d, ffn = 5, 3, 2, 256, 256
   wg = make_stack(rng, [Q4_K], ffn, d, experts=E)
   wu = make_stack(rng, [Q8_0], ffn, d, experts=E)
@@ -182,17 +193,22 @@ def test_moe_experts(rng, device):
   x = rng.standard_normal((T, d)).astype(np.float32)
   ids = np.array([[0, 4], [4, 2], [1, 0]], np.int32)
   gate = rng.uniform(0, 1, (T, k)).astype(np.float32)
-  out = jax.jit(ops.moe_experts)(*put((x, wg.w, wu.w, wd.w, 0, ids, gate), device))
+  fn = jax.jit(functools.partial(ops.moe_experts, mode=mode))
+  out = fn(*put((x, wg.w, wu.w, wd.w, 0, ids, gate), device))
   want = np.zeros((T, d))
+  xin = lambda v, f: v.astype(np.float64) if mode == "f32" else quantize_x(v, f)[0]
   for t in range(T):
     for j in range(k):
       e = ids[t, j]
-      g = wg.mats[0][e].astype(np.float64) @ x[t]
-      u = wu.mats[0][e].astype(np.float64) @ x[t]
+      g = wg.mats[0][e].astype(np.float64) @ xin(x[t], Q4_K)
+      u = wu.mats[0][e].astype(np.float64) @ xin(x[t], Q8_0)
       h = g / (1 + np.exp(-g)) * u
-      want[t] += gate[t, j] * (wd.mats[0][e].astype(np.float64) @ h)
+      want[t] += gate[t, j] * (wd.mats[0][e].astype(np.float64) @ xin(h.astype(np.float32), Q6_K))
   scale = np.abs(want).max()
-  np.testing.assert_allclose(np.asarray(out), want, atol=1e-4 * scale, rtol=0)
+  # ggml mode quantizes h, computed here in float64 and by the kernel in float32: a rounding
+  # difference can move one int8 step of one Q8_K block (about 1/127 of its largest element).
+  tol = 1e-4 if mode == "f32" else 2e-3
+  np.testing.assert_allclose(np.asarray(out), want, atol=tol * scale, rtol=0)
 
 
 def test_vmap(rng, device):
@@ -200,42 +216,49 @@ def test_vmap(rng, device):
   x = rng.standard_normal((4, 3, COLS)).astype(np.float32)
   w = put(s.w, device)
   over_x = jax.jit(jax.vmap(lambda xi: ops.qmatmul(xi, w, 1)))(put(x, device))
-  assert_close(over_x, matmul_ref(x, s.mats[1][0]))
+  assert_close(over_x, s.ref(x, 1))
   over_layer = jax.jit(jax.vmap(lambda l: ops.qmatmul(x[0], w, l)))(jnp.arange(2, dtype=jnp.int32))
   for l in range(2):
-    assert_close(over_layer[l], matmul_ref(x[0], s.mats[l][0]))
+    assert_close(over_layer[l], s.ref(x[0], l))
   ids = jnp.array([[1, 2], [3, 4]], jnp.int32)
   np.testing.assert_array_equal(np.asarray(jax.vmap(lambda i: ops.qembed(i, w, 1))(ids)),
                                 s.mats[1][0][np.asarray(ids)])
 
 
-def test_threads_and_portable_path_agree(rng, device):
-  """Row splitting across threads changes no bits; the portable path agrees within tolerance."""
+@pytest.mark.parametrize("fmt", ALL, ids=NAMES.get)
+def test_threads_and_portable_path_agree(fmt, rng, device):
+  """Row splitting across threads changes no bits; in ggml mode the portable path gives the AVX2
+  path's bits (both add in ggml's order), in f32 mode it agrees within tolerance."""
   ext = ffi.extension()
-  s = make_stack(rng, [Q4_K], 512, 1024)
-  x = rng.standard_normal((2, 1024)).astype(np.float32)
+  s = make_stack(rng, [fmt], 512, 1024)
+  x = rng.standard_normal((5, 1024)).astype(np.float32)
   w, xd = put(s.w, device), put(x, device)
-  fn = jax.jit(lambda x, w: ops.qmatmul(x, w, 0) * 1.0)
+  fns = {m: jax.jit(lambda x, w, m=m: ops.qmatmul(x, w, 0, m) * 1.0) for m in MODES}
   n0 = ext.cpu_threads()
   try:
     ext.set_cpu_threads(1)
-    one = np.asarray(fn(xd, w))
+    one = {m: np.asarray(f(xd, w)) for m, f in fns.items()}
     ext.set_cpu_threads(3)
-    np.testing.assert_array_equal(np.asarray(fn(xd, w)), one)
+    for m, f in fns.items():
+      np.testing.assert_array_equal(np.asarray(f(xd, w)), one[m])
     ext.set_cpu_isa("generic")
-    assert_close(fn(xd, w), matmul_ref(x, s.mats[0][0]))
+    np.testing.assert_array_equal(np.asarray(fns["ggml"](xd, w)), one["ggml"])
+    assert_close(fns["f32"](xd, w), s.ref(x, 0, mode="f32"))
   finally:
     ext.set_cpu_isa("auto")
     ext.set_cpu_threads(n0)
-  assert_close(one, matmul_ref(x, s.mats[0][0]))
+  for m in MODES:
+    assert_close(one[m], s.ref(x, 0, mode=m))
 
 
-@pytest.mark.parametrize("fmt", [Q4_K, Q6_K, Q4_1, BF16], ids=NAMES.get)
-def test_references_match_numpy(fmt, rng, device):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", [Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, F16, BF16], ids=NAMES.get)
+def test_references_match_numpy(fmt, mode, rng, device):
   pytest.importorskip("jaxvt.gguf.quants")
   s = make_stack(rng, [Q8_0, fmt], ROWS, COLS)
   x = rng.standard_normal((3, COLS)).astype(np.float32)
-  assert_close(jax.jit(ops.qmatmul_ref)(x, s.w, 1), matmul_ref(x, s.mats[1][0]))
+  ref = jax.jit(ops.qmatmul_ref, static_argnums=3)
+  assert_close(ref(x, s.w, 1, mode), s.ref(x, 1, mode=mode))
   ids = np.array([2, 0, 40], np.int32)
   np.testing.assert_array_equal(np.asarray(ops.qembed_ref(ids, s.w, 1)), s.mats[1][0][ids])
   np.testing.assert_array_equal(np.asarray(ops.qdequant_ref(s.w, 1)),
@@ -243,8 +266,31 @@ def test_references_match_numpy(fmt, rng, device):
   e = make_stack(rng, [fmt], 32, 512, experts=4)
   eids = np.array([[3, 0], [1, 1]], np.int32)
   xe = rng.standard_normal((2, 512)).astype(np.float32)
-  assert_close(ops.qmatmul_experts_ref(xe, e.w, 0, eids), experts_ref(xe, e.mats[0], eids))
-  assert_close(ops.qmatmul_experts(xe, e.w, 0, eids), experts_ref(xe, e.mats[0], eids))
+  assert_close(ops.qmatmul_experts_ref(xe, e.w, 0, eids, mode), experts_ref(xe, e, 0, eids, mode))
+  assert_close(ops.qmatmul_experts(xe, e.w, 0, eids, mode), experts_ref(xe, e, 0, eids, mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kernels_equal_references_on_device(mode, rng, device):
+  """On the test's device (CPU here, the GPU in test_ffi_gpu.py) each kernel computes its jnp
+  reference's function: the same integers, float32 rounding apart."""
+  fmts = [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32]
+  s = make_stack(rng, fmts, ROWS, COLS)
+  x = put(rng.standard_normal((3, COLS)).astype(np.float32), device)
+  w = put(s.w, device)
+  kern = jax.jit(lambda x, w, l: ops.qmatmul(x, w, l, mode))
+  ref = jax.jit(lambda x, w, l: ops.qmatmul_ref(x, w, l, mode))
+  for l in range(len(fmts)):
+    _, tol = s.ref(np.asarray(x), l, mode=mode)
+    np.testing.assert_array_less(np.abs(np.asarray(kern(x, w, l)) - np.asarray(ref(x, w, l))), tol)
+  e = make_stack(rng, [Q4_1, Q4_K], 32, 512, experts=4)
+  ids = put(np.array([[3, 0], [1, 1]], np.int32), device)
+  xe = put(rng.standard_normal((2, 512)).astype(np.float32), device)
+  for l in range(2):
+    a = np.asarray(ops.qmatmul_experts(xe, put(e.w, device), l, ids, mode))
+    b = np.asarray(ops.qmatmul_experts_ref(xe, put(e.w, device), l, ids, mode))
+    tol = experts_ref(np.asarray(xe), e, l, np.asarray(ids), mode)[1]
+    np.testing.assert_array_less(np.abs(a - b), tol)
 
 
 def test_reference_of_a_host_layer_is_nan(rng, tier):
@@ -252,7 +298,7 @@ def test_reference_of_a_host_layer_is_nan(rng, tier):
   s = make_stack(rng, [Q4_K, Q8_0], ROWS, COLS, host=(1,), tier=tier)
   x = np.ones((1, COLS), np.float32)
   assert np.isnan(np.asarray(ops.qmatmul_ref(x, s.w, 1))).all()
-  assert_close(ops.qmatmul_ref(x, s.w, 0), matmul_ref(x, s.mats[0][0]))
+  assert_close(ops.qmatmul_ref(x, s.w, 0), s.ref(x, 0))
 
 
 def test_dequant_helper_matches_gguf(rng):
@@ -280,3 +326,119 @@ def test_available_and_register_are_idempotent():
   assert ffi.available("cpu")
   assert "cpu" in ffi.register() and ffi.register() == ffi.register()
   assert ffi.available("gpu") == ("CUDA" in ffi.extension().registrations())
+
+
+# ---------------------------------------------------------------------------------------------
+# ggml arithmetic: activation quantizers, and the ggml-exact model ops against their formulas
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_K, F16, BF16], ids=NAMES.get)
+def test_activation_quantizers_match_numpy(fmt, rng):
+  """jnp quantizers (numerics) give the numpy recipe's values: scales, ties, zero blocks."""
+  from jaxvt.ffi import numerics
+  x = (rng.standard_normal((4, 512)) * rng.uniform(1e-3, 1e3, (4, 1))).astype(np.float32)
+  x[0, :256] = 0                                    # an all-zero block
+  x[1, :32] = np.arange(32, dtype=np.float32) - 16  # integers: many exact .5 ties after scaling
+  x[2, 7] = -3 * np.abs(x[2]).max()                 # negative extreme (Q8_K picks the sign)
+  want = quantize_x(x, fmt)[0]
+  if fmt in (Q8_0, Q4_1):
+    q, d, _ = jax.jit(numerics.quantize_q8)(x)
+    got = np.asarray(q, np.float64) * np.asarray(d, np.float64)[..., None]
+  elif fmt == Q4_K:
+    q, d, bs = jax.jit(numerics.quantize_q8k)(x)
+    got = np.asarray(q, np.float64) * np.asarray(d, np.float64)[..., None]
+    sums = np.asarray(q, np.int64).reshape(4, 2, 16, 16).sum(-1)
+    np.testing.assert_array_equal(np.asarray(bs), sums)
+  else:
+    got = np.asarray(numerics.round_to(x, jnp.float16 if fmt == F16 else jnp.bfloat16))
+  np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
+def test_ggml_norm_and_swiglu_kernels(rng):
+  x = (rng.standard_normal((5, 7, 576)) * 3).astype(np.float32)
+  x[0, 0] = 0
+  w = rng.uniform(0.5, 2, 576).astype(np.float32)
+  k = np.asarray(jax.jit(lambda x, w: ops.rms_norm(x, w, 1e-5))(x, w))
+  r = np.asarray(jax.jit(lambda x, w: ops.rms_norm(x, w, 1e-5, kernels=False))(x, w))
+  np.testing.assert_allclose(k, r, rtol=2e-6, atol=1e-30)
+  x64 = x.astype(np.float64)
+  np.testing.assert_allclose(k, x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w,
+                             rtol=2e-6, atol=1e-30)
+  g = (rng.standard_normal((3, 1541)) * 8).astype(np.float32)  # a tail past the 8-lane blocks
+  g[0, :4] = [-200.0, 200.0, 0.0, -90.0]                       # exp under/overflow paths
+  u = rng.standard_normal((3, 1541)).astype(np.float32)
+  k = np.asarray(jax.jit(ops.swiglu)(g, u))
+  g64 = g.astype(np.float64)
+  np.testing.assert_allclose(k, g64 / (1 + np.exp(-g64)) * u, rtol=1e-6, atol=1e-37)
+  np.testing.assert_allclose(k, np.asarray(ops.swiglu(g, u, kernels=False)), rtol=1e-6, atol=1e-37)
+
+
+@pytest.mark.parametrize("neox,n_dims", [(False, 64), (True, 64), (True, 32)])
+def test_ggml_rope_kernel(neox, n_dims, rng):
+  from jaxvt.ffi import numerics
+  x = rng.standard_normal((2, 9, 5, 64)).astype(np.float32)
+  pos = np.array([[0, 1, 2, 3, 4, 100, 1000, 4095, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]],
+                 np.int32)[:, :9]
+  f = lambda x, p, kern: ops.rope(x, p, n_dims, 10000.0, neox, kernels=kern)
+  k = np.asarray(jax.jit(functools.partial(f, kern=True))(x, pos))
+  r = np.asarray(jax.jit(functools.partial(f, kern=False))(x, pos))
+  np.testing.assert_allclose(k, r, rtol=0, atol=2e-5)
+  np.testing.assert_array_equal(k[..., n_dims:], x[..., n_dims:])
+  np.testing.assert_array_equal(k[0, 0], x[0, 0])  # position 0: cos 1, sin 0
+  # float64 truth from the same float32 angles (ggml's repeated multiplication)
+  ts = numerics.theta_scale(10000.0, n_dims)
+  th = np.zeros((2, 9, n_dims // 2), np.float32)
+  th[..., 0] = pos
+  for i in range(1, n_dims // 2):
+    th[..., i] = th[..., i - 1] * ts
+  c, sn = np.cos(th.astype(np.float64))[:, :, None], np.sin(th.astype(np.float64))[:, :, None]
+  xr = x[..., :n_dims].astype(np.float64)
+  if neox:
+    x0, x1 = xr[..., :n_dims // 2], xr[..., n_dims // 2:]
+    want = np.concatenate([x0 * c - x1 * sn, x0 * sn + x1 * c], -1)
+  else:
+    x0, x1 = xr[..., 0::2], xr[..., 1::2]
+    want = np.stack([x0 * c - x1 * sn, x0 * sn + x1 * c], -1).reshape(xr.shape)
+  np.testing.assert_allclose(k[..., :n_dims], want, rtol=0, atol=2e-6)
+
+
+def _attention_f64(q, kc, vc, layer, pos, scale):
+  """float64 softmax attention with q and the probabilities rounded to the cache dtype."""
+  b, t, H, D = q.shape
+  K = kc.shape[3]
+  ks, vs = kc[layer].astype(np.float64), vc[layer].astype(np.float64)
+  cd = kc.dtype
+  qq = q.astype(cd).astype(np.float64)
+  out = np.zeros((b, t, H, vc.shape[-1]))
+  for bi in range(b):
+    for ti in range(t):
+      p = pos[bi, ti]
+      for h in range(H):
+        sc = ks[bi, :p + 1, h // (H // K)] @ qq[bi, ti, h] * scale
+        e = np.exp(sc - sc.max())
+        pr = (e / e.sum()).astype(np.float32).astype(cd).astype(np.float64)
+        out[bi, ti, h] = pr @ vs[bi, :p + 1, h // (H // K)]
+  return out
+
+
+@pytest.mark.parametrize("cache", ["float16", "float32"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_ggml_attention_kernel(cache, t, rng):
+  """Kernel (ggml's orders and roundings) vs the jnp formula vs float64: GQA, a stacked cache
+  read at a traced layer, padded rows (positions past the real ones), 1 or several queries."""
+  A, b, S, H, K, D, Dv = 3, 2, 256, 6, 2, 64, 32
+  cd = np.dtype(cache)
+  kc = (rng.standard_normal((A, b, S, K, D)) * 2).astype(cd)
+  vc = rng.standard_normal((A, b, S, K, Dv)).astype(cd)
+  q = rng.standard_normal((b, t, H, D)).astype(np.float32)
+  pos = np.stack([np.arange(40, 40 + t), np.arange(7, 7 + t)]).astype(np.int32)
+  nq = np.array([t, max(t - 2, 1)], np.int32)  # row 1: its last queries are padding
+  args = (q, kc, vc, np.int32(1), pos, nq)
+  f = lambda *a, kern: ops.attention(*a, 256, 0.125, kernels=kern)
+  k = np.asarray(jax.jit(functools.partial(f, kern=True))(*args))
+  r = np.asarray(jax.jit(functools.partial(f, kern=False))(*args))
+  want = _attention_f64(q, kc, vc, 1, pos, 0.125)
+  # With an f16 cache a probability may round to the other f16 neighbour (2^-11 relative).
+  tol = 2e-3 if cache == "float16" else 2e-6
+  np.testing.assert_allclose(k, r, rtol=0, atol=tol)
+  np.testing.assert_allclose(k, want, rtol=0, atol=tol)

@@ -3,14 +3,20 @@
 Random valid GGUF blocks, QWeight stacks with chosen formats and tiers, and float64 numpy
 references built on gguf-py's own dequantizer (independent of jaxvt's code).
 
-Tolerance of a matrix product: every kernel accumulates in float32, in an order of its own (per
-32-element unit, with each unit's scale factored out: d*sum(q*x) - m*sum(x)), while the reference
-sums exactly in float64. The rounding error of such a float32 sum of n terms whose partial sums
-and factored terms are bounded by T is at most about n*eps*T, typically sqrt(n)*eps*T
+Two arithmetic contracts (jaxvt.ffi.numerics): "f32" is x @ dequant(W).T; "ggml" (the default)
+first converts x to the weight format's ggml vec-dot type (`quantize_x`: Q8_0 / Q8_1 / Q8_K per
+block, or f16 / bf16 rounding; numpy float32 arithmetic, the same roundings as the kernels), so
+its reference is quantize_x(x) @ dequant(W).T in float64, plus for Q4_1 ggml's use of
+s = f16(d * sum q) in place of the exact d * sum q.
+
+Tolerance of a matrix product: every kernel accumulates in float32, in an order of its own, while
+the reference sums exactly in float64. The rounding error of such a float32 sum of n terms whose
+partial sums and factored terms are bounded by T is at most about n*eps*T, typically sqrt(n)*eps*T
 (eps = 2^-24 = 6e-8). The factored terms are bounded by 3*max|W_r|*|x| per element (|d*q| <= 2
 max|w| and |m| <= max|w| for the offset formats), so with T = max_k|W_rk| * sum_k|x_k| we allow
 2e-5 * T: ~100x the typical error at n <= 4096, yet ~100x smaller than what one wrong element
-(a swapped nibble, a wrong scale) changes, about max|W_r| * |x_k| ~ T / n * (n / 10).
+(a swapped nibble, a wrong scale) changes, about max|W_r| * |x_k| ~ T / n * (n / 10). In ggml mode
+x is replaced by its quantized value on both sides, so the same bound applies.
 """
 
 from __future__ import annotations
@@ -67,6 +73,14 @@ class Stack:
   w: QWeight
   mats: list[np.ndarray]
   raws: list[np.ndarray]  # uint8 [E*rows, row_bytes] per layer
+  fmts: tuple[int, ...] = ()
+
+  def ref(self, x: np.ndarray, layer: int, expert: int = 0, mode: str = "ggml"):
+    """(reference of x @ W[layer, expert].T under `mode`, tolerance), x [..., cols]."""
+    fmt = self.fmts[layer]
+    rows = self.mats[layer].shape[1]
+    raw = self.raws[layer].reshape(-1, rows, self.raws[layer].shape[-1])[expert]
+    return matmul_ref(x, self.mats[layer][expert], fmt if mode == "ggml" else None, raw)
 
 
 def make_stack(rng, fmts: list[int], rows: int, cols: int, experts: int = 0,
@@ -96,13 +110,60 @@ def make_stack(rng, fmts: list[int], rows: int, cols: int, experts: int = 0,
                n_layers=len(fmts), host_layers=tuple(sorted(host)))
   w = QWeight(jnp.asarray(data), jnp.asarray(split_u64(table)), jnp.asarray(fm), meta)
   mats = [dequant(r, f).reshape(e, rows, cols) for r, f in zip(raws, fmts)]
-  return Stack(w, mats, raws)
+  return Stack(w, mats, raws, tuple(fmts))
 
 
-def matmul_ref(x: np.ndarray, mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(x @ mat.T in float64, tolerance) for x [..., cols], mat [rows, cols]."""
-  x64 = np.asarray(x, np.float64)
+def _f16(a) -> np.ndarray:
+  return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def _bf16(a) -> np.ndarray:
+  u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+  u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16  # round to nearest even (finite inputs)
+  return u.astype(np.uint32).view(np.float32)
+
+
+def quantize_x(x: np.ndarray, fmt: int) -> tuple[np.ndarray, np.ndarray | None]:
+  """x float32 [..., cols] converted to fmt's ggml vec-dot type and back to float64, and for
+  Q4_1 the per-block excess s - d*sum(q) (ggml's rounded s) [..., nb]; ggml's recipes, numpy
+  float32 arithmetic."""
+  x = np.asarray(x, np.float32)
+  if fmt == F32:
+    return x.astype(np.float64), None
+  if fmt in (F16, BF16):
+    return (_f16(x) if fmt == F16 else _bf16(x)).astype(np.float64), None
+  if fmt in (Q4_K, Q5_K, Q6_K):
+    xb = x.reshape(*x.shape[:-1], -1, 256)
+    m = np.take_along_axis(xb, np.argmax(np.abs(xb), -1)[..., None], -1)
+    with np.errstate(divide="ignore"):
+      iscale = np.where(m != 0, np.float32(-127) / m, np.float32(0)).astype(np.float32)
+      d = np.where(m != 0, (np.float32(1) / iscale).astype(np.float32), 0).astype(np.float32)
+    q = np.minimum(np.rint((iscale * xb).astype(np.float32)), 127)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape), None
+  xb = x.reshape(*x.shape[:-1], -1, 32)
+  amax = np.abs(xb).max(-1, keepdims=True)
+  d = (amax / np.float32(127)).astype(np.float32)
+  with np.errstate(divide="ignore"):
+    inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+  q = np.rint((xb * inv).astype(np.float32))
+  xq = (q.astype(np.float64) * _f16(d).astype(np.float64)).reshape(x.shape)
+  if fmt != Q4_1:
+    return xq, None
+  exact = (_f16(d).astype(np.float64) * q.sum(-1, keepdims=True))[..., 0]
+  s = _f16((d * q.sum(-1, keepdims=True).astype(np.float32)).astype(np.float32))[..., 0]
+  return xq, s.astype(np.float64) - exact
+
+
+def matmul_ref(x: np.ndarray, mat: np.ndarray, fmt: int | None = None,
+               raw: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(reference in float64, tolerance) for x [..., cols], mat [rows, cols]: x @ mat.T ("f32"
+  contract, fmt None), or with x converted to fmt's vec-dot type ("ggml"; raw [rows, row_bytes]
+  supplies Q4_1's m)."""
+  x64, excess = (np.asarray(x, np.float64), None) if fmt is None else quantize_x(x, fmt)
   y = x64 @ mat.astype(np.float64).T
+  if excess is not None:  # ggml's Q4_1: sum_b m_b * s_b with s rounded to f16
+    m = raw.reshape(raw.shape[0], -1, 20)[..., 2:4].copy().view("<f2")[..., 0].astype(np.float64)
+    y = y + excess @ m.T
   tol = 2e-5 * np.abs(x64).sum(-1, keepdims=True) * np.abs(mat).max(-1)
   return y, tol + 1e-30
 
@@ -116,14 +177,16 @@ def assert_close(y, ref_tol) -> None:
   assert not bad.any(), f"{bad.sum()} of {bad.size} outside tolerance (worst {np.nanmax(excess):.3g}x)"
 
 
-def experts_ref(x: np.ndarray, mats: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """x [T, cols] or [T, k, cols], mats [E, rows, cols], ids [T, k] -> ([T, k, rows], tol)."""
+def experts_ref(x: np.ndarray, s: Stack, layer: int, ids: np.ndarray,
+                mode: str = "ggml") -> tuple[np.ndarray, np.ndarray]:
+  """x [T, cols] or [T, k, cols], ids [T, k] -> ([T, k, rows], tol) for expert stack s."""
   T, k = ids.shape
-  ys, tols = np.zeros((T, k, mats.shape[1])), np.zeros((T, k, mats.shape[1]))
+  E, rows = s.mats[layer].shape[:2]
+  ys, tols = np.zeros((T, k, rows)), np.zeros((T, k, rows))
   for t in range(T):
     for j in range(k):
       xv = x[t] if x.ndim == 2 else x[t, j]
-      ys[t, j], tols[t, j] = matmul_ref(xv, mats[np.clip(ids[t, j], 0, mats.shape[0] - 1)])
+      ys[t, j], tols[t, j] = s.ref(xv, layer, int(np.clip(ids[t, j], 0, E - 1)), mode)
   return ys, tols
 
 

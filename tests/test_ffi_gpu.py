@@ -28,7 +28,7 @@ _OK = GPU is not None and ffi.available(GPU.platform)
 
 from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
 from test_ffi import (Q4_K, Q6_K, Q8_0, ROWS, COLS, assert_close, make_stack,  # noqa: E402
-                      matmul_ref, put)
+                      put)
 
 # CPU-only checks that the import brought along.
 del test_threads_and_portable_path_agree, test_user_errors, test_available_and_register_are_idempotent
@@ -75,7 +75,7 @@ def test_layer_operand_changes_between_replays(rng, device, tier):
   for l in [0, 1, 2, 1, 0, 2, 2]:
     ys = np.asarray(f(xd, jnp.int32(l)))
     for y in ys:
-      assert_close(y, matmul_ref(x, s.mats[l][0]))
+      assert_close(y, s.ref(x, l))
 
 
 def test_managed_and_probes():

@@ -46,12 +46,14 @@ def np_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def kernel_modes() -> list:
-  """Exec variants to run blocks under: the jnp references, plus the FFI kernels where built."""
+  """Exec variants to run blocks under: the jnp references, plus the FFI kernels where built.
+  Float64 references are the model in exact arithmetic, so blocks run in "f32" numerics (the
+  default "ggml" numerics quantize activations as llama.cpp does: ~1e-2 relative)."""
   from jaxvt import ffi
   from jaxvt.model.layers import Exec
-  modes = [pytest.param(Exec(kernels=False), id="ref")]
+  modes = [pytest.param(Exec(kernels=False, numerics="f32"), id="ref")]
   if ffi.available("cpu"):
-    modes.append(pytest.param(Exec(kernels=True), id="kernels"))
+    modes.append(pytest.param(Exec(kernels=True, numerics="f32"), id="kernels"))
   return modes
 
 

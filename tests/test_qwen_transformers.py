@@ -57,7 +57,7 @@ def _step_fn(cfg, kv_len, ex):
   return jax.jit(step)
 
 
-def run_jaxvt(cfg, weights, prompt, forced, ex=Exec(kernels=False)):
+def run_jaxvt(cfg, weights, prompt, forced, ex=Exec(kernels=False, numerics="f32")):
   """Prefill logits [n, V]; then feeds `forced` tokens one by one: their logits [len, V]."""
   cache = decoder.init_cache(cfg, 1, MAX_LEN)
   step = _step_fn(cfg, MAX_LEN, ex)
@@ -81,10 +81,13 @@ def _close(got, want, what):
 
 
 def _runs():
-  runs = [pytest.param(n, Exec(kernels=False), id=f"{n}-ref") for n in CASES]
+  # "f32" numerics: transformers computes the dequantized model in float arithmetic (jaxvt's
+  # default "ggml" numerics are llama.cpp's: tests/test_llamacpp_match.py).
+  runs = [pytest.param(n, Exec(kernels=False, numerics="f32"), id=f"{n}-ref") for n in CASES]
   from jaxvt import ffi
   if ffi.available("cpu"):  # the FFI kernels on every format of the K-quant case
-    runs.append(pytest.param("qwen35moe_k", Exec(kernels=True), id="qwen35moe_k-kernels"))
+    runs.append(pytest.param("qwen35moe_k", Exec(kernels=True, numerics="f32"),
+                             id="qwen35moe_k-kernels"))
   return runs
 
 

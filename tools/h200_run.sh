@@ -19,10 +19,10 @@ cmake -S . -B /tmp/build -G Ninja -DJAXVT_GPU=CUDA -DJAXVT_CUDA_ARCHS=90 \
 echo "build $(( $(date +%s) - t0 )) s"
 if [ "$what" = all ] || [ "$what" = tier ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
-  python3 -m jaxvt.bench tier 2>&1 | tail -60 > "$OUT/tier.txt"
+  timeout 200 python3 -m jaxvt.bench tier --total-mib 128 2>&1 | tail -60 > "$OUT/tier.txt"
 fi
 if [ "$what" = all ] || [ "$what" = offload ]; then
-  python3 -m jaxvt.bench offload 2>&1 | tee "$OUT/offload.txt" | tail -40
+  python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-240} 2>&1 | tee "$OUT/offload.txt" | tail -40
 fi
 cp docs/BENCHMARKS.md "$OUT/" 2>/dev/null
 ls docs/*.png 2>/dev/null && cp docs/*.png "$OUT/"

@@ -6,9 +6,17 @@ address in `w.table`. The layer index is an operand the kernel reads on the devi
 works inside `lax.scan` / `fori_loop` with a traced layer and under CUDA-graph replay. All
 accumulation is float32 (see csrc/kernels_cpu.h and csrc/kernels_gpu.cu for the order).
 
-References dequantize the device-tier layer with `jaxvt.gguf.quants.dequantize` (picking the
-format with `lax.switch` over `w.meta.formats`) and use plain jnp math. They read device-tier
-layers only: for a host-tier layer they return NaN.
+Arithmetic (`mode`, jaxvt.ffi.numerics): "ggml" (default) is llama.cpp's CPU arithmetic: each
+activation row is quantized to the weight format's ggml vec-dot type (Q8_0 for Q4_0/Q8_0, Q8_1
+for Q4_1, Q8_K for K formats, F16/BF16 for F16/BF16 weights), dotted in integers and scaled in
+float32; the CPU kernels add in the order of ggml's AVX2 build (bit-identical to llama.cpp for
+Q4_0/Q4_1/Q8_0/F16/F32), the references in XLA's. "f32" dequantizes exactly and takes an f32 dot
+product. References pick the layer's format with `lax.switch` over `w.meta.formats` and use jnp
+math. They read device-tier layers only: for a host-tier layer they return NaN.
+
+Model steps in ggml arithmetic (`rms_norm`, `swiglu`, `rope`, `attention`): CPU kernels that
+reproduce ggml's float32 rounding bit for bit (csrc/kernels_cpu_ggml.h); other platforms and
+`kernels=False` run the jnp formulas of jaxvt.ffi.numerics.
 
 Shapes (rows x cols is one layer's matrix, E = w.meta.experts):
   qmatmul(x f32 [..., cols], w, layer)                 -> f32 [..., rows]
@@ -29,6 +37,7 @@ import numpy as np
 
 from jaxvt import ffi as _ffi
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import numerics
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
 
 _ffi.register()
@@ -58,6 +67,16 @@ def _check(w: QWeight, op: str, experts: bool | None = None) -> None:
     raise JaxvtError(f"{op} needs a stacked-experts weight (experts > 0); use qmatmul for a matrix")
   if experts is False and m.experts:
     raise JaxvtError(f"{op} got a stacked-experts weight; use qmatmul_experts")
+
+
+def _mode(mode: str) -> str:
+  if mode not in numerics.MODES:
+    raise JaxvtError(f"arithmetic mode {mode!r} is not one of {', '.join(numerics.MODES)}")
+  return mode
+
+
+def _act_bytes(w: QWeight) -> int:
+  return max(numerics.act_row_bytes(f, w.meta.cols) for f in w.meta.formats)
 
 
 def _layer(layer) -> jax.Array:
@@ -114,15 +133,36 @@ def _qmatmul_call(rows: int, cols: int):
   return _vmappable(call, fast)
 
 
-def qmatmul(x: jax.Array, w: QWeight, layer) -> jax.Array:
-  """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T, reading W's blocks in place."""
+@functools.cache
+def _qmatmul_q8_call(rows: int, cols: int, act_bytes: int):
+  def call(x2, data, table, fmts, layer):
+    out = (jax.ShapeDtypeStruct((x2.shape[0], rows), jnp.float32),
+           jax.ShapeDtypeStruct((x2.shape[0], act_bytes), jnp.uint8))  # activation scratch
+    return jax.ffi.ffi_call("jaxvt_qmatmul_q8", out)(
+        x2, data, table, fmts, layer, rows=np.int64(rows), cols=np.int64(cols))[0]
+
+  def fast(fn, n, in_batched, x2, data, table, fmts, layer):
+    if any(in_batched[1:]):
+      return None
+    return fn(x2.reshape(-1, cols), data, table, fmts, layer).reshape(n, -1, rows)
+
+  return _vmappable(call, fast)
+
+
+def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
+  """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T in arithmetic `mode`, reading W's
+  blocks in place."""
   _check(w, "qmatmul", experts=False)
   m = w.meta
   x = jnp.asarray(x, jnp.float32)
   if x.shape[-1:] != (m.cols,):
     raise JaxvtError(f"qmatmul: x has {x.shape[-1:]} columns, the weight {m.cols}")
   lead = x.shape[:-1]
-  y = _qmatmul_call(m.rows, m.cols)(x.reshape(-1, m.cols), w.data, w.table, w.fmts, _layer(layer))
+  args = (x.reshape(-1, m.cols), w.data, w.table, w.fmts, _layer(layer))
+  if _mode(mode) == "ggml":
+    y = _qmatmul_q8_call(m.rows, m.cols, _act_bytes(w))(*args)
+  else:
+    y = _qmatmul_call(m.rows, m.cols)(*args)
   return y.reshape(*lead, m.rows)
 
 
@@ -160,14 +200,13 @@ def _dequant(raw, fmt, cols):
   return dequantize(raw, fmt, cols)
 
 
-def qmatmul_ref(x: jax.Array, w: QWeight, layer) -> jax.Array:
-  """Reference for qmatmul: dequantize the device-tier layer (f32), then x @ W.T in f32."""
+def qmatmul_ref(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
+  """Reference for qmatmul (jaxvt.ffi.numerics.qdot on the device-tier layer)."""
   _check(w, "qmatmul_ref", experts=False)
   m = w.meta
   x = jnp.asarray(x, jnp.float32)
-  return _switch_formats(
-      w, layer, lambda r, f: jnp.einsum("...k,rk->...r", x, _dequant(r, f, m.cols),
-                                        precision=jax.lax.Precision.HIGHEST))
+  mode = _mode(mode)
+  return _switch_formats(w, layer, lambda r, f: numerics.qdot(x, r, f, m.cols, mode))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,17 +214,22 @@ def qmatmul_ref(x: jax.Array, w: QWeight, layer) -> jax.Array:
 
 
 @functools.cache
-def _experts_call(rows: int, cols: int, experts: int):
+def _experts_call(rows: int, cols: int, experts: int, act_bytes: int):
   def call(x, data, table, fmts, layer, ids):
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
-    return jax.ffi.ffi_call("jaxvt_qmatmul_experts", out)(
-        x, data, table, fmts, layer, ids, rows=np.int64(rows), cols=np.int64(cols),
-        experts=np.int64(experts))
+    attrs = dict(rows=np.int64(rows), cols=np.int64(cols), experts=np.int64(experts))
+    if act_bytes == 0:
+      return jax.ffi.ffi_call("jaxvt_qmatmul_experts", out)(x, data, table, fmts, layer, ids,
+                                                            **attrs)
+    scratch = jax.ShapeDtypeStruct((x.size // cols, act_bytes), jnp.uint8)
+    return jax.ffi.ffi_call("jaxvt_qmatmul_experts_q8", (out, scratch))(
+        x, data, table, fmts, layer, ids, **attrs)[0]
 
   return _vmappable(call, lambda *a: None)
 
 
-def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Array:
+def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
+                    mode: str = "ggml") -> jax.Array:
   """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows].
 
   out[t, j] = W[layer, ids[t, j]] @ (x[t] or x[t, j]); only routed experts' bytes are read, each
@@ -198,41 +242,51 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Arra
   if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
     raise JaxvtError(f"qmatmul_experts: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] or "
                      f"[T, k, {m.cols}] with ids [T, k]")
-  return _experts_call(m.rows, m.cols, m.experts)(x, w.data, w.table, w.fmts, _layer(layer), ids)
+  act = _act_bytes(w) if _mode(mode) == "ggml" else 0
+  return _experts_call(m.rows, m.cols, m.experts, act)(x, w.data, w.table, w.fmts, _layer(layer),
+                                                       ids)
 
 
-def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Array:
-  """Reference for qmatmul_experts: gathers the routed experts' bytes, dequantizes, einsum."""
+def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array,
+                        mode: str = "ggml") -> jax.Array:
+  """Reference for qmatmul_experts: gathers the routed experts' bytes, numerics.qdot."""
   _check(w, "qmatmul_experts_ref", experts=True)
   m = w.meta
   x = jnp.asarray(x, jnp.float32)
   ids = jnp.clip(_ids(ids), 0, m.experts - 1)
+  mode = _mode(mode)
+  xs = x[:, None] if x.ndim == 2 else x  # [T, 1 or k, cols]
 
   def fn(raw, fmt):
     per_expert = raw.reshape(m.experts, -1)[ids]  # [T, k, rows * row_bytes]
-    wts = _dequant(per_expert.reshape(*ids.shape, m.rows, -1), fmt, m.cols)  # [T, k, rows, cols]
-    spec = "tc,tkrc->tkr" if x.ndim == 2 else "tkc,tkrc->tkr"
-    return jnp.einsum(spec, x, wts, precision=jax.lax.Precision.HIGHEST)
+    return numerics.qdot(xs, per_expert.reshape(*ids.shape, m.rows, -1), fmt, m.cols, mode)
 
   return _switch_formats(w, layer, fn)
 
 
-def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm):
+def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
+  """silu(g) * u: ggml's formula in ggml mode (numerics.swiglu), jax.nn.silu in f32 mode."""
+  return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u
+
+
+def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode):
   x = jnp.asarray(x, jnp.float32)
-  h = jax.nn.silu(mm(x, w_gate, layer, ids)) * mm(x, w_up, layer, ids)  # [T, k, ffn]
-  d = mm(h, w_down, layer, ids)  # [T, k, cols]
+  h = silu_mul(mm(x, w_gate, layer, ids, mode), mm(x, w_up, layer, ids, mode), mode)  # [T, k, ffn]
+  d = mm(h, w_down, layer, ids, mode)  # [T, k, cols]
   return jnp.einsum("tk,tkd->td", jnp.asarray(weights, jnp.float32), d)
 
 
-def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):
+def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
+                mode: str = "ggml"):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once."""
-  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts)
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode))
 
 
-def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):
+def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
+                    mode: str = "ggml"):
   """Reference for moe_experts."""
-  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts_ref)
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts_ref, _mode(mode))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,3 +351,95 @@ def qdequant_ref(w: QWeight, layer) -> jax.Array:
   m = w.meta
   return _switch_formats(
       w, layer, lambda raw, f: _dequant(raw, f, m.cols).reshape(w.shape)).astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# model steps in ggml arithmetic: CPU kernels, jnp formulas elsewhere
+
+
+def _on_cpu(kernel, ref, *args):
+  """kernel(*args) when lowered for CPU (and the extension is built), else ref(*args)."""
+  if not _ffi.available("cpu"):
+    return ref(*args)
+  return jax.lax.platform_dependent(*args, cpu=kernel, default=ref)
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, kernels: bool = True) -> jax.Array:
+  """x f32 [..., d], w f32 [d] or None -> numerics.rms_norm (ggml's rounding on CPU kernels)."""
+  x = jnp.asarray(x, jnp.float32)
+  if not kernels:
+    return numerics.rms_norm(x, w, eps)
+  w = jnp.ones(x.shape[-1:], jnp.float32) if w is None else jnp.asarray(w, jnp.float32)
+
+  def kernel(x, w):
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_rms_norm", out, vmap_method="sequential")(
+        x, w, eps=np.float32(eps))
+
+  return _on_cpu(kernel, lambda x, w: numerics.rms_norm(x, w, eps), x, w)
+
+
+def swiglu(g: jax.Array, u: jax.Array, kernels: bool = True) -> jax.Array:
+  """(g / (1 + exp(-g))) * u for f32 [..., d] (numerics.swiglu)."""
+  g, u = jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32)
+  if not kernels:
+    return numerics.swiglu(g, u)
+
+  def kernel(g, u):
+    out = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_swiglu", out, vmap_method="sequential")(g, u)
+
+  return _on_cpu(kernel, numerics.swiglu, g, u)
+
+
+def rope(x: jax.Array, positions: jax.Array, n_dims: int, base: float, neox: bool,
+         kernels: bool = True) -> jax.Array:
+  """x f32 [..., T, H, hd], positions int32 [..., T] -> numerics.rope (ggml_rope_ext)."""
+  x = jnp.asarray(x, jnp.float32)
+  positions = jnp.asarray(positions, jnp.int32)
+  ref = lambda x, p: numerics.rope(x, p, n_dims, base, neox)
+  if not kernels:
+    return ref(x, positions)
+
+  def kernel(x, p):
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_rope", out, vmap_method="sequential")(
+        x, p, n_dims=np.int64(n_dims), base=np.float32(base), neox=np.int64(bool(neox)))
+
+  return _on_cpu(kernel, ref, x, positions)
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, positions: jax.Array,
+              n_query: jax.Array, kv_len: int, scale: float, kernels: bool = True) -> jax.Array:
+  """Causal softmax attention over a stacked KV cache, as ggml's non-flash path rounds it.
+
+  q f32 [b, t, H, D] (after RoPE); k_cache [A, b, S, K, D], v_cache [A, b, S, K, Dv] (float16
+  or float32: q and the probabilities are rounded to it); layer int32 [] (which of the A);
+  positions int32 [b, t]; n_query int32 [b]: query tokens of each row in this call (llama.cpp's
+  batched products, whose float32 order differs, serve >= 2). Only the first kv_len (static)
+  positions are read. -> f32 [b, t, H, Dv].
+  """
+  q = jnp.asarray(q, jnp.float32)
+  layer = _layer(layer)
+  positions = jnp.asarray(positions, jnp.int32)
+  n_query = jnp.asarray(n_query, jnp.int32)
+  b = q.shape[0]
+  K, D, Dv = k_cache.shape[3], k_cache.shape[4], v_cache.shape[4]
+
+  def ref(q, kc, vc, layer, positions, n_query):
+    zero = jnp.zeros((), jnp.int32)
+    l = jnp.clip(layer, 0, kc.shape[0] - 1)
+    ks = jax.lax.dynamic_slice(kc, (l, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
+    vs = jax.lax.dynamic_slice(vc, (l, zero, zero, zero, zero), (1, b, kv_len, K, Dv))[0]
+    return numerics.attention(q, ks, vs, positions, scale)
+
+  args = (q, k_cache, v_cache, layer, positions, n_query)
+  if not kernels or kv_len % 8:
+    return ref(*args)
+
+  def kernel(q, kc, vc, layer, positions, n_query):
+    out = jax.ShapeDtypeStruct((*q.shape[:3], Dv), jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_attention", out, vmap_method="sequential")(
+        q, kc, vc, layer, positions, n_query, kv_len=np.int64(kv_len), scale=np.float32(scale))
+
+  return _on_cpu(kernel, ref, *args)

@@ -80,6 +80,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   if valid is None:
     valid = jnp.ones((b, t), bool)
   x = layers.embed(tokens, weights["embed"], ex)
+  n_query = jnp.sum(valid, axis=1, dtype=jnp.int32)  # real tokens per row in this call
   period = layer_period(cfg)
   P = len(period)
   n_att = period.count("attention")
@@ -92,13 +93,13 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
     a_j = g_j = 0
     for j, kind in enumerate(period):
       li = p * P + j
-      h = layers.rms_norm(x, w["attn_norm"][li], cfg.rms_eps)
+      h = layers.rms_norm(x, w["attn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope(kind):
         if kind == "attention":
           ai = p * n_att + a_j
           a_j += 1
           o, cache["k"], cache["v"] = layers.attention(
-              h, w, ai, cache["k"], cache["v"], positions, cfg, ex, kv_len)
+              h, w, ai, cache["k"], cache["v"], positions, cfg, ex, kv_len, n_query)
         else:
           from jaxvt.model import deltanet
           gi = p * n_gdn + g_j
@@ -108,7 +109,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
           cache["conv"] = cache["conv"].at[gi].set(conv)
           cache["ssm"] = cache["ssm"].at[gi].set(ssm)
       x = x + o
-      h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps)
+      h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
         x = x + _ffn(h, w, li, cfg, ex)
     return (x, cache), None
@@ -116,6 +117,6 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
   if logits_at is not None:
     x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-  x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps)
+  x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps, ex)
   head = w["lm_head"] if "lm_head" in w else w["embed"]
   return layers.linear(x, head, jnp.int32(0), ex), cache

@@ -27,6 +27,16 @@ It writes, beside this file:
   case i (for the first cases), and `all_0` [n_prompt, n_vocab] for every position of case 0.
 
 Deterministic on CPU: one sequence, fixed thread count, no sampling.
+
+llama.cpp's arithmetic is pinned down by the settings, recorded under `settings`: flash attention
+off (`flash_attn=False`: ggml's mul_mat / soft_max_ext / mul_mat attention, whose roundings jaxvt's
+ggml numerics reproduce) and an f16 KV cache (`type_k = type_v = F16`, llama.cpp's default; q and
+the attention probabilities are then rounded to f16 by ggml's products). Both are llama-cpp-python's
+defaults for this version; they are passed explicitly so that a newer default (flash attention
+"auto", another cache type) cannot change the recording. The prompt is evaluated in one batch
+(n_batch 512: ggml's batched products), each generated token alone (its single-row products).
+The CPU build's features (system_info: AVX2, FMA, F16C, no AVX-512) fix the float32 summation
+order of ggml's kernels, which jaxvt's CPU kernels follow (docs/NUMERICS.md).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ OUT_JSON = os.path.join(HERE, "llamacpp_smollm2.json")
 OUT_NPZ = os.path.join(HERE, "llamacpp_smollm2_logits.npz")
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX, N_THREADS, SEED, N_GEN, N_LOGITS = 2048, 2, 1234, 32, 6
+N_BATCH, TYPE_KV = 512, 1  # GGML_TYPE_F16
 
 STRINGS = [
     "Hello world",
@@ -122,7 +133,9 @@ def main() -> None:
 
   path = model_path()
   llm = llama_cpp.Llama(model_path=path, n_ctx=N_CTX, n_threads=N_THREADS,
-                        n_threads_batch=N_THREADS, seed=SEED, logits_all=True, verbose=False)
+                        n_threads_batch=N_THREADS, n_batch=N_BATCH, n_ubatch=N_BATCH, seed=SEED,
+                        logits_all=True, verbose=False, flash_attn=False, type_k=TYPE_KV,
+                        type_v=TYPE_KV)
   vocab = llama_cpp.llama_model_get_vocab(llm.model)
   n_vocab = llm.n_vocab()
   buf = ctypes.create_string_buffer(256)
@@ -145,7 +158,8 @@ def main() -> None:
       "model": {"file": MODEL_FILE, "size": os.path.getsize(path), "sha256": sha256(path)},
       "settings": {"n_ctx": N_CTX, "n_threads": N_THREADS, "seed": SEED, "n_gen": N_GEN,
                    "sampling": "argmax of raw logits (temperature 0, top_k 1)",
-                   "repeat_penalty": 1.0, "logits_all": True},
+                   "repeat_penalty": 1.0, "logits_all": True, "n_batch": N_BATCH,
+                   "n_ubatch": N_BATCH, "flash_attn": False, "type_k": "f16", "type_v": "f16"},
       "vocab": {
           "n_vocab": n_vocab,
           "bos": nz(llama_cpp.llama_vocab_bos(vocab)),

@@ -116,6 +116,30 @@ JV_HD float half_to_float(uint16_t h) {
 #endif
 }
 
+// float -> IEEE half bits, round to nearest even (ggml's GGML_FP32_TO_FP16 / F16C, numpy).
+JV_HD uint16_t float_to_half(float f) {
+#if defined(JV_DEVICE_PASS)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  const uint32_t x = float_to_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: inf
+  if (ax >= 0x38800000u) {                                                // normal half
+    uint32_t r = ax - 0x38000000u;
+    r += 0xFFFu + ((r >> 13) & 1u);
+    return static_cast<uint16_t>(sign | (r >> 13));
+  }
+  if (ax < 0x33000000u) return static_cast<uint16_t>(sign);  // below 2^-25: zero
+  const uint32_t e = ax >> 23, m = (ax & 0x7FFFFFu) | 0x800000u, sh = 126u - e;
+  uint32_t q = m >> sh;
+  const uint32_t rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+#endif
+}
+JV_HD float round_half(float f) { return half_to_float(float_to_half(f)); }
+
 // float(q) - OFF for a small non-negative integer q (q < 2^22), exactly. On the device this uses
 // the 2^23 "magic number" (an OR and a subtraction, both full rate) instead of an int->float
 // conversion, which runs at a quarter of the FMA rate on NVIDIA parts.

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "act.h"
 #include "formats.h"
 #include "handlers.h"
 #include "kernels_cpu.h"
@@ -86,6 +87,116 @@ ffi::Error QMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data, ffi::Buffer<
     cpu::gemv_rows(L.fmt, L.base, cols, bt, t * per, std::min(rows, (t + 1) * per));
   };
   cpu::parallel_for((rows + per - 1) / per, task);
+  return ffi::Error::Success();
+}
+
+// ggml mode (act.h): the activation rows converted to the layer format's vec-dot type into the
+// scratch result `act` ([n, >= act_row_bytes] uint8), in parallel over rows for large batches.
+std::vector<const uint8_t*> QuantizeRows(const float* x, int64_t n, int64_t cols, int fmt,
+                                         ffi::ResultBuffer<ffi::U8>& act) {
+  const int vt = vec_type(fmt);
+  auto ad = act->dimensions();
+  const int64_t stride = ad.size() == 2 ? ad[1] : 0;
+  uint8_t* base = act->typed_data();
+  std::vector<const uint8_t*> rows(n);
+  for (int64_t i = 0; i < n; ++i) rows[i] = base + i * stride;
+  auto task = [&](int64_t i) { quantize_act(vt, x + i * cols, 0, cols, base + i * stride); };
+  if (n * cols < (1 << 16)) {
+    for (int64_t i = 0; i < n; ++i) task(i);
+  } else {
+    cpu::parallel_for(n, task);
+  }
+  return rows;
+}
+
+ffi::Error CheckScratch(ffi::ResultBuffer<ffi::U8>& act, int64_t n, int64_t cols, int fmt) {
+  auto ad = act->dimensions();
+  if (ad.size() != 2 || ad[0] < n || ad[1] < act_row_bytes(vec_type(fmt), cols))
+    return ffi::Error::InvalidArgument("jaxvt: the activation scratch is too small");
+  return ffi::Error::Success();
+}
+
+ffi::Error QMatmulQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                        ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
+                        int64_t rows, int64_t cols) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t n = static_cast<int64_t>(x.element_count()) / cols;
+  if (auto e = CheckScratch(act, n, cols, L.fmt); !e.success()) return e;
+  std::vector<const uint8_t*> ar = QuantizeRows(x.typed_data(), n, cols, L.fmt, act);
+  float* yp = y->typed_data();
+  std::vector<float*> yr(n);
+  for (int64_t i = 0; i < n; ++i) yr[i] = yp + i * rows;
+  cpu::QBatch bt{n, ar.data(), yr.data()};
+  const int64_t per = RowsPerTask(rows, 1, rows * row_bytes(L.fmt, cols), n);
+  auto task = [&](int64_t t) {
+    cpu::gemv_q8_rows(L.fmt, L.base, cols, bt, t * per, std::min(rows, (t + 1) * per));
+  };
+  cpu::parallel_for((rows + per - 1) / per, task);
+  return ffi::Error::Success();
+}
+
+// Groups the slots of ids [S] by expert (first-appearance order; ids clamped into range).
+struct ExpertGroups {
+  std::vector<int32_t> expert_of_group;
+  std::vector<std::vector<int32_t>> slots;
+  ExpertGroups(const int32_t* idp, int64_t S, int64_t experts) {
+    const int32_t emax = static_cast<int32_t>(std::max<int64_t>(experts, 1) - 1);
+    std::vector<int32_t> group_of_expert(emax + 1, -1);
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t e = std::clamp<int32_t>(idp[s], 0, emax);
+      if (group_of_expert[e] < 0) {
+        group_of_expert[e] = static_cast<int32_t>(expert_of_group.size());
+        expert_of_group.push_back(e);
+        slots.emplace_back();
+      }
+      slots[group_of_expert[e]].push_back(static_cast<int32_t>(s));
+    }
+  }
+};
+
+ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                               ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
+                               int64_t rows, int64_t cols, int64_t experts) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t S = static_cast<int64_t>(ids.element_count());
+  auto id_dims = ids.dimensions();
+  const int64_t k = id_dims.size() >= 1 ? id_dims.back() : 1;
+  const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;  // T or S
+  const bool per_slot = nx == S;
+  if (auto e = CheckScratch(act, nx, cols, L.fmt); !e.success()) return e;
+  const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
+  std::vector<const uint8_t*> xa = QuantizeRows(x.typed_data(), nx, cols, L.fmt, act);
+  float* yp = y->typed_data();
+  ExpertGroups eg(ids.typed_data(), S, experts);
+  const int64_t G = static_cast<int64_t>(eg.expert_of_group.size());
+  std::vector<const uint8_t*> ar(S);
+  std::vector<float*> yr(S);
+  std::vector<cpu::QBatch> batches(G);
+  int64_t pos = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t start = pos;
+    for (int32_t s : eg.slots[g]) {
+      ar[pos] = xa[per_slot ? s : s / k];
+      yr[pos] = yp + s * rows;
+      ++pos;
+    }
+    batches[g] = cpu::QBatch{pos - start, ar.data() + start, yr.data() + start};
+  }
+  const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
+  const int64_t tpg = (rows + per - 1) / per;
+  auto task = [&](int64_t t) {
+    const int64_t g = t / tpg, c = t % tpg;
+    cpu::gemv_q8_rows(L.fmt, L.base + static_cast<int64_t>(eg.expert_of_group[g]) * mat_bytes,
+                      cols, batches[g], c * per, std::min(rows, (c + 1) * per));
+  };
+  cpu::parallel_for(G * tpg, task);
   return ffi::Error::Success();
 }
 
@@ -213,6 +324,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsCpu, jaxvt::QMatmulExpertsCpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulQ8Cpu, jaxvt::QMatmulQ8Cpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsQ8Cpu, jaxvt::QMatmulExpertsQ8Cpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"));

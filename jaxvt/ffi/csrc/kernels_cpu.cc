@@ -131,6 +131,8 @@ bool dequant_rows_bf16(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int6
 
 const char* isa() { return cpu_has_avx2() ? "avx2" : "generic"; }
 
+bool use_avx2() { return cpu_has_avx2(); }
+
 void force_generic(bool on) { g_force_generic.store(on); }
 
 // ---- thread pool -------------------------------------------------------------------------------

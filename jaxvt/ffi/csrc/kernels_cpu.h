@@ -1,9 +1,13 @@
 // CPU kernels of jaxvt: fused dequantize-and-dot over GGUF blocks, dequantization, a thread pool.
 //
-// Numerics: weights are dequantized to float32 exactly as ggml does; dot products accumulate in
-// float32. The AVX2 path factors each unit's scale out of its dot product (d*sum(q*x) - m*sum(x),
-// with sum(x) precomputed per 16/32 elements), so its rounding differs from a plain
-// dequantize-then-dot by float32 accumulation-order effects only.
+// Numerics, two contracts (jaxvt/ffi/numerics.py, docs/NUMERICS.md):
+// - ggml mode (gemv_q8_rows, the default): activations arrive converted to the weight format's
+//   ggml vec-dot type (act.h); integer dot products, float32 scaling in the order of ggml's AVX2
+//   build, so the portable and AVX2 paths and llama.cpp's CPU backend give the same bits.
+// - f32 mode (gemv_rows): weights are dequantized to float32 exactly as ggml does; dot products
+//   accumulate in float32. The AVX2 path factors each unit's scale out of its dot product
+//   (d*sum(q*x) - m*sum(x), with sum(x) precomputed per 16/32 elements), so its rounding differs
+//   from a plain dequantize-then-dot by float32 accumulation-order effects only.
 #ifndef JAXVT_FFI_CSRC_KERNELS_CPU_H_
 #define JAXVT_FFI_CSRC_KERNELS_CPU_H_
 
@@ -28,6 +32,20 @@ void x_sums(const float* x, int64_t cols, float* s16, float* s32);
 // row_bytes rb). Returns false for an unsupported format.
 bool gemv_rows(int fmt, const uint8_t* w, int64_t cols, const Batch& batch, int64_t r0, int64_t r1);
 
+// ggml mode (act.h): activation rows already converted to the weight format's vec-dot type.
+// a[b] points at act_row_bytes(vec_type(fmt), cols) bytes; y[b] at the output row.
+struct QBatch {
+  int64_t n;
+  const uint8_t* const* a;
+  float* const* y;
+};
+
+// y[b][r] = the ggml-mode product of weight row r and activation row b, rows [r0, r1). Integer
+// dot products per block, float32 scaling in ggml's AVX2 order (kernels_cpu_q8.cc): the
+// portable and the AVX2 paths give the same bits.
+bool gemv_q8_rows(int fmt, const uint8_t* w, int64_t cols, const QBatch& batch, int64_t r0,
+                  int64_t r1);
+
 // Rows [r0, r1) of the matrix at w dequantized to float32 (out: (r1-r0) x cols) or bf16 bits.
 bool dequant_rows_f32(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1, float* out);
 bool dequant_rows_bf16(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1,
@@ -51,7 +69,10 @@ void force_generic(bool on);  // tests: use the portable path even where AVX2 ex
 // The AVX2+FMA+F16C implementation (kernels_cpu_avx2.cc); only called when the CPU has them.
 namespace avx2 {
 bool gemv_rows(int fmt, const uint8_t* w, int64_t cols, const Batch& batch, int64_t r0, int64_t r1);
+bool gemv_q8_rows(int fmt, const uint8_t* w, int64_t cols, const QBatch& batch, int64_t r0,
+                  int64_t r1);
 }
+bool use_avx2();  // the CPU has AVX2+FMA+F16C and the portable path is not forced
 
 }  // namespace jaxvt::cpu
 

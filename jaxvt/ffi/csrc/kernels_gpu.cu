@@ -18,6 +18,7 @@
 // of 16 rows (grid.y); large-batch prefill should stage weights with qdequant instead.
 #include <cstdint>
 
+#include "act.h"
 #include "formats.h"
 #include "kernels_gpu.h"
 
@@ -85,6 +86,8 @@ struct Traits {
 template <int BT>
 struct Rows {
   const float* x;
+  const uint8_t* a;  // ggml mode: activation rows in the vec-dot type (act.h), astride bytes apart
+  int64_t astride;
   float* y;
   int64_t cols, rows;
   int nb;            // rows in use (<= BT)
@@ -98,28 +101,45 @@ struct Rows {
     return x + r * cols;
   }
   __device__ __forceinline__ float* yrow(int b) const { return y + (dense ? b0 + b : slot[b]) * rows; }
+  __device__ __forceinline__ const uint8_t* arow(int b) const {
+    const int64_t r = dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
+    return a + r * astride;
+  }
 };
 
-// acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]).
-template <int F, int BT>
+#include "gpu_q8.cuh"
+
+// acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]); in ggml
+// mode (Q8) against the converted activation rows (gpu_q8.cuh).
+template <int F, int BT, bool Q8>
 __device__ __forceinline__ void accumulate(const uint8_t* p, int nunits, int64_t k0,
                                            const Rows<BT>& R, float (&acc)[BT], int lane) {
   using T = Traits<F>;
-  for (int u = lane; u < nunits; u += 32) {
-    float w[32];
-    unit_weights<F>(p + (u / T::kUpk) * T::kKbb, u % T::kUpk, w);
-    const int64_t k = k0 + 32 * static_cast<int64_t>(u);
+  if constexpr (Q8) {
+    for (int u = lane; u < nunits; u += 32) {
+      const uint8_t* kb = p + (u / T::kUpk) * T::kKbb;
+      const int64_t k = k0 + 32 * static_cast<int64_t>(u);
 #pragma unroll
-    for (int b = 0; b < BT; ++b) {
-      if (b < R.nb) {
-        const float4* xv = reinterpret_cast<const float4*>(R.xrow(b) + k);
-        float s = 0.f;
+      for (int b = 0; b < BT; ++b)
+        if (b < R.nb) acc[b] += unit_dot_q8<F>(kb, u % T::kUpk, R.arow(b), k);
+    }
+  } else {
+    for (int u = lane; u < nunits; u += 32) {
+      float w[32];
+      unit_weights<F>(p + (u / T::kUpk) * T::kKbb, u % T::kUpk, w);
+      const int64_t k = k0 + 32 * static_cast<int64_t>(u);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float4 v = xv[i];
-          s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+      for (int b = 0; b < BT; ++b) {
+        if (b < R.nb) {
+          const float4* xv = reinterpret_cast<const float4*>(R.xrow(b) + k);
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float4 v = xv[i];
+            s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+          }
+          acc[b] += s;
         }
-        acc[b] += s;
       }
     }
   }
@@ -138,7 +158,7 @@ __device__ __forceinline__ void write_rows(float (&acc)[BT], const Rows<BT>& R, 
 // The warps of the grid's x dimension compute rows [0, rows) of the matrix at base. Each warp
 // walks a sequence of pieces (several whole rows, or one chunk of one long row), loading piece
 // p+1 into registers before it computes piece p.
-template <int F, int BT>
+template <int F, int BT, bool Q8>
 __device__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
   using T = Traits<F>;
@@ -182,22 +202,22 @@ __device__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int
     }
     if (whole) {
       for (int64_t i = 0; i < nr; ++i) {
-        accumulate<F, BT>(ptr + i * rb, static_cast<int>(nkb * T::kUpk), 0, R, acc, lane);
+        accumulate<F, BT, Q8>(ptr + i * rb, static_cast<int>(nkb * T::kUpk), 0, R, acc, lane);
         write_rows<BT>(acc, R, r0 + i, lane);
       }
     } else {
-      accumulate<F, BT>(ptr, static_cast<int>(nk * T::kUpk), kb0 * T::kKbe, R, acc, lane);
+      accumulate<F, BT, Q8>(ptr, static_cast<int>(nk * T::kUpk), kb0 * T::kKbe, R, acc, lane);
       if (kb0 + nk == nkb) write_rows<BT>(acc, R, r0, lane);
     }
     gpuSyncWarp();  // every lane is done with the slot before the next commit overwrites it
   }
 }
 
-template <int BT>
+template <int BT, bool Q8>
 __device__ void matvec_fmt(int fmt, const uint8_t* base, const Rows<BT>& R, int64_t rows,
                            int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
 #define JV_CASE(F) \
-  case F: matvec<F, BT>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
+  case F: matvec<F, BT, Q8>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
   switch (fmt) {
     JV_CASE(kF32) JV_CASE(kF16) JV_CASE(kBF16) JV_CASE(kQ4_0) JV_CASE(kQ4_1) JV_CASE(kQ8_0)
     JV_CASE(kQ4_K) JV_CASE(kQ5_K) JV_CASE(kQ6_K)
@@ -214,15 +234,18 @@ __device__ __forceinline__ LayerRef layer_ref(const WeightArgs& w) {
 }
 
 // grid.y: batch group g covers rows [g*BT, g*BT + BT) of x / y.
-template <int BT>
+template <int BT, bool Q8>
 __global__ void __launch_bounds__(kThreads) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
-                                                           float* y, int64_t rows, int64_t cols) {
+                                                           float* y, int64_t rows, int64_t cols,
+                                                           const uint8_t* act, int64_t astride) {
   __shared__ uint4 smem[kWarps][kChunkU4 + 1];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const LayerRef L = layer_ref(w);
   Rows<BT> R;
   R.slot = nullptr;
   R.x = x;
+  R.a = act;
+  R.astride = astride;
   R.y = y;
   R.cols = cols;
   R.rows = rows;
@@ -231,9 +254,9 @@ __global__ void __launch_bounds__(kThreads) qmatmul_kernel(WeightArgs w, const f
   R.k = 1;
   R.x_per_slot = 0;
   R.dense = 1;
-  matvec_fmt<BT>(L.fmt, L.base, R, rows, cols, smem[wib], lane,
-                 static_cast<int64_t>(blockIdx.x) * kWarps + wib,
-                 static_cast<int64_t>(gridDim.x) * kWarps);
+  matvec_fmt<BT, Q8>(L.fmt, L.base, R, rows, cols, smem[wib], lane,
+                     static_cast<int64_t>(blockIdx.x) * kWarps + wib,
+                     static_cast<int64_t>(gridDim.x) * kWarps);
 }
 
 __device__ __forceinline__ int clamp_id(int32_t v, int64_t n) {
@@ -242,10 +265,10 @@ __device__ __forceinline__ int clamp_id(int32_t v, int64_t n) {
 
 // grid.y: slot s. The first slot routed to an expert owns it and serves every slot routed to it,
 // BT at a time; the other slots' blocks exit at once. Non-routed experts are never touched.
-template <int BT>
+template <int BT, bool Q8>
 __global__ void __launch_bounds__(kThreads, 1) qmatmul_experts_kernel(
     WeightArgs w, const float* x, int x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
-    float* y, int64_t rows, int64_t cols, int64_t experts) {
+    float* y, int64_t rows, int64_t cols, int64_t experts, const uint8_t* act, int64_t astride) {
   __shared__ uint4 smem[kWarps][kChunkU4 + 1];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t s = blockIdx.y;
@@ -263,6 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1) qmatmul_experts_kernel(
   const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
   Rows<BT> R;
   R.x = x;
+  R.a = act;
+  R.astride = astride;
   R.y = y;
   R.cols = cols;
   R.rows = rows;
@@ -287,9 +312,9 @@ __global__ void __launch_bounds__(kThreads, 1) qmatmul_experts_kernel(
     __syncthreads();
     R.nb = served_n;
     pos = static_cast<int64_t>(served[R.nb - 1]) + 1;
-    matvec_fmt<BT>(L.fmt, base, R, rows, cols, smem[wib], lane,
-                   static_cast<int64_t>(blockIdx.x) * kWarps + wib,
-                   static_cast<int64_t>(gridDim.x) * kWarps);
+    matvec_fmt<BT, Q8>(L.fmt, base, R, rows, cols, smem[wib], lane,
+                       static_cast<int64_t>(blockIdx.x) * kWarps + wib,
+                       static_cast<int64_t>(gridDim.x) * kWarps);
     while (pos < slots && clamp_id(ids[pos], experts) != e) ++pos;
   }
 }
@@ -425,44 +450,91 @@ int sm_count() {
   return cached[dev];
 }
 
-gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
-                          int64_t rows, int64_t cols) {
-  if (batch <= 0 || rows <= 0) return gpuSuccess;
+namespace {
+
+template <bool Q8>
+void launch_qmatmul_t(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
+                      int64_t rows, int64_t cols, const uint8_t* act, int64_t astride) {
   // One wave of resident blocks (cached per kernel); never more warps than rows.
-  static const int64_t cap1 = resident_blocks(qmatmul_kernel<1>);
-  static const int64_t cap4 = resident_blocks(qmatmul_kernel<4>);
-  static const int64_t cap16 = resident_blocks(qmatmul_kernel<16>);
+  static const int64_t cap1 = resident_blocks(qmatmul_kernel<1, Q8>);
+  static const int64_t cap4 = resident_blocks(qmatmul_kernel<4, Q8>);
+  static const int64_t cap16 = resident_blocks(qmatmul_kernel<16, Q8>);
   const dim3 block(kThreads);
   if (batch == 1) {
-    qmatmul_kernel<1><<<dim3(blocks_for(rows, cap1), 1), block, 0, s>>>(w, x, batch, y, rows, cols);
+    qmatmul_kernel<1, Q8><<<dim3(blocks_for(rows, cap1), 1), block, 0, s>>>(
+        w, x, batch, y, rows, cols, act, astride);
   } else if (batch <= 4) {
-    qmatmul_kernel<4><<<dim3(blocks_for(rows, cap4), 1), block, 0, s>>>(w, x, batch, y, rows, cols);
+    qmatmul_kernel<4, Q8><<<dim3(blocks_for(rows, cap4), 1), block, 0, s>>>(
+        w, x, batch, y, rows, cols, act, astride);
   } else {
     const int64_t groups = (batch + 15) / 16;
     int64_t cap = cap16 / groups;
-    qmatmul_kernel<16><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap), groups), block, 0, s>>>(
-        w, x, batch, y, rows, cols);
+    qmatmul_kernel<16, Q8><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap), groups), block, 0, s>>>(
+        w, x, batch, y, rows, cols, act, astride);
+  }
+}
+
+// ggml mode: converts the n activation rows into act (rows astride bytes apart) first.
+void launch_quantize(gpuStream_t s, const WeightArgs& w, const float* x, int64_t n, int64_t cols,
+                     uint8_t* act, int64_t astride) {
+  const int64_t blocks = n * cols / 32;  // an upper bound on the vec-dot blocks
+  int64_t grid = (blocks + 255) / 256;
+  grid = grid < 1 ? 1 : (grid > 4LL * sm_count() ? 4LL * sm_count() : grid);
+  quantize_act_kernel<<<grid, 256, 0, s>>>(w, x, n, cols, act, astride);
+}
+
+}  // namespace
+
+gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
+                          int64_t rows, int64_t cols, uint8_t* act, int64_t astride) {
+  if (batch <= 0 || rows <= 0) return gpuSuccess;
+  if (act) {
+    launch_quantize(s, w, x, batch, cols, act, astride);
+    launch_qmatmul_t<true>(s, w, x, batch, y, rows, cols, act, astride);
+  } else {
+    launch_qmatmul_t<false>(s, w, x, batch, y, rows, cols, nullptr, 0);
   }
   return gpuGetLastError();
 }
 
-gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
-                                  const int32_t* ids, int64_t slots, int64_t k, float* y,
-                                  int64_t rows, int64_t cols, int64_t experts) {
-  if (slots <= 0 || rows <= 0) return gpuSuccess;
+namespace {
+
+template <bool Q8>
+void launch_experts_t(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
+                      const int32_t* ids, int64_t slots, int64_t k, float* y, int64_t rows,
+                      int64_t cols, int64_t experts, const uint8_t* act, int64_t astride) {
   // Slots whose expert another slot owns exit at once, so size the grid for the owners: assume
   // min(slots, experts) of them share one wave of resident blocks.
-  static const int64_t resident = resident_blocks(qmatmul_experts_kernel<1>);
+  static const int64_t resident = resident_blocks(qmatmul_experts_kernel<1, Q8>);
   const int64_t owners = slots < experts ? slots : (experts > 0 ? experts : 1);
   int64_t cap = 2 * resident / owners;
   if (cap < 1) cap = 1;
   const dim3 grid(blocks_for(rows, cap), slots), block(kThreads);
   if (slots <= 4) {
-    qmatmul_experts_kernel<1><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows, cols, experts);
+    qmatmul_experts_kernel<1, Q8><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows,
+                                                         cols, experts, act, astride);
   } else if (slots <= 64) {
-    qmatmul_experts_kernel<4><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows, cols, experts);
+    qmatmul_experts_kernel<4, Q8><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows,
+                                                         cols, experts, act, astride);
   } else {
-    qmatmul_experts_kernel<16><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows, cols, experts);
+    qmatmul_experts_kernel<16, Q8><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows,
+                                                          cols, experts, act, astride);
+  }
+}
+
+}  // namespace
+
+gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
+                                  const int32_t* ids, int64_t slots, int64_t k, float* y,
+                                  int64_t rows, int64_t cols, int64_t experts, uint8_t* act,
+                                  int64_t astride) {
+  if (slots <= 0 || rows <= 0) return gpuSuccess;
+  if (act) {
+    launch_quantize(s, w, x, x_per_slot ? slots : slots / (k > 0 ? k : 1), cols, act, astride);
+    launch_experts_t<true>(s, w, x, x_per_slot, ids, slots, k, y, rows, cols, experts, act,
+                           astride);
+  } else {
+    launch_experts_t<false>(s, w, x, x_per_slot, ids, slots, k, y, rows, cols, experts, nullptr, 0);
   }
   return gpuGetLastError();
 }

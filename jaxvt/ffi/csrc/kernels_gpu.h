@@ -22,14 +22,17 @@ struct WeightArgs {
   const int32_t* layer;   // [] (device scalar)
 };
 
-// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows].
+// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]. With act (ggml mode, act.h) the rows
+// of x are first converted to the layer format's vec-dot type there ([B, astride] bytes) and
+// dotted in integers.
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
-                          int64_t rows, int64_t cols);
+                          int64_t rows, int64_t cols, uint8_t* act = nullptr, int64_t astride = 0);
 // y[slot, r] = sum_k W_e[r, k] x_slot[k], e = ids[slot]; x [T, cols] (x_per_slot = false, token of
 // slot = slot / k) or [T*k, cols]; y [T*k, rows]. Each routed expert is read once per 16 slots.
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,
-                                  int64_t rows, int64_t cols, int64_t experts);
+                                  int64_t rows, int64_t cols, int64_t experts,
+                                  uint8_t* act = nullptr, int64_t astride = 0);
 // out[i, :] = W[ids[i], :] as float32.
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,
                          int64_t rows, int64_t cols);

@@ -46,6 +46,12 @@ nb::dict Registrations() {
   cpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsCpu);
   cpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedCpu);
   cpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantCpu);
+  cpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Cpu);
+  cpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Cpu);
+  cpu["jaxvt_rms_norm"] = Capsule(JaxvtRmsNormCpu);
+  cpu["jaxvt_swiglu"] = Capsule(JaxvtSwigluCpu);
+  cpu["jaxvt_rope"] = Capsule(JaxvtRopeCpu);
+  cpu["jaxvt_attention"] = Capsule(JaxvtAttentionCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -53,6 +59,8 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsGpu);
   gpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedGpu);
   gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
+  gpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Gpu);
+  gpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Gpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;
