@@ -139,7 +139,8 @@ def device_facts(device=None, device_gb: float | None = None) -> DeviceFacts:
 
 def _extension():
   try:
-    from jaxvt.ffi import _jaxvt_ffi  # pylint: disable=import-outside-toplevel
+    import importlib  # pylint: disable=import-outside-toplevel
+    _jaxvt_ffi = importlib.import_module("jaxvt.ffi._jaxvt_ffi")  # honours sys.modules
   except ImportError as e:
     raise JaxvtError("the probe needs jaxvt's compiled extension jaxvt.ffi._jaxvt_ffi, which is "
                      f"not importable ({e}); build it with JAXVT_GPU=CUDA (or HIP) pip install -e "
