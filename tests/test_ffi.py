@@ -63,7 +63,13 @@ experts = jax.jit(lambda x, w, l, i, mode="ggml": ops.qmatmul_experts(x, w, l, i
 MODES = ["ggml", "f32"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.fixture(params=MODES)
+def mode(request):
+  """The arithmetic contracts (docs/NUMERICS.md); test_ffi_gpu.py keeps "f32" (ggml arithmetic
+  has CPU kernels only)."""
+  return request.param
+
+
 @pytest.mark.parametrize("fmt", ALL, ids=NAMES.get)
 @pytest.mark.parametrize("lead", [(), (1,), (3,), (2, 5), (17,)], ids=str)
 def test_qmatmul_formats_and_batches(fmt, lead, mode, rng, device):
@@ -73,7 +79,6 @@ def test_qmatmul_formats_and_batches(fmt, lead, mode, rng, device):
   assert_close(y, s.ref(x, 0, mode=mode))
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", [Q4_K, Q6_K, Q8_0, BF16, F32], ids=NAMES.get)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_qmatmul_wide_rows(fmt, batch, mode, rng, device):
@@ -102,27 +107,46 @@ def test_qdequant_bf16(fmt, nexp, rng, device):
   np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
-def scan_matmul(x, w, n_layers):
+@pytest.mark.parametrize("fmt", [Q4_K, Q6_K, Q8_0], ids=NAMES.get)
+def test_staged_linear(fmt, rng, device):
+  """Exec.stage_rows: with that many rows or more, layers.linear stages the layer as bf16 and runs
+  a GEMM (within two bf16 roundings of the float64 product); with fewer, it is the kernel."""
+  from jaxvt.model.layers import Exec, linear
+  s = make_stack(rng, [Q4_K, fmt], ROWS, COLS)
+  ex = Exec(kernels=True, numerics="f32", stage_rows=8)
+  w = put(s.w, device)
+  x = rng.standard_normal((2, 8, COLS)).astype(np.float32)
+  y = np.asarray(jax.jit(lambda x, w: linear(x, w, jnp.int32(1), ex))(put(x, device), w))
+  ref = x.astype(np.float64) @ s.mats[1][0].astype(np.float64).T
+  bound = np.abs(x).astype(np.float64) @ np.abs(s.mats[1][0]).astype(np.float64).T * 2.0 ** -7
+  assert np.all(np.abs(y - ref) <= bound) and not np.array_equal(y, np.asarray(
+      qmatmul(put(x.reshape(16, COLS), device), w, 1, "f32")).reshape(y.shape))
+  few = x[:, :3]  # 6 rows: the matvec kernel, bit for bit
+  got = np.asarray(jax.jit(lambda x, w: linear(x, w, jnp.int32(1), ex))(put(few, device), w))
+  np.testing.assert_array_equal(got, np.asarray(qmatmul(put(few, device), w, 1, "f32")))
+
+
+def scan_matmul(x, w, n_layers, mode):
   """y[l] = qmatmul(x, w, l) for every layer, with l traced inside lax.scan."""
   def body(c, l):
-    return c, ops.qmatmul(x, w, l)
+    return c, ops.qmatmul(x, w, l, mode)
   return jax.lax.scan(body, None, jnp.arange(n_layers, dtype=jnp.int32))[1]
 
 
-def test_mixed_formats_in_scan(rng, device):
+def test_mixed_formats_in_scan(mode, rng, device):
   fmts = [Q4_K, Q6_K, Q8_0, BF16, Q4_1, Q5_K]
   s = make_stack(rng, fmts, ROWS, COLS)
   x = rng.standard_normal((2, COLS)).astype(np.float32)
   w, xd = put(s.w, device), put(x, device)
-  ys = np.asarray(jax.jit(scan_matmul, static_argnums=2)(xd, w, len(fmts)))
+  ys = np.asarray(jax.jit(scan_matmul, static_argnums=(2, 3))(xd, w, len(fmts), mode))
   for l in range(len(fmts)):
-    assert_close(ys[l], s.ref(x, l))
-    np.testing.assert_array_equal(ys[l], np.asarray(qmatmul(xd, w, l)))
+    assert_close(ys[l], s.ref(x, l, mode=mode))
+    np.testing.assert_array_equal(ys[l], np.asarray(qmatmul(xd, w, l, mode)))
   # Out-of-range layer indices are clamped like a JAX dynamic index.
-  np.testing.assert_array_equal(np.asarray(qmatmul(xd, w, 99)), ys[-1])
+  np.testing.assert_array_equal(np.asarray(qmatmul(xd, w, 99, mode)), ys[-1])
 
 
-def test_host_tier_bitwise_equal_to_device_tier(rng, device, tier):
+def test_host_tier_bitwise_equal_to_device_tier(mode, rng, device, tier):
   fmts = [Q4_K, Q6_K, Q8_0, BF16]
   L, E = len(fmts), 4
   base = make_stack(rng, fmts, ROWS, COLS)
@@ -138,8 +162,8 @@ def test_host_tier_bitwise_equal_to_device_tier(rng, device, tier):
   @jax.jit
   def everything(w, we):
     def body(c, l):
-      return c, (ops.qmatmul(x, w, l), ops.qembed(tok, w, l), ops.qdequant(w, l),
-                 ops.qmatmul_experts(x, we, l, ids))
+      return c, (ops.qmatmul(x, w, l, mode), ops.qembed(tok, w, l), ops.qdequant(w, l),
+                 ops.qmatmul_experts(x, we, l, ids, mode))
     return jax.lax.scan(body, None, jnp.arange(L, dtype=jnp.int32))[1]
 
   outs = [jax.tree.map(np.asarray, everything(put(v.w, device), put(e.w, device)))
@@ -148,11 +172,10 @@ def test_host_tier_bitwise_equal_to_device_tier(rng, device, tier):
     for a, b in zip(outs[0], o):
       np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
   for l in range(L):
-    assert_close(outs[0][0][l], base.ref(np.asarray(x), l))
-    assert_close(outs[0][3][l], experts_ref(np.asarray(x), ex, l, np.asarray(ids)))
+    assert_close(outs[0][0][l], base.ref(np.asarray(x), l, mode=mode))
+    assert_close(outs[0][3][l], experts_ref(np.asarray(x), ex, l, np.asarray(ids), mode))
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", K_AND_SOME, ids=NAMES.get)
 @pytest.mark.parametrize("per_slot", [False, True], ids=["x[T]", "x[T,k]"])
 def test_experts_routing(fmt, per_slot, mode, rng, device):
@@ -166,25 +189,25 @@ def test_experts_routing(fmt, per_slot, mode, rng, device):
 
 
 @pytest.mark.parametrize("fmt", K_AND_SOME, ids=NAMES.get)
-def test_experts_read_only_routed_bytes(fmt, rng, device, tier):
+def test_experts_read_only_routed_bytes(fmt, mode, rng, device, tier):
   """Non-routed experts full of NaN scales change nothing: their bytes are never read."""
   E, rows, cols = 8, 32, 512
   s = make_stack(rng, [fmt], rows, cols, experts=E)
   ids = np.array([[6, 1], [1, 4]], np.int32)
   poisoned = [poison_experts(s.raws[0], fmt, E, keep={1, 4, 6})]
   x = put(rng.standard_normal((2, cols)).astype(np.float32), device)
-  want = np.asarray(experts(x, put(s.w, device), 0, put(ids, device)))
+  want = np.asarray(experts(x, put(s.w, device), 0, put(ids, device), mode))
   assert np.isfinite(want).all()
   for host in [(), (0,)]:
     p = make_stack(rng, [fmt], rows, cols, experts=E, raws=poisoned, host=host, tier=tier)
-    got = np.asarray(experts(x, put(p.w, device), 0, put(ids, device)))
+    got = np.asarray(experts(x, put(p.w, device), 0, put(ids, device), mode))
     np.testing.assert_array_equal(got, want)
   # The poison is real: routing to a poisoned expert gives NaN.
-  bad = np.asarray(experts(x, put(p.w, device), 0, put(np.array([[0, 1], [1, 4]], np.int32), device)))
+  bad = np.asarray(experts(x, put(p.w, device), 0, put(np.array([[0, 1], [1, 4]], np.int32), device),
+                           mode))
   assert np.isnan(bad[0, 0]).all() and np.isfinite(bad[1]).all()
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_moe_experts(mode, rng, device):
   E, T, k, d, ffn = 5, 3, 2, 256, 256
   wg = make_stack(rng, [Q4_K], ffn, d, experts=E)
@@ -211,15 +234,16 @@ def test_moe_experts(mode, rng, device):
   np.testing.assert_allclose(np.asarray(out), want, atol=tol * scale, rtol=0)
 
 
-def test_vmap(rng, device):
+def test_vmap(mode, rng, device):
   s = make_stack(rng, [Q4_K, Q6_K], ROWS, COLS)
   x = rng.standard_normal((4, 3, COLS)).astype(np.float32)
   w = put(s.w, device)
-  over_x = jax.jit(jax.vmap(lambda xi: ops.qmatmul(xi, w, 1)))(put(x, device))
-  assert_close(over_x, s.ref(x, 1))
-  over_layer = jax.jit(jax.vmap(lambda l: ops.qmatmul(x[0], w, l)))(jnp.arange(2, dtype=jnp.int32))
+  over_x = jax.jit(jax.vmap(lambda xi: ops.qmatmul(xi, w, 1, mode)))(put(x, device))
+  assert_close(over_x, s.ref(x, 1, mode=mode))
+  over_layer = jax.jit(jax.vmap(lambda l: ops.qmatmul(x[0], w, l, mode)))(
+      jnp.arange(2, dtype=jnp.int32))
   for l in range(2):
-    assert_close(over_layer[l], s.ref(x[0], l))
+    assert_close(over_layer[l], s.ref(x[0], l, mode=mode))
   ids = jnp.array([[1, 2], [3, 4]], jnp.int32)
   np.testing.assert_array_equal(np.asarray(jax.vmap(lambda i: ops.qembed(i, w, 1))(ids)),
                                 s.mats[1][0][np.asarray(ids)])
@@ -251,7 +275,6 @@ def test_threads_and_portable_path_agree(fmt, rng, device):
     assert_close(one[m], s.ref(x, 0, mode=m))
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", [Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, F16, BF16], ids=NAMES.get)
 def test_references_match_numpy(fmt, mode, rng, device):
   pytest.importorskip("jaxvt.gguf.quants")
@@ -270,7 +293,6 @@ def test_references_match_numpy(fmt, mode, rng, device):
   assert_close(ops.qmatmul_experts(xe, e.w, 0, eids, mode), experts_ref(xe, e, 0, eids, mode))
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_kernels_equal_references_on_device(mode, rng, device):
   """On the test's device (CPU here, the GPU in test_ffi_gpu.py) each kernel computes its jnp
   reference's function: the same integers, float32 rounding apart."""

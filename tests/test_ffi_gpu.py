@@ -27,12 +27,18 @@ _REASON = ("JAX sees no GPU" if GPU is None else
 _OK = GPU is not None and ffi.available(GPU.platform)
 
 from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
-from test_ffi import (Q4_K, Q6_K, Q8_0, ROWS, COLS, assert_close, make_stack,  # noqa: E402
-                      put)
+from test_ffi import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: E402
+                      ROWS, COLS, assert_close, experts_ref, make_stack, put)
 
 # CPU-only checks that the import brought along.
 del test_threads_and_portable_path_agree, test_user_errors, test_available_and_register_are_idempotent
 del test_dequant_helper_matches_gguf, test_reference_of_a_host_layer_is_nan, test_references_match_numpy
+# ggml arithmetic is a CPU contract (docs/NUMERICS.md): no GPU kernels, and its jnp formulas assume
+# float32 products rounded before each addition, which XLA:GPU does not keep (it contracts them
+# into FMAs). Those tests run in test_ffi.py; here the kernels run in "f32" mode (the `mode`
+# fixture below) and are also checked against references computed on the CPU backend.
+del test_activation_quantizers_match_numpy, test_ggml_norm_and_swiglu_kernels
+del test_ggml_rope_kernel, test_ggml_attention_kernel, test_kernels_equal_references_on_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
@@ -40,6 +46,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 @pytest.fixture(scope="module")
 def device():
   return GPU
+
+
+@pytest.fixture(params=["f32"])
+def mode(request):
+  """ggml arithmetic (integer dots over Q8 activations) is a CPU contract with no GPU kernels."""
+  return request.param
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +68,7 @@ def test_tier_is_pinned_and_device_mapped(tier):
   assert int(buf.array.sum()) == 7 << 20
 
 
-def test_layer_operand_changes_between_replays(rng, device, tier):
+def test_layer_operand_changes_between_replays(mode, rng, device, tier):
   """The layer index is read on the device, so repeated calls of one compiled program (which XLA
   may replay as a CUDA graph, skipping the handler's host code) still follow the operand."""
   from jaxvt.ffi import ops
@@ -69,13 +81,13 @@ def test_layer_operand_changes_between_replays(rng, device, tier):
   def f(x, l):
     outs = []
     for _ in range(6):  # several custom calls in a row: a command-buffer candidate
-      outs.append(ops.qmatmul(x, w, l))
+      outs.append(ops.qmatmul(x, w, l, mode))
     return jnp.stack(outs)
 
   for l in [0, 1, 2, 1, 0, 2, 2]:
     ys = np.asarray(f(xd, jnp.int32(l)))
     for y in ys:
-      assert_close(y, s.ref(x, l))
+      assert_close(y, s.ref(x, l, mode=mode))
 
 
 def test_managed_and_probes():
@@ -84,3 +96,28 @@ def test_managed_and_probes():
   assert ext.measure_zero_copy_read(64 << 20, 3) > 1.0
   m = ext.measure_managed(64 << 20)
   assert m is None or (m[0] > 0 and m[1] > 0)
+
+
+def test_kernels_on_gpu_equal_references_on_cpu(mode, rng, device):
+  """Each GPU kernel computes its jnp reference's function, evaluated by the CPU backend."""
+  from jaxvt.ffi import ops
+  cpu = jax.devices("cpu")[0]
+  fmts = [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32]
+  s = make_stack(rng, fmts, ROWS, COLS)
+  x = rng.standard_normal((3, COLS)).astype(np.float32)
+  kern = jax.jit(lambda x, w, l: ops.qmatmul(x, w, l, mode))
+  ref = jax.jit(lambda x, w, l: ops.qmatmul_ref(x, w, l, mode))
+  wg, wc = put(s.w, device), put(s.w, cpu)
+  for l in range(len(fmts)):
+    _, tol = s.ref(x, l, mode=mode)
+    a = np.asarray(kern(put(x, device), wg, l))
+    b = np.asarray(ref(put(x, cpu), wc, l))
+    np.testing.assert_array_less(np.abs(a - b), tol)
+  e = make_stack(rng, [Q4_1, Q4_K], 32, 512, experts=4)
+  ids = np.array([[3, 0], [1, 1]], np.int32)
+  xe = rng.standard_normal((2, 512)).astype(np.float32)
+  for l in range(2):
+    a = np.asarray(ops.qmatmul_experts(put(xe, device), put(e.w, device), l, put(ids, device),
+                                       mode))
+    b = np.asarray(ops.qmatmul_experts_ref(put(xe, cpu), put(e.w, cpu), l, put(ids, cpu), mode))
+    np.testing.assert_array_less(np.abs(a - b), experts_ref(xe, e, l, ids, mode)[1])

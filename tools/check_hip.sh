@@ -14,7 +14,7 @@ xla_inc="$(python -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 src=jaxvt/ffi/csrc
-for f in kernels_gpu.cu handlers_gpu.cu memory_gpu.cu; do
+for f in kernels_gpu.cu kernels_gpu_experts.cu handlers_gpu.cu memory_gpu.cu; do
   echo "hipcc --offload-arch=$arch $src/$f"
   hipcc -x hip --offload-arch="$arch" -std=c++17 -O3 -fPIC -DJAXVT_GPU_HIP=1 -DJAXVT_WITH_GPU=1 \
     -I"$src" -I"$xla_inc" -c "$src/$f" -o "$out/${f%.cu}.o"

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxvt import ffi
 from jaxvt.ffi import ops
+from jaxvt.ffi.numerics import default_mode
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
@@ -62,14 +63,23 @@ def stack(raw: np.ndarray, fmt: int, rows: int, cols: int, layers: int, tier, de
   return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device), meta)
 
 
-def time_scan(w: QWeight, batch: int, device, reps: int) -> float:
-  """Seconds for one pass of qmatmul over every layer of w."""
+def time_scan(w: QWeight, batch: int, device, reps: int, staged: bool = False) -> float:
+  """Seconds for one pass of qmatmul over every layer of w; staged: instead stage each layer to
+  the device as bf16 (ops.qdequant reads its bytes once) and multiply there (a GEMM)."""
   x = jax.device_put(jnp.ones((batch, w.meta.cols), jnp.float32) * 1e-3, device)
+
+  mode = default_mode(device.platform)
+
+  def product(x, w, l):
+    if not staged:
+      return ops.qmatmul(x, w, l, mode)
+    return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, l).T,
+                   preferred_element_type=jnp.float32)
 
   @jax.jit
   def run(x, w):
     def body(acc, l):
-      y = ops.qmatmul(x, w, l)
+      y = product(x, w, l)
       return acc + y[:, 0], None
     return jax.lax.scan(body, jnp.zeros((batch,), jnp.float32),
                         jnp.arange(w.meta.n_layers, dtype=jnp.int32))[0]

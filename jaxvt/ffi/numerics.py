@@ -30,6 +30,12 @@ from jaxvt.gguf import quants as Q
 from jaxvt.gguf.quants import dequantize
 
 MODES = ("ggml", "f32")
+
+
+def default_mode(platform: str) -> str:
+  """The contract jaxvt computes in on a platform: "ggml" on the CPU (its kernels reproduce
+  llama.cpp there), "f32" on GPUs (ggml's integer arithmetic has CPU kernels only)."""
+  return "ggml" if platform.lower() == "cpu" else "f32"
 F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = (
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 VEC_TYPE = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q8_0", Q8_0: "Q8_0", Q4_1: "Q8_1",

@@ -56,39 +56,6 @@ ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                 "qmatmul_experts");
 }
 
-// ggml mode: `act` [n, >= act_row_bytes] is the scratch of the converted activation rows.
-ffi::Error QMatmulQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                        ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
-                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
-                        ffi::ResultBuffer<ffi::U8> act, int64_t rows, int64_t cols) {
-  const int64_t batch = static_cast<int64_t>(x.element_count()) / cols;
-  auto ad = act->dimensions();
-  if (ad.size() != 2 || ad[0] < batch)
-    return ffi::Error::InvalidArgument("jaxvt: the activation scratch is too small");
-  return Status(gpu::launch_qmatmul(s, Weights(data, table, fmts, layer), x.typed_data(), batch,
-                                    y->typed_data(), rows, cols, act->typed_data(), ad[1]),
-                "qmatmul_q8");
-}
-
-ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                               ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
-                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
-                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
-                               int64_t rows, int64_t cols, int64_t experts) {
-  const int64_t slots = static_cast<int64_t>(ids.element_count());
-  auto idd = ids.dimensions();
-  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
-  const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;
-  auto ad = act->dimensions();
-  if (ad.size() != 2 || ad[0] < nx)
-    return ffi::Error::InvalidArgument("jaxvt: the activation scratch is too small");
-  return Status(gpu::launch_qmatmul_experts(s, Weights(data, table, fmts, layer), x.typed_data(),
-                                            nx == slots, ids.typed_data(), slots, k,
-                                            y->typed_data(), rows, cols, experts,
-                                            act->typed_data(), ad[1]),
-                "qmatmul_experts_q8");
-}
-
 ffi::Error QEmbedGpu(gpuStream_t s, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data,
                      ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t rows,
@@ -137,36 +104,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsGpu, jaxvt::QMatmulExpertsGpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("cols")
-                                  .Attr<int64_t>("experts"),
-                              {kCmdBuffer});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulQ8Gpu, jaxvt::QMatmulQ8Gpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("cols"),
-                              {kCmdBuffer});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsQ8Gpu, jaxvt::QMatmulExpertsQ8Gpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"),

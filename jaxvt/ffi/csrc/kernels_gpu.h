@@ -1,4 +1,4 @@
-// Launchers of jaxvt's GPU kernels (kernels_gpu.cu). Compiled by nvcc or hipcc only.
+// Launchers of jaxvt's GPU kernels (kernels_gpu.cu, kernels_gpu_experts.cu). Compiled by nvcc or hipcc only.
 //
 // Every per-step choice (which layer, its format, its tier and address, which experts) is read by
 // the kernels from device-visible memory; launch geometry depends only on static shapes and the
@@ -22,17 +22,14 @@ struct WeightArgs {
   const int32_t* layer;   // [] (device scalar)
 };
 
-// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]. With act (ggml mode, act.h) the rows
-// of x are first converted to the layer format's vec-dot type there ([B, astride] bytes) and
-// dotted in integers.
+// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]; float32 (docs/NUMERICS.md "f32").
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
-                          int64_t rows, int64_t cols, uint8_t* act = nullptr, int64_t astride = 0);
+                          int64_t rows, int64_t cols);
 // y[slot, r] = sum_k W_e[r, k] x_slot[k], e = ids[slot]; x [T, cols] (x_per_slot = false, token of
 // slot = slot / k) or [T*k, cols]; y [T*k, rows]. Each routed expert is read once per 16 slots.
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,
-                                  int64_t rows, int64_t cols, int64_t experts,
-                                  uint8_t* act = nullptr, int64_t astride = 0);
+                                  int64_t rows, int64_t cols, int64_t experts);
 // out[i, :] = W[ids[i], :] as float32.
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,
                          int64_t rows, int64_t cols);
@@ -40,8 +37,13 @@ gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids,
 gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, int64_t rows,
                            int64_t cols, int64_t experts);
 
-// Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink).
-gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigned* sink);
+// Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink);
+// blocks <= 0: four per multiprocessor.
+gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigned* sink,
+                              int64_t blocks = 0);
+
+// Probes only (memory_gpu.cu): cap qmatmul's grid (0 = one wave of resident blocks, the default).
+void set_grid_cap(int64_t blocks);
 
 int sm_count();  // multiprocessors of the current device (cached)
 

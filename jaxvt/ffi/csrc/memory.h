@@ -10,6 +10,7 @@
 namespace jaxvt::gpu_mem {
 
 int device_count();  // 0 when the runtime finds no device (or fails to start)
+int sm_count();      // multiprocessors of the current device
 
 // Pinned, device-mapped host memory. Returns false (and *err) on failure, having freed anything
 // it allocated. coherent: HIP fine-grained (bypasses the GPU L2) vs coarse-grained memory; CUDA
@@ -24,6 +25,13 @@ void managed_free(uintptr_t ptr);
 // GB/s (1e9 bytes/s). Negative on failure, with *err set.
 double measure_dma_h2d(size_t nbytes, int iters, std::string* err);
 double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, std::string* err);
+// Probes of the matvec kernel against the streaming read, by grid size (blocks <= 0: the
+// kernels' defaults): `copies` matrices (pinned host tier, or device tier) read in turn (so no
+// launch finds its matrix in the GPU's L2), timed with events around `iters` launches.
+double measure_stream_read_grid(size_t nbytes, int iters, int64_t blocks, std::string* err);
+double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
+                         int copies, int iters, int64_t grid_cap, bool device_tier,
+                         std::string* err);
 // First and repeated device read of host-written managed memory; false if unsupported.
 bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err);
 

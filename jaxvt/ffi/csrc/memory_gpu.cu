@@ -1,6 +1,7 @@
 // Pinned host-tier allocation and the raw bandwidth probes, for CUDA and HIP (vendor.h).
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "kernels_gpu.h"
 #include "memory.h"
@@ -50,6 +51,8 @@ int device_count() {
   }
   return n;
 }
+
+int sm_count() { return gpu::sm_count(); }
 
 bool host_alloc(size_t nbytes, bool coherent, uintptr_t* host, uintptr_t* device, std::string* err) {
   void* h = nullptr;
@@ -130,6 +133,82 @@ double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, std::stri
   for (int i = 0; good && i < iters; ++i) good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink), "read kernel", err);
   good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
   if (good) gbs = static_cast<double>(n16) * 16 * iters / 1e6 / t.ms();
+  host_free(h);
+  return gbs;
+}
+
+double measure_stream_read_grid(size_t nbytes, int iters, int64_t blocks, std::string* err) {
+  Timer t(err);
+  if (!t.ready) return -1;
+  uintptr_t h = 0, hd = 0;
+  if (!host_alloc(nbytes, false, &h, &hd, err)) return -1;
+  std::memset(reinterpret_cast<void*>(h), 1, nbytes);
+  const int64_t n16 = static_cast<int64_t>(nbytes / 16);
+  const void* p = reinterpret_cast<const void*>(hd);
+  double gbs = -1;
+  bool good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink, blocks), "read kernel", err) &&
+              ok(gpuEventRecord(t.a, t.s), "event", err);
+  for (int i = 0; good && i < iters; ++i)
+    good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink, blocks), "read kernel", err);
+  good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
+  if (good) gbs = static_cast<double>(n16) * 16 * iters / 1e6 / t.ms();
+  host_free(h);
+  return gbs;
+}
+
+double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
+                         int copies, int iters, int64_t grid_cap, bool device_tier,
+                         std::string* err) {
+  Timer t(err);
+  if (!t.ready || copies < 1) return -1;
+  const size_t mat = static_cast<size_t>(rows * row_bytes);
+  uintptr_t h = 0, hd = 0;
+  void* dd = nullptr;  // device-tier copies
+  if (!host_alloc(mat * copies, false, &h, &hd, err)) return -1;
+  std::memset(reinterpret_cast<void*>(h), 0x11, mat * copies);  // small valid scales, no NaN
+  if (device_tier && !(ok(gpuMalloc(&dd, mat * copies), "device allocation", err) &&
+                       ok(gpuMemcpyAsync(dd, reinterpret_cast<void*>(h), mat * copies,
+                                         gpuMemcpyHostToDevice, t.s), "copy", err))) {
+    if (dd) (void)gpuFree(dd);
+    host_free(h);
+    return -1;
+  }
+  std::vector<uint32_t> table(2 * copies);
+  std::vector<int32_t> fmts(copies), layers(copies);
+  for (int i = 0; i < copies; ++i) {
+    const uint64_t a = device_tier ? static_cast<uint64_t>(i) : hd + mat * i;  // slot | address
+    table[2 * i] = static_cast<uint32_t>(a);
+    table[2 * i + 1] = static_cast<uint32_t>(a >> 32);
+    fmts[i] = fmt | (device_tier ? 0 : (1 << 16));
+    layers[i] = i;
+  }
+  void *dt = nullptr, *df = nullptr, *dl = nullptr, *dx = nullptr, *dy = nullptr;
+  double gbs = -1;
+  bool good = ok(gpuMalloc(&dt, table.size() * 4), "malloc", err) &&
+              ok(gpuMalloc(&df, copies * 4), "malloc", err) &&
+              ok(gpuMalloc(&dl, copies * 4), "malloc", err) &&
+              ok(gpuMalloc(&dx, batch * cols * 4), "malloc", err) &&
+              ok(gpuMalloc(&dy, batch * rows * 4), "malloc", err) &&
+              ok(gpuMemcpyAsync(dt, table.data(), table.size() * 4, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemcpyAsync(df, fmts.data(), copies * 4, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemcpyAsync(dl, layers.data(), copies * 4, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemsetAsync(dx, 0, batch * cols * 4, t.s), "memset", err);
+  gpu::set_grid_cap(grid_cap);
+  auto launch = [&](int i) {
+    gpu::WeightArgs w{static_cast<const uint8_t*>(dd), static_cast<int64_t>(mat),
+                      static_cast<const uint32_t*>(dt), static_cast<const int32_t*>(df), copies,
+                      static_cast<const int32_t*>(dl) + (i % copies)};
+    return gpu::launch_qmatmul(t.s, w, static_cast<const float*>(dx), batch,
+                               static_cast<float*>(dy), rows, cols);
+  };
+  for (int i = 0; good && i < copies; ++i) good = ok(launch(i), "qmatmul", err);
+  good = good && ok(gpuEventRecord(t.a, t.s), "event", err);
+  for (int i = 0; good && i < iters; ++i) good = ok(launch(i), "qmatmul", err);
+  good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
+  gpu::set_grid_cap(0);
+  if (good) gbs = static_cast<double>(mat) * iters / 1e6 / t.ms();
+  for (void* p : {dt, df, dl, dx, dy, dd})
+    if (p) (void)gpuFree(p);
   host_free(h);
   return gbs;
 }

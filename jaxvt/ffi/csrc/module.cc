@@ -59,8 +59,6 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsGpu);
   gpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedGpu);
   gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
-  gpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Gpu);
-  gpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Gpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;
@@ -215,6 +213,39 @@ std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
   return std::nullopt;
 }
 
+// GPU-only probes of the host-tier matvec kernel (memory.h); GB/s of weight bytes read.
+double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int copies, int iters,
+                       int64_t grid_cap, bool device_tier) {
+#if defined(JAXVT_WITH_GPU)
+  if (UseGpu()) {
+    if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
+      throw std::invalid_argument("unsupported format or shape");
+    std::string err;
+    const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
+    double v = jaxvt::gpu_mem::measure_host_gemv(fmt, rows, cols, rb, batch, copies, iters,
+                                                 grid_cap, device_tier, &err);
+    if (v < 0) throw std::runtime_error(err);
+    return v;
+  }
+#endif
+  (void)fmt, (void)rows, (void)cols, (void)batch, (void)copies, (void)iters, (void)grid_cap;
+  (void)device_tier;
+  throw std::runtime_error("measure_host_gemv needs a GPU build and a GPU");
+}
+
+double MeasureStreamReadGrid(size_t nbytes, int iters, int64_t blocks) {
+#if defined(JAXVT_WITH_GPU)
+  if (UseGpu()) {
+    std::string err;
+    double v = jaxvt::gpu_mem::measure_stream_read_grid(nbytes, iters, blocks, &err);
+    if (v < 0) throw std::runtime_error(err);
+    return v;
+  }
+#endif
+  (void)nbytes, (void)iters, (void)blocks;
+  throw std::runtime_error("measure_stream_read_grid needs a GPU build and a GPU");
+}
+
 // Times the CPU GEMV kernel alone (no XLA): weights at `addr` (rows x cols of format fmt), batch
 // rows of x = 1/cols; returns seconds per call.
 double BenchCpuGemv(int fmt, uintptr_t addr, int64_t rows, int64_t cols, int64_t batch, int iters) {
@@ -255,6 +286,12 @@ NB_MODULE(_jaxvt_ffi, m) {
         "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
   m.def("gpu_platform", [] { return std::string(kGpuPlatform); },
         "'CUDA' or 'ROCM' when built with a GPU toolchain, else ''.");
+  m.def("gpu_sm_count", [] {
+#if defined(JAXVT_WITH_GPU)
+    if (UseGpu()) return jaxvt::gpu_mem::sm_count();
+#endif
+    return 0;
+  }, "Multiprocessors of the current GPU (0 without one).");
   m.def("gpu_device_count", &GpuDeviceCount, "GPUs the runtime sees (0 without GPU support).");
   m.def("host_alloc", &HostAlloc, nb::arg("nbytes"), nb::arg("coherent") = false,
         nb::arg("gpu") = false,
@@ -270,6 +307,12 @@ NB_MODULE(_jaxvt_ffi, m) {
   m.def("measure_zero_copy_read", &MeasureZeroCopyRead, nb::arg("nbytes"), nb::arg("iters"),
         nb::arg("coherent") = false,
         "GB/s of a kernel streaming mapped pinned host memory (plain read GB/s on CPU).");
+  m.def("measure_host_gemv", &MeasureHostGemv, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
+        nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
+        nb::arg("device_tier") = false,
+        "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid cap.");
+  m.def("measure_stream_read_grid", &MeasureStreamReadGrid, nb::arg("nbytes"), nb::arg("iters"),
+        nb::arg("blocks") = 0, "GPU probe: zero-copy streaming read GB/s with a given grid.");
   m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
         "(first, repeat) device-read GB/s of host-written managed memory, or None.");
   m.def("cpu_threads", &jaxvt::cpu::num_threads, "Threads the CPU kernels use (caller included).");
