@@ -31,9 +31,19 @@ flags.DEFINE_integer("seed", 0, "Random seed for sampling.", flag_values=FLAGS)
 flags.DEFINE_integer("max_context", 2048, "Context length to allocate (prompt + generation).",
                      flag_values=FLAGS)
 flags.DEFINE_string("offload_gb", "0", "GiB of weights to keep in the pinned host tier, read in "
-                    "place by the kernels; 'auto' picks the best safe budget.", flag_values=FLAGS)
-flags.DEFINE_float("device_gb", None, "Behave as if the device had this many GiB.",
-                   flag_values=FLAGS)
+                    "place by the kernels; 'auto' picks the best safe budget. With --mesh, per "
+                    "device (as vLLM's --cpu-offload-gb).", flag_values=FLAGS)
+flags.DEFINE_float("device_gb", None, "Behave as if the device (each device of --mesh) had this "
+                   "many GiB.", flag_values=FLAGS)
+flags.DEFINE_string("mesh", None, "Shard the model over local devices: 'tp=N' (attention heads, "
+                    "FFN columns, experts), 'ep=N' (experts only), or 'tp=N,ep=M'.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("coordinator", None, "Several hosts: HOST:PORT of process 0 "
+                    "(jax.distributed.initialize); with --num-processes and --process-id.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("num_processes", 1, "Several hosts: how many processes (one per host).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("process_id", 0, "Several hosts: this process's index.", flag_values=FLAGS)
 flags.DEFINE_boolean("force", False, "Run a budget the planner calls unsafe.", flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
                      "generate.", flag_values=FLAGS)
@@ -52,6 +62,11 @@ def _validate(F) -> None:
     raise JaxvtError(f"--max-context must be at least 1 (got {F.max_context})")
   if F.device_gb is not None and F.device_gb <= 0:
     raise JaxvtError(f"--device-gb must be positive (got {F.device_gb})")
+  if F.mesh is not None:
+    from jaxvt.parallel import mesh
+    mesh.parse(F.mesh)
+  if F.coordinator is None and (F.num_processes != 1 or F.process_id != 0):
+    raise JaxvtError("--num-processes / --process-id need --coordinator HOST:PORT")
 
 
 def parse_offload(value: str) -> float | str:
@@ -127,8 +142,11 @@ def main(argv: list[str]) -> int:
     if F.plan:
       from jaxvt.offload import placement
       print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                                  max_context=F.max_context))
+                                  max_context=F.max_context, mesh=F.mesh))
       return 0
+    if F.coordinator is not None:
+      from jaxvt.parallel import mesh
+      mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
     bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
@@ -137,7 +155,8 @@ def main(argv: list[str]) -> int:
       print(placed.report(), file=sys.stderr)
 
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
-                          device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan)
+                          device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
+                          mesh=F.mesh)
     if bar:
       bar.finish()
     with eng:

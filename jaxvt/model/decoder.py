@@ -63,7 +63,8 @@ def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
   if cfg.is_moe:
     from jaxvt.model import moe
     return moe.moe_block(h, w, li, cfg, ex)
-  return layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex)
+  return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
+                       ex)
 
 
 def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
@@ -108,7 +109,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
               h, w, gi, cache["conv"][gi], cache["ssm"][gi], valid, cfg, ex)
           cache["conv"] = cache["conv"].at[gi].set(conv)
           cache["ssm"] = cache["ssm"].at[gi].set(ssm)
-      x = x + o
+      x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
         x = x + _ffn(h, w, li, cfg, ex)
@@ -119,4 +120,8 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
     x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
   x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps, ex)
   head = w["lm_head"] if "lm_head" in w else w["embed"]
-  return layers.linear(x, head, jnp.int32(0), ex), cache
+  logits = layers.linear(x, head, jnp.int32(0), ex)
+  if ex.par is not None and ex.par.head_sharded and "lm_head" in w:  # this device's vocab rows
+    from jaxvt.parallel.mesh import TP
+    logits = jax.lax.all_gather(logits, TP, axis=logits.ndim - 1, tiled=True)
+  return logits, cache

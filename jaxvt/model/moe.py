@@ -95,6 +95,17 @@ def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
   return functools.partial(fn, mode=ex.numerics)
 
 
+def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Array, jax.Array]:
+  """Inside a shard_map whose devices hold experts [i * n_local, (i + 1) * n_local) (i: the
+  device's index over ("ep", "tp")): global expert ids -> local ids, with the weight of slots
+  routed to another device's experts set to 0 (their id becomes local expert 0, whose product
+  is multiplied by 0; the psum over the mesh adds the other devices' slots)."""
+  from jaxvt.parallel.mesh import AXES
+  local = ids - jax.lax.axis_index(AXES) * n_local
+  mine = (local >= 0) & (local < n_local)
+  return jnp.where(mine, local, 0), jnp.where(mine, wts, 0.0)
+
+
 def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
   """MoE FFN of layer `li` (traced int32 index into the stacks). h [b, t, d] (already normed)
   -> float32 [b, t, d]."""
@@ -103,15 +114,20 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
   with jax.named_scope("router"):
     ids, wts = route(layers.linear(x, w["moe.router"], li, ex), cfg.n_experts_used,
                      cfg.norm_topk_prob)
+    if ex.par is not None:
+      ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
     (wg, lg), (wu, _), (wd, _) = (layers.stage(w[n], li) for n in
                                   ("moe.w_gate", "moe.w_up", "moe.w_down"))
-    y = routed(x, wg, wu, wd, lg, ids, wts)
+    y = routed(x, wg, wu, wd, lg, ids, wts)  # sharded: this device's experts' partial sum
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
       s = layers.swiglu(x, w["shexp.w_gate"], w["shexp.w_up"], w["shexp.w_down"], li, ex)
       gate = jax.nn.sigmoid(jnp.dot(x, w["shexp.gate"][li].astype(jnp.float32),
                                     precision=jax.lax.Precision.HIGHEST))  # [T]
-      y = y + gate[:, None] * s
-  return y.reshape(b, t, d)
+      if ex.par is not None and ex.par.ep > 1:  # s is split over tp only, the experts over both
+        y = layers.reduce(y, ex, experts=True) + gate[:, None] * layers.reduce(s, ex)
+        return y.reshape(b, t, d)
+      y = y + gate[:, None] * s  # (one psum for both when experts and s split over tp alone)
+  return layers.reduce(y, ex, experts=True).reshape(b, t, d)

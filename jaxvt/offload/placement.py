@@ -27,6 +27,7 @@ class Placed:
   prediction: cost.Prediction
   safe_budget: int | None
   reason: str  # how the budget was chosen
+  devices: int = 1  # > 1: a mesh; the plan, its budget and its bytes are per device
 
   def placement(self, name: str, layer: int | None) -> str:
     return self.plan.placement.get((name, layer), DEVICE)
@@ -43,7 +44,8 @@ class Placed:
     """A few lines for the run log: what went where, and the device-memory headroom."""
     p, bd = self.plan, self.breakdown
     n_host = sum(1 for k in p.kinds if k == HOST)
-    lines = [f"placement: {self.reason}",
+    each = f" per device ({self.devices} devices)" if self.devices > 1 else ""
+    lines = [f"placement: {self.reason}{each}",
              f"  device: {p.device_bytes / GiB:.2f} GiB of weights ({len(p.kinds) - n_host} "
              f"tensors); host tier: {p.host_bytes / GiB:.2f} GiB ({n_host} tensors), "
              f"{p.host_read_bytes / 1e6:.1f} MB read per token"]
@@ -76,8 +78,13 @@ def _facts(device, device_gb: float | None) -> memory.DeviceFacts:
 def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str = 0.0,
                     device_gb: float | None = None, force: bool = False, device=None,
                     max_context: int = 2048, kernels: bool = True,
-                    policy: Policy = Policy()) -> Placed:
-  """Plans `units` (jaxvt.loader.UnitBytes) for `device`; raises JaxvtError for unsafe plans."""
+                    policy: Policy = Policy(), host_copies=None, devices: int = 1) -> Placed:
+  """Plans `units` (jaxvt.loader.UnitBytes) for `device`; raises JaxvtError for unsafe plans.
+
+  On a mesh (`devices` > 1) `units`, `cfg` and the budgets are one device's (its shards, its
+  KV heads; jaxvt.parallel.shard): the same plan holds for every device. `host_copies` maps a
+  unit to the pinned copies the host needs (one per distinct shard; a replicated weight is one
+  buffer every device reads), so the host-RAM check counts the whole host tier."""
   import jax
   device = device or jax.devices()[0]
   sizes = {(u.name, u.layer): u.nbytes for u in units}
@@ -98,10 +105,13 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
                      f"but none are built for the {device.platform} backend; reinstall jaxvt "
                      "(pip install .) or pass --offload-gb 0")
   bd = memory.check(placed, facts, cfg, shape, force=force)
-  memory.host_memory_check(placed.host_bytes, memory.read_mem_available())
+  host_total = placed.host_bytes if host_copies is None else sum(
+      u.nbytes * host_copies.get(u.unit, 1) for u, k in zip(placed.units, placed.kinds)
+      if k == HOST)
+  memory.host_memory_check(host_total, memory.read_mem_available())
   safe = memory.smallest_safe_budget(base, facts, cfg, shape)
   pred = cost.predict(placed, rates, cfg, shape)
-  return Placed(placed, facts, bd, rates, pred, safe, reason)
+  return Placed(placed, facts, bd, rates, pred, safe, reason, devices)
 
 
 # Weightless model descriptions `--plan --model NAME` accepts: (config builder, format recipe).
@@ -120,16 +130,35 @@ def _weightless(name: str):
   return cfg, decls, units
 
 
+def _per_device(cfg: ModelConfig, decls, units, mesh: str | None):
+  """(cfg, units, host copies, devices) as one device of `mesh` plans them (jaxvt.parallel)."""
+  from jaxvt.parallel import mesh as mesh_mod
+  from jaxvt.parallel import shard
+  spec = mesh_mod.parse(mesh)
+  if spec is None:
+    return cfg, units, None, 1
+  shard.check(cfg, spec)
+  units, copies = shard.device_units(units, decls, cfg, spec)
+  return shard.local_config(cfg, spec), units, copies, spec.size
+
+
+def _plan_text(placed: Placed, mesh: str | None) -> str:
+  each = (f"per device (--mesh {mesh}: {placed.devices} devices): the budget, the weights and "
+          "the memory below are each device's\n" if placed.devices > 1 else "")
+  return f"{placed.reason}\n{each}" + _unsafe_note(placed, placed.full_report())
+
+
 def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
-                max_context: int = 2048) -> str:
+                max_context: int = 2048, mesh: str | None = None) -> str:
   """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without loading
-  any weights."""
+  any weights; with `mesh`, one device's plan (its shards, its budget)."""
   if path.lower() in PRESETS and not os.path.exists(path):
     cfg, decls, units = _weightless(path.lower())
-    placed = plan_for_engine(cfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
-                             force=True, max_context=max_context)
+    pcfg, units, copies, n = _per_device(cfg, decls, units, mesh)
+    placed = plan_for_engine(pcfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
+                             force=True, max_context=max_context, host_copies=copies, devices=n)
     return (f"model: {PRESETS[path.lower()]} (weightless; {cfg.n_layers} layers)\n"
-            f"{placed.reason}\n" + _unsafe_note(placed, placed.full_report()))
+            + _plan_text(placed, mesh))
   import dataclasses as dc
 
   from jaxvt import loader
@@ -143,10 +172,10 @@ def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | 
   decls = declare(cfg)
   loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
   units = loader.unit_bytes(gf, cfg.arch, decls)
-  placed = plan_for_engine(cfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
-                           force=True, max_context=max_context)
-  return (f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n{placed.reason}\n"
-          + _unsafe_note(placed, placed.full_report()))
+  pcfg, units, copies, n = _per_device(cfg, decls, units, mesh)
+  placed = plan_for_engine(pcfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
+                           force=True, max_context=max_context, host_copies=copies, devices=n)
+  return f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n" + _plan_text(placed, mesh)
 
 
 def _unsafe_note(placed: Placed, text: str) -> str:

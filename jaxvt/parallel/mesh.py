@@ -1,0 +1,115 @@
+"""The device mesh: `--mesh tp=N,ep=M` over the local devices (and other hosts' when configured).
+
+Two named axes, "ep" (major) and "tp" (minor), the mesh `ep x tp` over the first ep * tp devices
+of `jax.devices()`:
+
+  tp  tensor parallelism: attention heads (and the KV cache), dense-FFN and shared-expert
+      columns, Gated-DeltaNet heads (and their conv / recurrent state), the output head's vocab
+      rows split over "tp"; these are replicated over "ep".
+  ep  expert parallelism: routed experts split over ("ep", "tp") together, so every device of
+      the mesh holds its own 1/(ep*tp) of each layer's experts.
+
+So `tp=4` shards everything four ways (experts included), `ep=4` shards only the experts and
+replicates the rest, and `ep=2,tp=2` is in between. Several hosts: `initialize_distributed` runs
+`jax.distributed.initialize` (only when the user passes a coordinator), after which
+`jax.devices()` lists every host's devices and each process loads the shards of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+
+from jaxvt.errors import JaxvtError
+
+TP = "tp"
+EP = "ep"
+AXES = (EP, TP)  # mesh axis order; experts split over both, in this order
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """Sizes of the mesh axes (1 = not split)."""
+  tp: int = 1
+  ep: int = 1
+
+  @property
+  def size(self) -> int:
+    return self.tp * self.ep
+
+  def __str__(self) -> str:
+    return ",".join(f"{a}={getattr(self, a)}" for a in (TP, EP) if getattr(self, a) > 1) or "1"
+
+
+def parse(text: str | None) -> MeshSpec | None:
+  """'tp=2', 'ep=4', 'tp=2,ep=2' (commas or spaces) -> MeshSpec; '', '1' or None -> None."""
+  if text is None or text.strip() in ("", "1"):
+    return None
+  sizes = {}
+  for part in re.split(r"[,\s]+", text.strip()):
+    m = re.fullmatch(r"(tp|ep)=(\d+)", part)
+    if not m:
+      raise JaxvtError(f"--mesh {text!r}: '{part}' is not AXIS=N with AXIS tp or ep; write e.g. "
+                       "--mesh tp=2 or --mesh tp=2,ep=2")
+    if m.group(1) in sizes:
+      raise JaxvtError(f"--mesh {text!r} names '{m.group(1)}' twice; give each axis once")
+    n = int(m.group(2))
+    if n < 1:
+      raise JaxvtError(f"--mesh {text!r}: {m.group(1)} must be at least 1")
+    sizes[m.group(1)] = n
+  spec = MeshSpec(**sizes)
+  return None if spec.size == 1 else spec
+
+
+def build(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
+  """The `ep x tp` mesh over the first spec.size of `devices` (default: jax.devices())."""
+  devices = list(jax.devices() if devices is None else devices)
+  if spec.size > len(devices):
+    raise JaxvtError(f"--mesh {spec} needs {spec.size} devices but JAX sees {len(devices)} "
+                     f"({devices[0].platform}); use a smaller mesh")
+  grid = np.empty((spec.ep, spec.tp), dtype=object)
+  for i, d in enumerate(devices[:spec.size]):
+    grid[i // spec.tp, i % spec.tp] = d
+  return jax.sharding.Mesh(grid, AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Par:
+  """What a sharded run fixes at load time (static, hashable: part of `Exec`).
+
+  mesh: the jax Mesh (axes "ep", "tp"); head_sharded: the output head's vocab rows are split
+  over "tp" (its logits are all-gathered), else it is replicated.
+  """
+  mesh: jax.sharding.Mesh
+  head_sharded: bool = False
+
+  @property
+  def tp(self) -> int:
+    return int(self.mesh.shape[TP])
+
+  @property
+  def ep(self) -> int:
+    return int(self.mesh.shape[EP])
+
+  @property
+  def size(self) -> int:
+    return self.tp * self.ep
+
+  @property
+  def spec(self) -> MeshSpec:
+    return MeshSpec(tp=self.tp, ep=self.ep)
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+  """`jax.distributed.initialize` for a run over several hosts (before anything touches JAX's
+  backends). Every process runs the same command with its own `process_id`."""
+  if not re.fullmatch(r"[^:\s]+:\d+", coordinator or ""):
+    raise JaxvtError(f"--coordinator {coordinator!r} must be HOST:PORT of process 0")
+  if num_processes < 1 or not 0 <= process_id < num_processes:
+    raise JaxvtError(f"--process-id {process_id} must be in 0..{num_processes - 1} "
+                     f"(--num-processes {num_processes})")
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                             process_id=process_id)
