@@ -8,8 +8,10 @@ format; every tensor of the file must be declared (an appended MTP block excepte
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import re
 from typing import Callable
 
@@ -103,8 +105,80 @@ def unit_bytes(gf: GGUFFile, arch: str, decls: list[WeightDecl]) -> list[UnitByt
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_row(buf, i, row):
-  return jax.lax.dynamic_update_index_in_dim(buf, row, i, 0)
+def _set_rows(buf, i, rows):
+  return jax.lax.dynamic_update_slice_in_dim(buf, rows, i, 0)
+
+
+COPY_CHUNK = 32 << 20  # bytes per thread task when copying a tensor
+
+
+def _stage_max() -> int:
+  """Host bytes a device stack may be staged in at once: a quarter of free RAM, >= 1 GiB."""
+  try:
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError):
+    free = 0
+  return max(1 << 30, free // 4)
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
+                                               thread_name_prefix="jaxvt-copy")
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+  """dst[:] = src for flat uint8 arrays, in COPY_CHUNK pieces on threads (numpy drops the GIL
+  while copying; the source is usually the file's memory map, so this also spreads its page
+  faults over cores)."""
+  n = src.size
+  if n <= 2 * COPY_CHUNK:
+    dst[:] = src
+    return
+  futs = [_pool().submit(np.copyto, dst[i:i + COPY_CHUNK], src[i:i + COPY_CHUNK])
+          for i in range(0, n, COPY_CHUNK)]
+  for f in futs:
+    f.result()
+
+
+def need_host_tier(host_tier) -> None:
+  """Raises the one-line error for a host-tier placement without a host tier."""
+  if host_tier is None:
+    raise JaxvtError("a host-tier placement needs the jaxvt extension's host tier; "
+                     "reinstall jaxvt (pip install .) so its FFI extension is built")
+
+
+def _host_copy(host_tier, t: TensorInfo):
+  """t's bytes in a host-tier buffer. A tier with `buffer_for(tensor)` hands back buffers it
+  filled itself (jaxvt.bench.offload keeps one tier across the budgets of a sweep)."""
+  buffer_for = getattr(host_tier, "buffer_for", None)
+  if buffer_for is not None:
+    return buffer_for(t)
+  buf = host_tier.alloc(t.n_bytes)
+  _copy(buf.array, t.raw().reshape(-1))
+  return buf
+
+
+def _stage(tensors: list[TensorInfo], stride: int) -> np.ndarray:
+  """uint8 [len(tensors), stride]: each tensor's raw bytes in one row, zero-padded."""
+  out = np.empty((len(tensors), stride), np.uint8)
+  for row, t in zip(out, tensors):
+    _copy(row[:t.n_bytes], t.raw().reshape(-1))
+    row[t.n_bytes:] = 0
+  return out
+
+
+def _device_stack(tensors: list[TensorInfo], stride: int, device) -> jax.Array:
+  """The device-tier rows of a stack: staged on the host and uploaded in one transfer, or in
+  pieces of _stage_max() bytes written into one donated device array (device memory stays 1x)."""
+  per = max(1, _stage_max() // stride)
+  if len(tensors) <= per:
+    return jax.device_put(_stage(tensors, stride), device)
+  data = jnp.zeros((len(tensors), stride), jnp.uint8, device=device)
+  for i in range(0, len(tensors), per):
+    rows = jax.device_put(_stage(tensors[i:i + per], stride), device)
+    data = _set_rows(data, jnp.int32(i), rows)
+  return data
 
 
 def _load_vector(gf, arch, d: WeightDecl, device) -> jax.Array:
@@ -134,11 +208,8 @@ def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, devic
     fmts[i] = t.type_id
     kind = placement(d.name, l)
     if kind == "host":
-      if host_tier is None:
-        raise JaxvtError("a host-tier placement needs the jaxvt extension's host tier; "
-                         "reinstall jaxvt (pip install .) so its FFI extension is built")
-      buf = host_tier.alloc(t.n_bytes)
-      buf.array[:] = t.raw().reshape(-1)
+      need_host_tier(host_tier)
+      buf = _host_copy(host_tier, t)
       table[i] = buf.device_address
       fmts[i] |= HOST_BIT
       host_pos.append(i)
@@ -151,11 +222,7 @@ def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, devic
     t = tensors[dev_pos[0]]
     data = jax.device_put(t.raw().reshape(1, -1), device)
   elif dev_pos:
-    data = jnp.zeros((len(dev_pos), stride), jnp.uint8, device=device)
-    for slot, i in enumerate(dev_pos):
-      row = np.zeros(stride, np.uint8)
-      row[:tensors[i].n_bytes] = tensors[i].raw().reshape(-1)
-      data = _set_row(data, jnp.int32(slot), jax.device_put(row, device))
+    data = _device_stack([tensors[i] for i in dev_pos], stride, device)
   else:
     data = jnp.zeros((1, 1), jnp.uint8, device=device)
   for slot, i in enumerate(dev_pos):
@@ -172,10 +239,9 @@ def _load_jax_pinned(d: WeightDecl, tensors, kinds, device, progress) -> QWeight
   if kinds != {"jax_pinned"}:
     raise JaxvtError(f"'{d.name}': the jax_pinned kind places whole stacks only")
   stride = max(t.n_bytes for t in tensors)
-  data = np.zeros((len(tensors), stride), np.uint8)
-  for i, t in enumerate(tensors):
-    data[i, :t.n_bytes] = t.raw().reshape(-1)
-    if progress:
+  data = _stage(tensors, stride)
+  if progress:
+    for t in tensors:
       progress(t.n_bytes)
   pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
   fmts = np.array([t.type_id for t in tensors], np.int32)

@@ -2,255 +2,426 @@
 
 A model with Qwen3.6-35B-A3B's exact architecture and tensor layout and valid random weights
 (Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.gguf.synth) and loaded through
-the normal GGUF path. Arms, each in its own process (the device cap is set before JAX starts):
+the normal GGUF path. Arms (jaxvt's own each in a child process: the device cap is set before
+JAX starts):
 
   device      every weight in device memory, no cap (the GPU holds the whole model)
   sweep       jaxvt's host tier under an emulated 16 GiB card (XLA's pool capped with
-              XLA_PYTHON_CLIENT_MEM_FRACTION, and --device-gb 16 for the planner), over offload
-              budgets from the smallest the planner calls safe up to everything, plus forced
-              unsafe budgets below it
-  jax_pinned  routed experts in JAX's pinned_host memory kind, copied to the device per use
-              (device_put inside the layer scan: the documented way), and jaxvt's host tier at
-              the same placement
+              XLA_PYTHON_CLIENT_MEM_FRACTION, and --device-gb 16 for the planner): `auto`, the
+              smallest safe budget, everything, forced unsafe budgets below the safe range, and
+              the budgets between in steps of at most 1 GiB; then JAX's pinned_host memory kind
+              (device_put inside the layer scan) with jaxvt's host tier at the same placement
+  llama.cpp   llama-bench on the same file (--llama-bench PATH, or /tmp/llama-build's): all
+              layers on the GPU, `-ot exps=CPU`, and `--n-cpu-moe N` near jaxvt's auto budget
 
-Each run: a 512-token prompt (prefill tok/s), then 128 greedy tokens (decode tok/s), the host
-bytes read per token, the planner's predicted ms/token, and the device pool's peak use.
-The sweep stops adding budgets when `--time-limit` is near; what ran is written.
+One sweep process serves every budget: it opens the file once and keeps one pinned host copy
+of each tensor it ever offloads (jaxvt.loader's `buffer_for` hook), so a budget point costs the
+device upload, the compile and the measurement. Each point is a warm-up generate (compiles)
+then a timed one: a 512-token prompt (prefill tok/s), 128 greedy tokens (decode tok/s).
+Children hold a file lock from their first use of the GPU to their end, so one child's setup
+overlaps the other's measurement but no two ever use the GPU at once. Points run in an order
+that spreads coverage (jaxvt.bench.offload_report.order); when `--time-limit` is near, the
+rest are skipped and what ran is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+
+from jaxvt.bench.offload_report import Run, plan_points
 
 GiB = 1 << 30
 MODEL = "/tmp/jaxvt-qwen36-35b-a3b-shape.gguf"
+LOCK = "/tmp/jaxvt-bench-gpu.lock"
+LLAMA_BENCH = "/tmp/llama-build/bin/llama-bench"  # tools/build_llamacpp.sh's output
+LLAMA_RESERVE_S = 110  # kept for the llama.cpp arm (3 llama-bench runs) when it exists
+PINNED_GEN = 16  # the JAX pinned_host arm copies every expert per token: fewer tokens suffice
 
 
-@dataclasses.dataclass
-class Run:
-  arm: str
-  budget_gib: float
-  ok: bool
-  note: str = ""
-  safe: bool = True
-  host_gib: float = 0.0
-  host_mb_per_token: float = 0.0
-  device_read_gb: float = 0.0
-  prefill_tok_s: float = 0.0
-  decode_tok_s: float = 0.0
-  predicted_ms: float = 0.0
-  peak_gib: float = 0.0
-  pool_gib: float = 0.0
-  load_s: float = 0.0
+@contextlib.contextmanager
+def gpu_lock(path: str = LOCK):
+  """Held while a child uses the GPU (load, compile, measure)."""
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _measure(path, arm, budget, device_gb, prompt_len, gen, pattern=(), host_kind="host"):
-  import jax
-  import numpy as np
+class KeptTier:
+  """A host tier for many placements of one file: each tensor is copied into a pinned buffer
+  the first time a placement offloads it, and later placements get that buffer back."""
 
-  import jaxvt
-  from jaxvt.errors import JaxvtError
-  r = Run(arm, budget, False)
-  try:
+  def __init__(self):
+    from jaxvt.offload.host_tier import HostTier
+    self.tier = HostTier()
+    self.bufs = {}
+
+  def buffer_for(self, t):
+    buf = self.bufs.get(t.name)
+    if buf is None:
+      from jaxvt import loader
+      buf = self.bufs[t.name] = loader._host_copy(self.tier, t)  # pylint: disable=protected-access
+    return buf
+
+  def close(self):
+    self.bufs.clear()
+    self.tier.close()
+
+
+class Session:
+  """One opened model file; `measure` places it at a budget and times it."""
+
+  def __init__(self, path: str, prompt: int, gen: int, device_gb: float | None):
+    import dataclasses as dc
+
+    import numpy as np
+
+    from jaxvt import loader
+    from jaxvt.gguf.names import gguf_name
+    from jaxvt.gguf.reader import open_gguf
+    from jaxvt.gguf.tokenizer import Tokenizer
+    from jaxvt.model.config import from_gguf_metadata
+    from jaxvt.model.declare import declare
+    t = time.perf_counter()
+    self.path, self.prompt, self.gen, self.device_gb = path, prompt, gen, device_gb
+    self.gf = open_gguf(path)
+    cfg = from_gguf_metadata(self.gf.metadata)
+    tied = gguf_name(cfg.arch, "lm_head") not in self.gf.tensors
+    self.cfg = dc.replace(cfg, tied_embeddings=tied)
+    self.decls = declare(self.cfg)
+    loader.check_file(self.gf, self.cfg.arch, self.decls, self.cfg.n_layers)
+    self.units = loader.unit_bytes(self.gf, self.cfg.arch, self.decls)
+    self.tokenizer = Tokenizer.from_gguf_metadata(self.gf.metadata)
+    self.ids = np.random.default_rng(0).integers(10, self.cfg.vocab_size - 10, prompt).tolist()
+    self.max_context = prompt + gen + 8
+    self.tier = None
+    self.open_s = time.perf_counter() - t
+
+  def plan(self, budget, pattern=()):
+    import jax
+
+    from jaxvt import ffi
+    from jaxvt.offload import placement
+    from jaxvt.offload.plan import Policy, parse_overrides
+    dev = jax.devices()[0]
+    return placement.plan_for_engine(
+        self.cfg, self.decls, self.units, offload_gb=budget, device_gb=self.device_gb,
+        force=True, device=dev, max_context=self.max_context, kernels=ffi.available(dev.platform),
+        policy=Policy(overrides=parse_overrides(pattern)))
+
+  def facts(self) -> dict:
+    """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts."""
+    from jaxvt.model.declare import Role
+    base = self.plan(0.0)
+    routed = {d.name for d in self.decls if d.role == Role.ROUTED_EXPERTS}
+    exps = [u for u in self.units if u.name in routed and u.layer is not None]
+    n = len({u.layer for u in exps}) or 1
+    return dict(safe=(base.safe_budget or 0) / GiB, top=base.plan.max_useful_budget / GiB,
+                auto=self.plan("auto").plan.host_bytes / GiB,
+                expert_layer_bytes=sum(u.nbytes for u in exps) / n, n_layers=self.cfg.n_layers)
+
+  def engine(self, budget, host_kind: str = "host", pattern=()):
+    """An Engine placed as jaxvt.load(offload_gb=budget, force=True) places it, from the file
+    opened once and this session's kept host tier."""
+    import jax
+
+    from jaxvt import ffi, loader
+    from jaxvt.engine import Engine, exec_for
+    t = time.perf_counter()
+    placed = self.plan(budget, pattern)
+    where = placed.placement
+    if host_kind == "jax_pinned":
+      where = lambda n, l: "jax_pinned" if placed.placement(n, l) == "host" else "device"
+    tier = None
+    if placed.host_bytes and host_kind == "host":
+      self.tier = tier = self.tier or KeptTier()
+    dev = jax.devices()[0]
+    weights = loader.load_weights(self.gf, self.cfg.arch, self.decls, where, tier, dev)
+    jax.block_until_ready(weights)
+    ex = exec_for(dev.platform, ffi.available(dev.platform))
+    return Engine(cfg=self.cfg, ex=ex, weights=weights, tokenizer=self.tokenizer,
+                  max_context=self.max_context, path=self.path,
+                  load_seconds=time.perf_counter() - t, plan=placed)
+
+  def measure(self, arm: str, budget, *, forced: bool = False, host_kind: str = "host",
+              pattern=(), gen: int | None = None) -> Run:
+    import jax
+
+    from jaxvt.errors import JaxvtError
+    gen = min(gen or self.gen, self.gen)
+    r = Run(arm, 0.0, False, gen_tokens=gen, auto=budget == "auto", forced=forced)
     t0 = time.perf_counter()
-    eng = jaxvt.load(path, max_context=prompt_len + gen + 8, offload_gb=budget, device_gb=device_gb, force=True,
-                     offload_pattern=pattern, host_kind=host_kind)
-    r.load_s = time.perf_counter() - t0
-  except (JaxvtError, RuntimeError, MemoryError) as e:
-    r.note = f"load failed: {str(e).splitlines()[0][:160]}"
+    eng = None
+    try:
+      eng = self.engine(budget, host_kind, pattern)
+      r.load_s = time.perf_counter() - t0
+      p = eng.plan
+      r.budget_gib = p.plan.host_bytes / GiB if budget == "auto" or pattern else float(budget)
+      r.safe = p.breakdown.headroom >= p.breakdown.slack
+      r.host_gib = p.plan.host_bytes / GiB
+      r.host_mb_per_token = p.plan.host_read_bytes / 1e6
+      if host_kind == "jax_pinned":  # device_put copies whole offloaded tensors every token
+        r.host_mb_per_token = p.plan.host_bytes / 1e6
+      r.device_read_gb = p.plan.device_read_bytes / 1e9
+      r.predicted_ms = p.prediction.ms_per_step
+      t1 = time.perf_counter()
+      self.warm_up(eng, overlap=not forced)
+      t2 = time.perf_counter()
+      g = eng.generate(self.ids, max_tokens=gen, stop_at_eos=False)
+      r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
+      r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
+      st = jax.devices()[0].memory_stats() or {}
+      r.peak_gib = st.get("peak_bytes_in_use", 0) / GiB
+      r.in_use_gib = st.get("bytes_in_use", 0) / GiB
+      r.pool_gib = st.get("bytes_limit", 0) / GiB
+      r.ok = True
+    except (JaxvtError, RuntimeError, MemoryError, ValueError) as e:  # an unsafe budget may
+      r.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"  # run out: a result
+      if not r.load_s:
+        r.load_s = time.perf_counter() - t0
+    finally:
+      del eng
+      gc.collect()
     return r
-  try:
-    p = eng.plan
-    r.safe = p.breakdown.headroom >= p.breakdown.slack
-    r.host_gib = p.plan.host_bytes / GiB
-    r.host_mb_per_token = p.plan.host_read_bytes / 1e6
-    if host_kind == "jax_pinned":  # device_put copies whole offloaded tensors every token
-      r.host_mb_per_token = p.plan.host_bytes / 1e6
-      r.note = "copies every offloaded tensor per token"
-    r.device_read_gb = p.plan.device_read_bytes / 1e9
-    r.predicted_ms = p.prediction.ms_per_step
-    ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, prompt_len).tolist()
-    eng.generate(ids, max_tokens=3, stop_at_eos=False)  # compiles prefill and decode
-    g = eng.generate(ids, max_tokens=gen, stop_at_eos=False)
-    r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
-    st = jax.devices()[0].memory_stats() or {}
-    r.peak_gib = st.get("peak_bytes_in_use", 0) / GiB
-    r.pool_gib = st.get("bytes_limit", 0) / GiB
-    r.ok = True
-  except Exception as e:  # an unsafe budget may run out of device memory: that is a result
-    r.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-  finally:
-    eng.close()
-    del eng
-    gc.collect()
-  return r
+
+  def warm_up(self, eng, overlap: bool) -> None:
+    """Compiles and runs once what the timed generate runs: a generate of one token (prefill,
+    first sample) and one decode step. With `overlap` the two run on two threads, so their
+    compiles overlap (XLA compiles without the GIL); the forced unsafe points run them one
+    after the other, so that the warm-up's device memory is what a plain run needs."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxvt.engine import decode_sample_fn
+    from jaxvt.sampling import SamplingParams
+    n = len(self.ids)
+    errors = []
+
+    def first():
+      eng.generate(self.ids, max_tokens=1, stop_at_eos=False)
+
+    def step():  # the decode call generate makes: a committed cache, as prefill returns it
+      cache = jax.device_put(eng.new_cache(1), jax.devices()[0])
+      key = jax.random.split(jax.random.key(0))[1]
+      toks, _ = decode_sample_fn(eng.weights, cache, jnp.asarray([[1]], jnp.int32),
+                                 jnp.asarray([[n]], jnp.int32), key, cfg=eng.cfg, ex=eng.ex,
+                                 kv_len=eng.kv_len(n + 1), params=SamplingParams())
+      int(toks[0])
+
+    def guarded(f):
+      try:
+        f()
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(e)
+
+    if overlap:
+      ts = [threading.Thread(target=guarded, args=(f,)) for f in (first, step)]
+      for t in ts:
+        t.start()
+      for t in ts:
+        t.join()
+      if errors:
+        raise errors[0]
+    else:
+      first()
+      step()
+
+
+def _out(r: Run) -> None:
+  print("RUN " + json.dumps(dataclasses.asdict(r)), flush=True)
+
+
+def _rates() -> dict:
+  """Same-run rates: DMA host->device (the extension's probe) and a 1 GiB device copy."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxvt import ffi
+  ext = ffi.extension()
+  x = jnp.ones((1 << 28,), jnp.float32)
+  f = jax.jit(lambda x: x + 1)
+  f(x).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(10):
+    y = f(x)
+  y.block_until_ready()
+  hbm = 10 * 2 * x.nbytes / (time.perf_counter() - t) / 1e9
+  dma = ext.measure_dma_h2d(1 << 30, 5) if jax.devices()[0].platform != "cpu" else 0.0
+  return dict(dma=dma, hbm=hbm)
 
 
 def child(args) -> None:
-  """One arm in this process; prints one JSON line per run."""
-  out = lambda r: print("RUN " + json.dumps(dataclasses.asdict(r)), flush=True)
+  """One arm in this process; prints one JSON line per run (RUN), and META / RATES lines."""
+  deadline = args.deadline or time.time() + args.time_limit
   if args.child == "device":
-    from jaxvt import ffi
-    import jax
-    import jax.numpy as jnp
-    ext = ffi.extension()
-    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB device copy: HBM read+write rate
-    f = jax.jit(lambda x: x + 1)
-    f(x).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(10):
-      y = f(x)
-    y.block_until_ready()
-    hbm = 10 * 2 * x.nbytes / (time.perf_counter() - t) / 1e9
-    del x, y
-    print("RATES " + json.dumps(dict(dma=ext.measure_dma_h2d(1 << 30, 5), hbm=hbm)), flush=True)
-    out(_measure(args.model, "device", 0.0, None, args.prompt, args.gen))
+    s = Session(args.model, args.prompt, args.gen, None)
+    with gpu_lock():
+      print("LOCKED", flush=True)
+      print("RATES " + json.dumps(_rates()), flush=True)
+      r = s.measure("device", 0.0)
+      r.open_s = s.open_s
+      _out(r)
     return
-  if args.child == "jax_pinned":
-    for kind in ("jax_pinned", "host"):
-      out(_measure(args.model, kind if kind == "jax_pinned" else "jaxvt@experts", 64.0, 16.0,
-                   args.prompt, args.gen, pattern=("exps",), host_kind=kind))
-    return
-  # the sweep: the smallest safe budget first, then everything, then the rest in 1 GiB steps
-  from jaxvt.offload import placement
-  import dataclasses as dc
-  from jaxvt import loader
-  from jaxvt.gguf.names import gguf_name
-  from jaxvt.gguf.reader import open_gguf
-  from jaxvt.model.config import from_gguf_metadata
-  from jaxvt.model.declare import declare
-  gf = open_gguf(args.model)
-  cfg = from_gguf_metadata(gf.metadata)
-  cfg = dc.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
-  decls = declare(cfg)
-  placed = placement.plan_for_engine(cfg, decls, loader.unit_bytes(gf, cfg.arch, decls),
-                                     device_gb=16.0, force=True,
-                                     max_context=args.prompt + args.gen + 8)
-  safe = placed.safe_budget / GiB
-  top = placed.plan.max_useful_budget / GiB
-  del gf
-  budgets = [round(safe + 0.05, 2), round(top, 2)]
-  b = int(safe) + 1.0
-  while b < top:
-    budgets.append(b)
-    b += 1.0
-  if safe >= 1.0:  # below the safe range: forced, to show the cliff
-    budgets.append(round(safe - 1.0, 2))
-  deadline = time.time() + args.time_limit
-  print(f"SWEEP safe {safe:.2f} top {top:.2f} budgets {budgets}", flush=True)
-  for b in budgets:
-    if time.time() > deadline:
-      print(f"SKIP {b} (time limit)", flush=True)
-      continue
-    out(_measure(args.model, "jaxvt", b, 16.0, args.prompt, args.gen))
+  s = Session(args.model, args.prompt, args.gen, args.device_gb)  # before the lock: CPU only
+  while args.after and not os.path.exists(args.after) and time.time() < deadline:
+    time.sleep(0.2)  # the device arm measures first
+  with gpu_lock():
+    if args.points:
+      points = [tuple(p) for p in json.loads(args.points)]
+    else:
+      facts = s.facts()
+      print("META " + json.dumps(facts), flush=True)
+      points = plan_points(facts["safe"], facts["top"], auto=facts["auto"])
+    print(f"SWEEP open {s.open_s:.1f} s; {len(points)} points: {points}", flush=True)
+    took: list[float] = []
+    for arm, budget, forced in points:
+      est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0  # a median
+      if time.time() + est > deadline:
+        print(f"SKIP {arm} {budget}", flush=True)
+        continue
+      t = time.perf_counter()
+      if arm == "jax_pinned":
+        r = s.measure(arm, 64.0, host_kind="jax_pinned", pattern=("exps",), gen=PINNED_GEN)
+      elif arm == "jaxvt@experts":
+        r = s.measure(arm, 64.0, pattern=("exps",))
+      else:
+        r = s.measure(arm, budget, forced=forced)
+      r.point = f"{arm}:{budget}"
+      took.append(time.perf_counter() - t)
+      print(f"POINT {arm} {budget}: load {r.load_s:.1f} s, compile+warm-up {r.compile_s:.1f} s, "
+            f"measure {r.measure_s:.1f} s, total {took[-1]:.1f} s", flush=True)
+      _out(r)
+    if s.tier is not None:
+      s.tier.close()
 
 
-def _spawn(arm: str, args, env_extra: dict, timeout: float) -> tuple[list[Run], dict]:
-  env = dict(os.environ, **env_extra)
-  cmd = [sys.executable, "-m", "jaxvt.bench", "offload", "--child", arm, "--model", args.model,
-         "--prompt", str(args.prompt), "--gen", str(args.gen), "--time-limit",
-         str(int(timeout * 0.8))]
-  runs, rates = [], {}
+class _Child:
+  """A child process whose stdout lines are echoed as they come (stderr goes to a file) and
+  whose RUN / RATES / META / SKIP lines are collected."""
+
+  def __init__(self, arm: str, args, env_extra: dict, deadline: float, log, points=None,
+               after: str = "", signal: str = ""):
+    """`signal`: a file created once the child holds the GPU lock (or ends); `after`: a file
+    the child waits for before it takes the lock."""
+    cmd = [sys.executable, "-m", "jaxvt.bench", "offload", "--child", arm, "--model",
+           args.model, "--prompt", str(args.prompt), "--gen", str(args.gen), "--deadline",
+           f"{deadline:.1f}", "--device-gb", str(args.device_gb), "--after", after]
+    if points is not None:
+      cmd += ["--points", json.dumps(points)]
+    self.signal = signal
+    self.err_path = os.path.join(os.environ.get("OUT", "/tmp"), f"offload_{arm}.err")
+    self.runs, self.info, self.log = [], {}, log
+    with open(self.err_path, "w") as err:
+      self.p = subprocess.Popen(cmd, env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    self.reader = threading.Thread(target=self._read, daemon=True)
+    self.reader.start()
+
+  def _read(self):
+    for line in self.p.stdout:
+      line = line.rstrip("\n")
+      if line == "LOCKED" and self.signal:
+        open(self.signal, "w").close()
+      if line.startswith("RUN "):
+        self.runs.append(Run(**json.loads(line[4:])))
+      elif line.startswith(("RATES ", "META ")):
+        self.info[line.split()[0].lower()] = json.loads(line.split(" ", 1)[1])
+      elif line.startswith("SKIP "):
+        self.info.setdefault("skipped", []).append(line[5:])
+      self.log(line)
+    if self.signal:
+      open(self.signal, "w").close()
+
+  def wait(self, deadline: float) -> "_Child":
+    """Waits for the child, killing it at `deadline` (what it printed before counts)."""
+    try:
+      self.p.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      self.p.kill()
+      self.p.wait()
+      self.log("child killed: time limit")
+    self.reader.join(timeout=10)
+    if self.p.returncode:
+      with open(self.err_path) as f:
+        self.log(f"child exited {self.p.returncode}; stderr ends:\n{f.read()[-1500:]}")
+    return self
+
+
+def _pool_fraction(device_gb: float) -> str:
   try:
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    text = p.stdout
-    if p.returncode:
-      print(p.stderr[-2000:], file=sys.stderr)
-  except subprocess.TimeoutExpired as e:
-    text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-  for line in text.splitlines():
-    if line.startswith("RUN "):
-      runs.append(Run(**json.loads(line[4:])))
-    elif line.startswith("RATES "):
-      rates = json.loads(line[6:])
-    print(line, flush=True)
-  return runs, rates
+    q = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    mib = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.split()[0]
+    return f"{device_gb * GiB / (float(mib) * (1 << 20) * 0.9765):.4f}"
+  except (OSError, IndexError, ValueError, subprocess.TimeoutExpired):
+    return "0.115"
 
 
 def main(args) -> str:
-  from jaxvt.bench import report
+  from jaxvt.bench import offload_llama, offload_report, report
   t_start = time.time()
+  log = lambda s: print(s, flush=True)
   if not os.path.exists(args.model):
     from jaxvt.gguf import synth
     t = time.time()
     synth.write_model(args.model, synth.qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
-    print(f"wrote {args.model}: {os.path.getsize(args.model) / GiB:.2f} GiB in "
-          f"{time.time() - t:.0f} s", flush=True)
-  import jax
-  total = None
-  try:
-    import subprocess as sp
-    mib = sp.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                 capture_output=True, text=True).stdout.split()[0]
-    total = float(mib) * (1 << 20)
-  except Exception:
-    pass
-  frac = f"{(16.0 * GiB) / (total * 0.9765) if total else 0.115:.4f}"
-  left = lambda: args.time_limit - (time.time() - t_start)
-  dev_runs, rates = _spawn("device", args, {}, timeout=max(60, left() * 0.25))
-  pin_runs, _ = _spawn("jax_pinned", args, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac},
-                       timeout=max(60, left() * 0.3))
-  sweep, _ = _spawn("sweep", args, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac},
-                    timeout=max(60, left() - 20))
-  runs = dev_runs + pin_runs + sweep
-  body = render(runs, rates, frac, os.path.getsize(args.model) / GiB, args, report.machine(),
-                report.stamp())
-  _plot(runs, "docs/offload_sweep.png")
-  body += "\n\n![offload sweep](offload_sweep.png)\n"
+    log(f"wrote {args.model}: {os.path.getsize(args.model) / GiB:.2f} GiB in "
+        f"{time.time() - t:.0f} s")
+  llama = offload_llama.find(args.llama_bench)
+  notes = []
+  if llama and not os.access(llama, os.X_OK):
+    notes.append("llama-bench was being built (nice 19, 12 jobs) while the jaxvt arms ran")
+  end = t_start + args.time_limit - 15
+  sweep_end = end - (LLAMA_RESERVE_S if llama else 0)
+  frac = _pool_fraction(args.device_gb)
+  cap = {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
+  # both children start now; the lock serialises their GPU phases (device arm first)
+  first = f"/tmp/jaxvt-bench-{os.getpid()}.device"  # the device arm takes the GPU first
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(first)
+  dev = _Child("device", args, {}, sweep_end, log, signal=first)
+  sweep = _Child("sweep", args, cap, sweep_end, log, after=first)
+  dev_runs, info = dev.wait(sweep_end).runs, dict(dev.info)
+  runs = sweep.wait(sweep_end).runs
+  info.update(sweep.info)
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(first)
+  meta = info.get("meta")
+  planned = plan_points(meta["safe"], meta["top"], auto=meta["auto"]) if meta else []
+  done = {r.point for r in runs}
+  left = [p for p in planned if f"{p[0]}:{p[1]}" not in done]
+  if sweep.p.returncode and left and sweep_end - time.time() > 60:  # a crash: go on
+    log(f"sweep child died; respawning for {len(left)} points")
+    more = _Child("sweep", args, cap, sweep_end, log, left).wait(sweep_end)
+    runs += more.runs
+    info["skipped"] = more.info.get("skipped", [])
+  llama_runs = []
+  if llama:
+    llama_runs = offload_llama.run_all(llama, args.model, info.get("meta", {}), args.prompt,
+                                       args.gen, end, log)
+  elif args.llama_bench:
+    log(f"llama.cpp arm skipped: no llama-bench at {args.llama_bench}")
+  all_runs = dev_runs + runs + llama_runs
+  t_total = time.time() - t_start
+  body = offload_report.render(all_runs, info.get("rates", {}), frac,
+                               os.path.getsize(args.model) / GiB, args, report.machine(),
+                               report.stamp(), t_total, info.get("skipped", []),
+                               (meta or {}).get("n_layers", 40), notes)
+  if offload_report.plot(all_runs, "docs/offload_sweep.png"):
+    body += "\n\n![offload sweep](offload_sweep.png)\n"
   report.write_section("offload", body)
+  with open(os.environ.get("OUT", "/tmp") + "/offload_runs.json", "w") as f:
+    json.dump([dataclasses.asdict(r) for r in all_runs] + [info], f, indent=1)
   return body
-
-
-def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, machine: str,
-           date: str) -> str:
-  """The markdown table of a sweep."""
-  dma, hbm = rates.get("dma", 0.0), rates.get("hbm", 0.0)
-  lines = [f"## Offload sweep: Qwen3.6-35B-A3B-shaped model in an emulated 16 GiB card\n",
-           f"Command: `python -m jaxvt.bench offload --time-limit {args.time_limit}`  ",
-           f"Machine: {machine}  ", f"Date: {date}\n",
-           f"Model: {model_gib:.2f} GiB file (Q4_K_M-like synthetic "
-           f"weights, 40 trunk layers + MTP block). 16 GiB card: XLA pool fraction {frac}. "
-           f"Same run: DMA host->device {dma:.1f} GB/s, device copy {hbm:.0f} GB/s. Prompt "
-           f"{args.prompt} tokens, {args.gen} greedy tokens. Roofline = host bytes/DMA + device "
-           "bytes/device copy rate.\n",
-           "| arm | budget GiB | safe | host GiB | host MB/tok | prefill tok/s | decode tok/s | "
-           "ms/tok | predicted ms | roofline ms | peak/pool GiB | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in runs:
-    ms = 1e3 / r.decode_tok_s if r.decode_tok_s else 0.0
-    roof = (r.host_mb_per_token * 1e6 / (dma * 1e9) + r.device_read_gb / hbm) * 1e3 if dma and hbm else 0
-    lines.append(f"| {r.arm} | {r.budget_gib:.2f} | {'yes' if r.safe else 'NO'} | "
-                 f"{r.host_gib:.2f} | {r.host_mb_per_token:.0f} | {r.prefill_tok_s:.1f} | "
-                 f"{r.decode_tok_s:.2f} | {ms:.1f} | {r.predicted_ms:.1f} | {roof:.1f} | "
-                 f"{r.peak_gib:.2f}/{r.pool_gib:.2f} | {r.note} |")
-  return "\n".join(lines)
-
-
-def _plot(runs: list[Run], path: str) -> None:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return
-  fig, ax = plt.subplots(figsize=(7, 4))
-  sw = sorted([r for r in runs if r.arm == "jaxvt" and r.ok], key=lambda r: r.budget_gib)
-  if sw:
-    ax.plot([r.budget_gib for r in sw], [r.decode_tok_s for r in sw], "o-", label="jaxvt measured")
-    ax.plot([r.budget_gib for r in sw], [1e3 / r.predicted_ms for r in sw], "x--",
-            label="jaxvt predicted")
-  for r in runs:
-    if r.ok and r.arm != "jaxvt":
-      ax.axhline(r.decode_tok_s, ls=":", color="gray")
-      ax.annotate(r.arm, (0, r.decode_tok_s), fontsize=8)
-  ax.set_xlabel("--offload-gb (GiB in the host tier)")
-  ax.set_ylabel("decode tok/s")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)

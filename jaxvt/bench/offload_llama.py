@@ -1,0 +1,113 @@
+"""The offload sweep's llama.cpp arm: llama-bench on the same GGUF file.
+
+llama.cpp computes offloaded experts on the CPU (`-ot exps=CPU`, `--n-cpu-moe N`) where jaxvt
+reads them from pinned host memory with GPU kernels, so its rows are what a user would run
+instead. The binary comes from tools/build_llamacpp.sh (source vendored in the
+llama-cpp-python sdist). `llama-bench -o json` prints one record per test: pp (prompt, n_gen 0)
+and tg (generation, n_prompt 0), each with avg_ts / stddev_ts (tokens per second) over `-r`
+repetitions; `parse` turns a configuration's pair into one Run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from jaxvt.bench.offload_report import Run
+
+GiB = 1 << 30
+DEFAULT = "/tmp/llama-build/bin/llama-bench"
+BUILDING = ".building"  # tools/h200_run.sh leaves this in the build folder while it builds
+
+
+def find(path: str | None) -> str | None:
+  """The llama-bench to run: `path`, else the default build; None if neither exists or is
+  being built (a build in progress counts: run_all waits for it)."""
+  p = path or DEFAULT
+  build = os.path.dirname(os.path.dirname(p))
+  if os.access(p, os.X_OK) or os.path.exists(os.path.join(build, BUILDING)):
+    return p
+  return None
+
+
+def parse(text: str, label: str, budget_gib: float) -> Run:
+  """One Run from llama-bench's JSON (a list of records) for one configuration."""
+  start = text.find("[")
+  recs = json.loads(text[start:]) if start >= 0 else []
+  pp = next((r for r in recs if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0), None)
+  tg = next((r for r in recs if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0), None)
+  if pp is None and tg is None:
+    return Run("llama.cpp", budget_gib, False, note=f"{label}: no pp/tg records")
+  any_rec = tg or pp
+  note = (f"{label}; {any_rec.get('n_threads', '?')} threads, flash_attn "
+          f"{any_rec.get('flash_attn', '?')}, {any_rec.get('backends', '?')}")
+  r = Run("llama.cpp", budget_gib, True, note=note, host_gib=budget_gib,
+          point=f"llama.cpp:{label}")
+  if pp:
+    r.prefill_tok_s = float(pp["avg_ts"])
+  if tg:
+    r.decode_tok_s = float(tg["avg_ts"])
+    r.gen_tokens = int(tg["n_gen"])
+  return r
+
+
+def configs(meta: dict, has_ncmoe: bool) -> list[tuple[str, list[str], float]]:
+  """(label, extra flags, GiB of experts on the CPU): all layers on the GPU, every expert on
+  the CPU, and the first N layers' experts on the CPU with N near jaxvt's auto budget."""
+  per = meta.get("expert_layer_bytes", 0.0)
+  n_layers = int(meta.get("n_layers", 0))
+  out = [("-ngl 99", ["-ngl", "99"], 0.0),
+         ("-ngl 99 -ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"], n_layers * per / GiB)]
+  if has_ncmoe and per and n_layers:
+    n = min(n_layers, max(1, round(meta.get("auto", 0.0) * GiB / per)))
+    out.append((f"-ngl 99 --n-cpu-moe {n}", ["-ngl", "99", "--n-cpu-moe", str(n)], n * per / GiB))
+  return out
+
+
+def _has_flag(binary: str, flag: str) -> bool:
+  try:
+    p = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+  return flag in p.stdout + p.stderr
+
+
+def command(binary: str, model: str, prompt: int, gen: int, extra: list[str]) -> list[str]:
+  return [binary, "-m", model, "-p", str(prompt), "-n", str(gen), "-r", "2", "-o", "json", *extra]
+
+
+def run_all(binary: str, model: str, meta: dict, prompt: int, gen: int, deadline: float,
+            log) -> list[Run]:
+  """Every configuration that fits before `deadline`; waits for a build in progress."""
+  build = os.path.join(os.path.dirname(os.path.dirname(binary)), BUILDING)
+  while not os.access(binary, os.X_OK) and os.path.exists(build) and time.time() < deadline - 60:
+    time.sleep(5)
+  if not os.access(binary, os.X_OK):
+    log(f"llama.cpp arm skipped: {binary} was not built in time")
+    return [Run("llama.cpp", 0.0, False, note="llama-bench not built in time")]
+  runs = []
+  for label, extra, gib in configs(meta, _has_flag(binary, "--n-cpu-moe")):
+    left = deadline - time.time()
+    if left < 30:
+      log(f"SKIP llama.cpp {label} (time limit)")
+      runs.append(Run("llama.cpp", gib, False, note=f"{label}: not run (time limit)"))
+      continue
+    cmd = command(binary, model, prompt, gen, extra)
+    log("LLAMA " + " ".join(cmd))
+    t = time.time()
+    try:
+      p = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, 240))
+      r = parse(p.stdout, label, gib) if p.returncode == 0 else Run(
+          "llama.cpp", gib, False, note=f"{label}: exit {p.returncode}: "
+          f"{(p.stderr.strip().splitlines() or [''])[-1][:160]}")
+    except subprocess.TimeoutExpired:
+      r = Run("llama.cpp", gib, False, note=f"{label}: time limit")
+    except (ValueError, KeyError) as e:
+      r = Run("llama.cpp", gib, False, note=f"{label}: unreadable output ({e})"[:200])
+    r.measure_s = time.time() - t
+    log(f"LLAMA {label}: prefill {r.prefill_tok_s:.1f} tok/s, decode {r.decode_tok_s:.2f} tok/s "
+        f"in {r.measure_s:.0f} s {r.note if not r.ok else ''}")
+    runs.append(r)
+  return runs

@@ -1,0 +1,224 @@
+"""python -m jaxvt.bench offload on CPU: budget points, goal verdicts, the table and plot, the
+llama-bench arm's JSON, the loader's staged uploads, and one sweep point end to end."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import types
+
+import numpy as np
+import pytest
+
+from jaxvt.bench import offload_llama, offload_report
+from jaxvt.bench.offload_report import Run, budgets, goals, plan_points, spread
+
+RATES = {"dma": 50.0, "hbm": 4000.0}
+
+
+def test_budgets_cover_the_safe_range_in_steps_of_at_most_one_gib():
+  safe, unsafe = budgets(3.547, 18.61)
+  assert safe[0] == 3.55 and safe[-1] == 18.61
+  assert all(0 < b - a <= 1.0 for a, b in zip(safe, safe[1:]))
+  assert unsafe == [2.55, 3.05]
+  assert budgets(0.0, 2.4) == ([0.0, 1.0, 2.0, 2.4], [])
+  assert budgets(0.7, 0.7) == ([0.7], [0.2])
+  for s, t in ((1.01, 9.99), (5.0, 5.5), (2.0, 3.0)):
+    b, _ = budgets(s, t, step=0.5)
+    assert b[0] >= s and b[-1] == round(t, 2) and all(0 < y - x <= 0.5 for x, y in zip(b, b[1:]))
+
+
+def test_plan_points_order_and_coverage():
+  pts = plan_points(3.55, 18.61)
+  assert pts[:3] == [("jaxvt", "auto", False), ("jaxvt", 3.55, False), ("jaxvt", 18.61, False)]
+  assert [p[0] for p in pts[3:5]] == ["jax_pinned", "jaxvt@experts"]
+  assert pts[5:7] == [("jaxvt", 3.05, True), ("jaxvt", 2.55, True)]
+  mids = [p[1] for p in pts[7:]]
+  assert sorted(mids) == [float(b) for b in range(4, 19)]
+  assert len(pts) == len({(a, b) for a, b, _ in pts})
+  same = plan_points(3.55, 18.61, auto=3.55)  # auto placed the smallest safe budget: once
+  assert same[0] == ("jaxvt", "auto", False) and ("jaxvt", 3.55, False) not in same
+  assert len(same) == len(pts) - 1
+
+
+def test_spread_is_a_permutation_that_starts_in_the_middle():
+  xs = list(range(11))
+  s = spread(xs)
+  assert sorted(s) == xs and s[0] == 5 and set(s[:3]) == {5, 2, 8}
+  assert spread([]) == [] and spread([7]) == [7]
+
+
+def _sweep_rows(tok_s, prefill=250.0, roof_x=1.1):
+  """jaxvt rows at budgets 3, 4, ... whose ms/token is `roof_x` times their roofline."""
+  rows = []
+  for i, t in enumerate(tok_s):
+    r = Run("jaxvt", 3.0 + i, True, host_gib=3.0 + i, prefill_tok_s=prefill, decode_tok_s=t)
+    ms = 1e3 / t / roof_x  # the roofline this row should have: all of it device reads
+    r.device_read_gb = ms / 1e3 * RATES["hbm"]
+    rows.append(r)
+  return rows
+
+
+def _verdicts(rows):
+  return {g.split()[0] + " " + g.split()[1]: v for g, v, _ in goals(rows, RATES)}
+
+
+def test_goals_met_on_a_good_sweep():
+  rows = _sweep_rows([60.0, 55.0, 50.0, 40.0])
+  rows[0].auto = True
+  rows.append(Run("device", 0.0, True, prefill_tok_s=300.0, decode_tok_s=70.0))
+  rows.append(Run("jax_pinned", 17.9, True, decode_tok_s=3.0))
+  rows.append(Run("jaxvt@experts", 17.9, True, decode_tok_s=20.0, host_gib=17.9))
+  g = goals(rows, RATES)
+  assert [v for _, v, _ in g] == ["MET"] * 5, g
+  assert "1.10x" in g[0][2] and "6.7x" in g[3][2] and "83%" in g[4][2]
+
+
+def test_goals_missed_with_the_numbers_that_miss():
+  rows = _sweep_rows([60.0, 63.0, 50.0], prefill=100.0, roof_x=1.5)
+  rows[2].auto = True
+  rows.append(Run("device", 0.0, True, prefill_tok_s=300.0, decode_tok_s=70.0))
+  rows.append(Run("jax_pinned", 17.9, True, decode_tok_s=15.0))
+  rows.append(Run("jaxvt@experts", 17.9, True, decode_tok_s=20.0))
+  g = goals(rows, RATES)
+  assert [v for _, v, _ in g] == ["MISSED"] * 5, g
+  assert "+5.0%" in g[1][2]  # 60 -> 63 tok/s
+  assert "4.00 GiB 63.00" in g[2][2]  # the best point, which auto missed
+
+
+def test_goals_ignore_forced_failed_and_noise():
+  rows = _sweep_rows([60.0, 60.3, 50.0])  # +0.5%: noise
+  rows.append(Run("jaxvt", 2.5, False, forced=True, note="RESOURCE_EXHAUSTED"))
+  rows.append(Run("jaxvt", 3.5, True, forced=True, decode_tok_s=90.0))
+  g = goals(rows, RATES)
+  assert g[0][1] == "MET" and g[1][1] == "MET" and "+0.5%" in g[1][2]
+  assert [v for _, v, _ in g[2:]] == ["NOT RUN"] * 3
+
+
+def test_render_and_plot(tmp_path):
+  rows = _sweep_rows([60.0, 50.0])
+  rows[0].auto = True
+  rows += [Run("device", 0.0, True, prefill_tok_s=300.0, decode_tok_s=70.0),
+           Run("jaxvt", 2.5, False, forced=True, safe=False, note="RESOURCE_EXHAUSTED: oom"),
+           Run("llama.cpp", 17.5, True, note="-ngl 99 -ot exps=CPU", decode_tok_s=30.0)]
+  args = types.SimpleNamespace(time_limit=540, llama_bench=None, device_gb=16.0, prompt=512,
+                               gen=128)
+  md = offload_report.render(rows, RATES, "0.1144", 19.15, args, "gpu:H200", "today", 500)
+  table = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| arm")]
+  assert len(table) == len(rows)
+  assert table[0].startswith("| device |") and "| forced |" in md and "(auto)" in md
+  assert md.count("**MET**") + md.count("**MISSED**") + md.count("**NOT RUN**") == 5
+  pytest.importorskip("matplotlib")
+  out = tmp_path / "sweep.png"
+  assert offload_report.plot(rows, str(out)) and out.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- llama.cpp arm -----------------------------------------------------------------------------
+
+LLAMA_CPU = os.environ.get("JAXVT_LLAMA_BENCH", "/tmp/llama-cpu/bin/llama-bench")
+SAMPLE = os.path.join(os.path.dirname(__file__), "reference", "llama_bench_sample.json")
+
+
+def _check_parse(text: str):
+  recs = json.loads(text[text.find("["):])
+  pp = next(r for r in recs if r["n_gen"] == 0)
+  tg = next(r for r in recs if r["n_prompt"] == 0)
+  r = offload_llama.parse(text, "-ngl 99", 1.5)
+  assert r.ok and r.arm == "llama.cpp" and r.budget_gib == r.host_gib == 1.5
+  assert r.prefill_tok_s == pp["avg_ts"] and r.decode_tok_s == tg["avg_ts"]
+  assert r.gen_tokens == tg["n_gen"] and str(tg["n_threads"]) in r.note
+
+
+def test_parse_recorded_llama_bench_json():
+  """A sample recorded from tools/build_llamacpp.sh's CPU build (LLAMA_GPU=none) of the
+  vendored llama.cpp (llama-cpp-python 0.3.36): `llama-bench -m tiny.gguf -p 16 -n 4 -r 2
+  -o json -ngl 0 -t 2` on synth.tiny_config("qwen35moe", n_nextn=1), q4_k_m."""
+  if not os.path.exists(SAMPLE):
+    pytest.skip("no recorded llama-bench sample")
+  with open(SAMPLE) as f:
+    _check_parse(f.read())
+
+
+@pytest.mark.skipif(not os.access(LLAMA_CPU, os.X_OK), reason="no CPU llama-bench built here")
+def test_live_llama_bench_json(tmp_path):
+  from jaxvt.gguf import synth
+  path = str(tmp_path / "tiny.gguf")
+  synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
+  cmd = offload_llama.command(LLAMA_CPU, path, 16, 4, ["-ngl", "0", "-t", "2"])
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  _check_parse(p.stdout)
+
+
+def test_parse_failures_and_configs():
+  assert not offload_llama.parse("[]", "x", 0.0).ok
+  assert not offload_llama.parse("no json here", "x", 0.0).ok
+  meta = dict(expert_layer_bytes=0.45 * (1 << 30), n_layers=40, auto=3.5)
+  c = offload_llama.configs(meta, has_ncmoe=True)
+  assert [x[1][:2] for x in c] == [["-ngl", "99"]] * 3
+  assert c[1][1][2:] == ["-ot", "exps=CPU"] and c[1][2] == pytest.approx(18.0)
+  assert c[2][1][2:] == ["--n-cpu-moe", "8"] and c[2][2] == pytest.approx(3.6)
+  assert len(offload_llama.configs(meta, has_ncmoe=False)) == 2
+  assert offload_llama.find("/nonexistent/bin/llama-bench") is None
+
+
+# ---- the loader's uploads and copies -------------------------------------------------------------
+
+def test_staged_device_stack_in_pieces_matches_one_transfer(monkeypatch):
+  import jax
+
+  from jaxvt import loader
+  rng = np.random.default_rng(0)
+  raws = [rng.integers(0, 255, (n, 7), dtype=np.uint8) for n in (5, 3, 5, 4, 5)]
+  ts = [types.SimpleNamespace(n_bytes=r.size, raw=lambda r=r: r) for r in raws]
+  stride = max(r.size for r in raws)
+  whole = np.asarray(loader._device_stack(ts, stride, jax.devices()[0]))
+  monkeypatch.setattr(loader, "_stage_max", lambda: 2 * stride)  # 2 rows per piece
+  pieces = np.asarray(loader._device_stack(ts, stride, jax.devices()[0]))
+  np.testing.assert_array_equal(whole, pieces)
+  for row, r in zip(whole, raws):
+    np.testing.assert_array_equal(row[:r.size], r.reshape(-1))
+    assert not row[r.size:].any()
+  monkeypatch.setattr(loader, "COPY_CHUNK", 1000)  # threaded copy in many pieces
+  src = rng.integers(0, 255, 10_007, dtype=np.uint8)
+  dst = np.zeros_like(src)
+  loader._copy(dst, src)
+  np.testing.assert_array_equal(dst, src)
+
+
+# ---- one sweep process, end to end ---------------------------------------------------------
+
+def test_sweep_child_end_to_end(tmp_path, capsys, monkeypatch):
+  """Two budgets of a tiny model in one process: the second reuses the first's pinned copies."""
+  from jaxvt import ffi
+  if not ffi.available("cpu"):
+    pytest.skip("needs the jaxvt extension")
+  from jaxvt.bench import offload
+  from jaxvt.gguf import synth
+  path = str(tmp_path / "tiny.gguf")
+  synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
+  monkeypatch.setattr(offload, "LOCK", str(tmp_path / "lock"))
+  s = offload.Session(path, 8, 3, 16.0)
+  e1 = s.engine(1.0)  # every offloadable weight in the host tier
+  bufs = dict(s.tier.bufs)
+  assert bufs and e1.plan.host_bytes > 0
+  e2 = s.engine(1.0)
+  assert s.tier.bufs == bufs  # nothing copied again
+  w1, w2 = e1.weights, e2.weights
+  for k in w1:
+    if hasattr(w1[k], "table"):
+      np.testing.assert_array_equal(np.asarray(w1[k].table), np.asarray(w2[k].table))
+  del e1, e2, w1, w2
+  args = types.SimpleNamespace(child="sweep", model=path, prompt=8, gen=3, device_gb=16.0,
+                               deadline=0.0, time_limit=120, after="",
+                               points=json.dumps([["jaxvt", "auto", False]]))
+  s.tier.close()
+  offload.child(args)
+  out = capsys.readouterr().out
+  runs = [Run(**json.loads(l[4:])) for l in out.splitlines() if l.startswith("RUN ")]
+  assert len(runs) == 1 and runs[0].ok, out
+  r = runs[0]
+  assert r.auto and r.point == "jaxvt:auto" and r.decode_tok_s > 0 and r.prefill_tok_s > 0
+  assert r.gen_tokens == 3 and r.load_s > 0 and r.compile_s > 0 and r.measure_s > 0
+  assert "POINT jaxvt auto: load" in out
+  assert dataclasses.asdict(r)["predicted_ms"] > 0
