@@ -25,6 +25,10 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
 from jaxvt.sampling import SamplingParams, sample
 
+# GPU prefill: products over at least this many rows stage the layer as bf16 and use XLA's GEMM
+# (Exec.stage_rows). H200, `python -m jaxvt.bench tier` 2026-11-29: a host-tier Q4_K 4096 x 4096
+# layer read in place took 0.220 ms at 1 row and 0.248 at 8; staged 0.233 and 0.232.
+STAGE_ROWS = 8
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
 
@@ -37,19 +41,29 @@ def bucket(n: int, buckets: Iterable[int], cap: int) -> int:
   return cap
 
 
+def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_len: int,
+             valid=None, logits_at=None):
+  """decoder.forward, or with `ex.par` its shard_map over the mesh (jaxvt.parallel.shard)."""
+  if ex.par is None:
+    return decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
+                           logits_at=logits_at)
+  from jaxvt.parallel import shard
+  return shard.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
+                       logits_at=logits_at)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
 def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConfig, ex: Exec,
                kv_len: int):
   """tokens/positions/valid [b, T]; last int32 [b] (index of each row's last real token).
   Returns (logits float32 [b, vocab] at `last`, cache)."""
-  return decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
-                         logits_at=last)
+  return _forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid, logits_at=last)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
 def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int):
   """One decode step: tokens/positions int32 [b, 1] -> (logits float32 [b, vocab], cache)."""
-  logits, cache = decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len)
+  logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
   return logits[:, 0], cache
 
 
@@ -58,7 +72,7 @@ def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, 
 def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig, ex: Exec,
                      kv_len: int, params: SamplingParams):
   """decode_fn fused with sampling: returns (next tokens int32 [b], cache)."""
-  logits, cache = decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len)
+  logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
   return sample(logits[:, 0], key, params), cache
 
 
@@ -106,6 +120,9 @@ class Engine:
     # ggml numerics: llama.cpp's default KV cache (type_k = type_v = f16); q and the attention
     # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
     kv = jnp.float16 if self.ex.ggml else jnp.float32
+    if self.ex.par is not None:  # each device holds its own heads' KV cache and state
+      from jaxvt.parallel import shard
+      return shard.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
     return decoder.init_cache(self.cfg, batch, self.max_context, kv_dtype=kv)
 
   def kv_len(self, n: int) -> int:
@@ -167,6 +184,9 @@ class Engine:
     stopped_by = "max_tokens"
     pos = len(ids)
     t1 = time.perf_counter()
+    # Each step's token is read before the next is dispatched. (Queueing step n+1 on step n's
+    # token while it was still on the device measured slower on the H200, 42 vs 74 tok/s on the
+    # 35B-shaped model, 2026-11-29; the cause was not established.)
     while True:
       if nxt in stops:
         stopped_by = "eos"
@@ -208,17 +228,28 @@ class Engine:
     self.close()
 
 
+def exec_for(platform: str, kernels: bool, par=None) -> Exec:
+  """How jaxvt executes on `platform`: ggml's arithmetic (Q8 activations, integer dots) has
+  kernels on the CPU, where it makes jaxvt agree with llama.cpp; GPU kernels compute in float32
+  (dequantize, f32 dot), and GPU prefill stages layers for XLA's GEMM (Exec.stage_rows)."""
+  gpu = platform != "cpu"
+  return Exec(kernels=kernels, numerics="f32" if gpu else "ggml", par=par,
+              stage_rows=STAGE_ROWS if gpu and kernels else 0)
+
+
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
          on_plan: Callable[[object], None] | None = None, offload_pattern: tuple[str, ...] = (),
-         host_kind: str = "host") -> Engine:
+         host_kind: str = "host", mesh: str | None = None) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine. `offload_gb`: GiB of weights for the host tier, or
   "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
   (`REGEX[=host|device]`) forcing matching weights' tier, counted against the budget;
   `host_kind`: "host" (jaxvt's host tier, read in place) or "jax_pinned" (JAX's pinned_host
-  memory kind, copied to the device at each use: a benchmark arm)."""
+  memory kind, copied to the device at each use: a benchmark arm); `mesh`: "tp=N", "ep=N" or
+  "tp=N,ep=M" shards the model over that many local devices (jaxvt.parallel); then `offload_gb`
+  and `device_gb` are per device, and every device plans its own shards the same way."""
   from jaxvt import ffi, loader
   from jaxvt.gguf.default_model import default_model_path
   from jaxvt.gguf.reader import open_gguf
@@ -238,17 +269,24 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   if max_context < 1 or max_context > cfg.context_length:
     raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
                      "model's trained context); pick a value in that range")
-  device = device or jax.devices()[0]
+  par = _par(mesh, cfg, device, host_kind)
+  device = par.mesh.devices.flat[0] if par else device or jax.devices()[0]
   if kernels is None:
     kernels = ffi.available(device.platform)
   units = loader.unit_bytes(gf, cfg.arch, decls)  # checks every tensor's shape and format
+  plan_cfg, copies = cfg, None
+  if par:  # per-device shard bytes, KV cache and state: one plan serves every device
+    from jaxvt.parallel import shard
+    units, copies = shard.device_units(units, decls, cfg, par)
+    plan_cfg = shard.local_config(cfg, par)
   tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
   from jaxvt.offload.plan import Policy, parse_overrides
   policy = Policy(overrides=parse_overrides(offload_pattern))
-  placed = placement_mod.plan_for_engine(cfg, decls, units, offload_gb=offload_gb,
+  placed = placement_mod.plan_for_engine(plan_cfg, decls, units, offload_gb=offload_gb,
                                          device_gb=device_gb, force=force, device=device,
                                          max_context=max_context, kernels=kernels,
-                                         policy=policy)
+                                         policy=policy, host_copies=copies,
+                                         devices=par.size if par else 1)
   if on_plan:
     on_plan(placed)
   where = placed.placement
@@ -258,14 +296,30 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     raise ValueError(f"host_kind must be 'host' or 'jax_pinned', not {host_kind!r}")
   host_tier = placed.make_host_tier() if placed.host_bytes and host_kind == "host" else None
   try:
-    weights = loader.load_weights(gf, cfg.arch, decls, where, host_tier, device, progress)
+    if par:
+      from jaxvt.parallel import load as pload
+      weights = pload.load_weights(gf, cfg.arch, decls, cfg, par, where, host_tier, progress)
+    else:
+      weights = loader.load_weights(gf, cfg.arch, decls, where, host_tier, device, progress)
   except BaseException:
     if host_tier is not None:
       host_tier.close()
     raise
-  # ggml's arithmetic (Q8 activations, integer dots) has kernels on the CPU, where it makes
-  # jaxvt agree with llama.cpp; GPU kernels compute in float32 (dequantize, f32 dot).
-  ex = Exec(kernels=kernels, numerics="ggml" if device.platform == "cpu" else "f32")
+  ex = exec_for(device.platform, kernels, par)
   return Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
                 path=path, load_seconds=time.perf_counter() - t0, plan=placed,
                 host_tier=host_tier)
+
+
+def _par(mesh: str | None, cfg: ModelConfig, device, host_kind: str):
+  """The parallel layout for `mesh` ("tp=2", ...), or None for one device."""
+  from jaxvt.parallel import mesh as mesh_mod
+  spec = mesh_mod.parse(mesh)
+  if spec is None:
+    return None
+  if device is not None or host_kind != "host":
+    raise JaxvtError("--mesh runs on the mesh's devices with jaxvt's host tier; drop the explicit "
+                     "device / host_kind")
+  from jaxvt.parallel import shard
+  shard.check(cfg, spec)
+  return mesh_mod.Par(mesh_mod.build(spec), head_sharded=shard.head_sharded(cfg, spec))

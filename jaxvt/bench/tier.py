@@ -18,6 +18,7 @@ import numpy as np
 from jaxvt import ffi
 from jaxvt.ffi import kernel_bench as kb
 from jaxvt.ffi import ops
+from jaxvt.ffi.numerics import default_mode
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
@@ -38,15 +39,16 @@ def expert_stack(rng, tier: HostTier, layers: int, experts: int, rows: int, cols
   return w, raw.size // experts
 
 
-def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> float:
-  """Seconds for one pass of qmatmul_experts over every layer (fresh routing per layer)."""
+def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[float, float]:
+  """Seconds for one pass of qmatmul_experts over every layer (fresh routing per layer): the
+  whole scan, and the experts kernels alone (device events of a profiler trace; 0 if none)."""
   T, k = ids.shape[1:]
   x = jax.device_put(jnp.ones((T, w.meta.cols), jnp.float32) * 1e-3, device)
 
   @jax.jit
   def run(x, ids):
     def body(acc, l):
-      y = ops.qmatmul_experts(x, w, l, ids[l])
+      y = ops.qmatmul_experts(x, w, l, ids[l], default_mode(device.platform))
       return acc + y[:, 0, 0], None
     return jax.lax.scan(body, jnp.zeros((T,), jnp.float32),
                         jnp.arange(w.meta.n_layers, dtype=jnp.int32))[0]
@@ -57,13 +59,68 @@ def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> float:
     t0 = time.perf_counter()
     run(x, ids).block_until_ready()
     best = min(best, time.perf_counter() - t0)
-  return best
+  from jaxvt.bench.profile import device_seconds
+  return best, device_seconds(lambda: run(x, ids).block_until_ready(), "experts")
+
+
+def crossover(rng, device, dma: float, rows: int = 4096, cols: int = 4096, layers: int = 16) -> str:
+  """Host-tier Q4_K layer at growing batch: read in place by the matvec kernel (which re-reads
+  the weights once per 16 rows of x) vs staged (qdequant to bf16 on the device, then a GEMM)."""
+  raw = kb.random_matrix(rng, 12, rows, cols)
+  lines = [f"### Reading in place vs staging, by batch (Q4_K {rows} x {cols}, host tier)\n",
+           "| batch | in place ms/layer | staged ms/layer | faster |", "|---|---|---|---|"]
+  with HostTier() as tier:
+    w = kb.stack(raw, 12, rows, cols, layers, tier, device)
+    for b in (1, 8, 16, 32, 64, 128, 256, 512):
+      a = kb.time_scan(w, b, device, reps=3) / layers * 1e3
+      s = kb.time_scan(w, b, device, reps=3, staged=True) / layers * 1e3
+      lines.append(f"| {b} | {a:.3f} | {s:.3f} | {'in place' if a <= s else 'staged'} |")
+    del w
+  return "\n".join(lines)
+
+
+def grid_sweep(ext, dma: float) -> str:
+  """The matvec kernel alone (CUDA events, no XLA) against the streaming read, by grid size:
+  which launch geometry reads host memory fastest (GPU only)."""
+  sms = ext.gpu_sm_count()
+  caps = [0, sms, 4 * sms, 16 * sms]
+  lines = ["### Grid-size probe (kernel alone, CUDA events; GB/s, % of cudaMemcpy)\n",
+           "| kernel | " + " | ".join("default" if c == 0 else f"{c // sms}/SM" for c in caps)
+           + " |", "|---|" + "---|" * len(caps)]
+  cells = [f"{ext.measure_stream_read_grid(256 * MIB, 10, c):.1f}" for c in caps]
+  lines.append("| stream read 256 MiB | " + " | ".join(cells) + " |")
+  for fmt, rows, cols, batch in [(12, 14336, 4096, 1), (12, 4096, 4096, 1), (14, 4096, 4096, 1),
+                                 (3, 4096, 4096, 1), (8, 4096, 4096, 1), (30, 4096, 4096, 1),
+                                 (12, 2048, 512, 1), (12, 14336, 4096, 4), (12, 14336, 4096, 16)]:
+    name = kb.FORMATS[fmt][0]
+    cells = []
+    for c in caps:
+      gbs = ext.measure_host_gemv(fmt, rows, cols, batch, copies=8, iters=24, grid_cap=c)
+      cells.append(f"{gbs:.1f} ({100 * gbs / dma:.0f}%)")
+    lines.append(f"| {name} {rows}x{cols} b{batch} | " + " | ".join(cells) + " |")
+  lines += ["", "### Device tier, kernel alone (batch 1)\n",
+            "| matrix | MiB | GB/s | us per call |", "|---|---|---|---|"]
+  for fmt, rows, cols in [(12, 8192, 2048), (12, 2048, 4096), (12, 512, 2048), (12, 2048, 512),
+                          (14, 2048, 2048), (14, 248320, 2048)]:
+    name, be, bb, _ = kb.FORMATS[fmt]
+    mib = rows * cols // be * bb / MIB
+    copies = max(2, min(16, int(1024 // mib)))
+    gbs = ext.measure_host_gemv(fmt, rows, cols, 1, copies=copies, iters=4 * copies,
+                                device_tier=True)
+    lines.append(f"| {name} {rows}x{cols} | {mib:.1f} | {gbs:.0f} | {mib * MIB / gbs / 1e3:.1f} |")
+  return "\n".join(lines)
 
 
 def main(args) -> str:
   from jaxvt.bench import report
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
+  if getattr(args, "grid", False):
+    if not gpu:
+      return "the grid-size probe needs a GPU"
+    dma = ext.measure_dma_h2d(256 * MIB, 5)
+    return grid_sweep(ext, dma) + "\n\n" + crossover(np.random.default_rng(0),
+                                                      jax.devices()[0], dma)
   device = jax.devices("gpu" if gpu else "cpu")[0]
   n = args.total_mib * MIB
   dma = ext.measure_dma_h2d(n, 5)
@@ -77,8 +134,12 @@ def main(args) -> str:
          f"Same run: {link} {dma:.1f} GB/s; streaming read of mapped pinned memory "
          f"{zc:.1f} GB/s. Rates are weight bytes per second; % is of the {link} rate.\n",
          "### host_linear (qmatmul, host-tier weights)\n",
+         "In an XLA layer scan (what a model step sees: one custom call per layer, the scan's "
+         "loop and a fusion between calls) and, on a GPU, the kernel alone (CUDA events around "
+         "back-to-back launches over distinct copies).\n",
          "| format | rows x cols | MiB | " + " | ".join(f"batch {b} GB/s (%)" for b in batches)
-         + " |", "|---|---|---|" + "---|" * len(batches)]
+         + (" | kernel alone, " + ", ".join(f"b{b}" for b in batches) + " GB/s (%)" if gpu else "")
+         + " |", "|---|---|---|" + "---|" * (len(batches) + gpu)]
   for fmt, (name, *_r) in kb.FORMATS.items():
     for rows, cols in kb.SHAPES:
       raw = kb.random_matrix(rng, fmt, rows, cols)
@@ -90,13 +151,16 @@ def main(args) -> str:
           gbs = raw.size * layers / kb.time_scan(w, b, device, reps=3) / 1e9
           cells.append(f"{gbs:.1f} ({100 * gbs / dma:.0f}%)")
         del w
+      if gpu:
+        alone = [ext.measure_host_gemv(fmt, rows, cols, b, copies=8, iters=24) for b in batches]
+        cells.append(", ".join(f"{g:.1f} ({100 * g / dma:.0f}%)" for g in alone))
       out.append(f"| {name} | {rows} x {cols} | {raw.size / MIB:.1f} | " + " | ".join(cells)
                  + " |")
   E, k, rows, cols = 256, 8, 512, 2048
   out += ["", f"### host_moe (qmatmul_experts: top-{k} of {E} Q4_K experts, {rows} x {cols} "
           "each; gate/up shape of Qwen3.6-35B-A3B)\n",
-          "| tokens | distinct experts read / layer | bytes read / layer | GB/s (%) |",
-          "|---|---|---|---|"]
+          "| tokens | distinct experts read / layer | bytes read / layer | GB/s (%) in the scan "
+          "| kernel time only (profiler) GB/s (%) |", "|---|---|---|---|---|"]
   with HostTier() as tier:
     layers = 24
     w, ebytes = expert_stack(rng, tier, layers, E, rows, cols, device)
@@ -104,12 +168,15 @@ def main(args) -> str:
       ids_np = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
                          for _ in range(layers)]).astype(np.int32)
       distinct = np.mean([len(np.unique(ids_np[l])) for l in range(layers)])
-      t = time_experts(w, jax.device_put(ids_np, device), device)
+      t, tk = time_experts(w, jax.device_put(ids_np, device), device)
       read = distinct * ebytes
-      gbs = read * layers / t / 1e9
+      gbs, gk = read * layers / t / 1e9, read * layers / tk / 1e9 if tk else 0.0
       out.append(f"| {T} | {distinct:.1f} | {read / MIB:.2f} MiB | {gbs:.1f} "
-                 f"({100 * gbs / dma:.0f}%) |")
+                 f"({100 * gbs / dma:.0f}%) | {gk:.1f} ({100 * gk / dma:.0f}%) |")
     del w
+  out += ["", crossover(rng, device, dma)]
+  if gpu:
+    out += ["", grid_sweep(ext, dma)]
   body = "\n".join(out)
   report.write_section(f"tier-{device.platform}", body)
   return body

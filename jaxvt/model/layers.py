@@ -29,10 +29,19 @@ class Exec:
     attention probabilities rounded to the KV-cache dtype. With kernels on CPU this reproduces
     llama.cpp's logits bit for bit (Q4_0/Q4_1/Q8_0/F16/F32 weights, f16 or f32 cache). "f32":
     exact dequantization and float32 math throughout (what a float framework computes).
+  par: None (one device) or a jaxvt.parallel.mesh.Par: the forward runs inside a shard_map over
+    its mesh on per-device shards, and `reduce` sums row-parallel partial products over it.
+  stage_rows: a matrix product over at least this many activation rows (prefill) first stages
+    the layer on the device as bf16 (ops.qdequant: its bytes read once, from either tier) and
+    multiplies with XLA's GEMM (bf16 inputs, float32 accumulation), instead of the matvec kernel
+    that re-reads the weights for every 16 rows; 0: never (the CPU, where the kernels are the
+    arithmetic contract). The GPU default is the crossover measured by `bench tier`.
   """
 
   kernels: bool = False
   numerics: str = "ggml"
+  par: object = None
+  stage_rows: int = 0
 
   def __post_init__(self):
     if self.numerics not in ("ggml", "f32"):
@@ -61,9 +70,21 @@ def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
   from jaxvt.ffi import ops  # the ops module registers the custom calls on first import
   w, layer = stage(w, layer)
+  if ex.kernels and ex.stage_rows and x.size // x.shape[-1] >= ex.stage_rows:
+    return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, layer).T,
+                   preferred_element_type=jnp.float32)
   if ex.kernels:
     return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
   return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
+
+
+def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
+  """Sums the partial products of a row-parallel projection over the mesh: over "tp", or over
+  ("ep", "tp") for routed experts (jaxvt.parallel). The identity on one device."""
+  if ex.par is None:
+    return x
+  from jaxvt.parallel.mesh import AXES, TP
+  return jax.lax.psum(x, AXES if experts else TP)
 
 
 def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:

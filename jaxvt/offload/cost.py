@@ -2,7 +2,9 @@
 
   ms/step = device bytes read / device read rate            (resident weights, KV cache, state)
           + host bytes read / host tier's GEMV read rate     (host-tier weights, read in place)
-          + kernel calls per step x launch overhead          (fixed per-layer costs)
+          + matrix kernel calls x launch_us                  (a matvec's fixed cost)
+          + layers x XLA_OPS_PER_LAYER x op_us               (norms, RoPE, routing, recurrences)
+          + step_ms                                          (the host's part of a token)
 
 The host rate is the rate our matrix kernels reach reading weights from the host tier, never the
 streaming or DMA number: on the origin's gfx1200 streaming gave 23 GB/s and the real GEMM 8, so a
@@ -20,9 +22,12 @@ from jaxvt.model.declare import Role
 from jaxvt.offload import memory
 from jaxvt.offload.plan import GiB, HOST, Plan, ceil_gib
 
-# Device work per layer that is not a weight read, as kernel launches after XLA's fusion (norms,
-# RoPE, attention core or the DeltaNet recurrence, routing, residual adds): a rough constant.
-FUSED_OPS_PER_LAYER = 6
+# Device work per layer that is not a weight read: XLA's kernels after fusion (norms, RoPE,
+# attention core or the DeltaNet recurrence, routing's sort and softmax, residual adds). Counted
+# in a jax.profiler trace of a Qwen3.6-35B-A3B-shaped decode step on the H200 (2026-11-29,
+# `python -m jaxvt.bench profile`): 1454 device events per step, 471 of them jaxvt matrix
+# calls, the other 983 over 40 layers, 1.65 us each on average.
+XLA_OPS_PER_LAYER = 25
 # `auto_budget` takes a budget above the smallest safe one only for at least this predicted gain.
 AUTO_MIN_GAIN = 0.01
 
@@ -33,11 +38,13 @@ class Rates:
   platform: str
   device_read_gbps: float  # our matrix kernels reading quantized weights from device memory
   host_read_gbps: float  # the same kernels reading the host tier in place (GEMV rate)
-  launch_us: float  # fixed cost of one kernel call
+  launch_us: float  # fixed cost of one matrix kernel call (the probe's small-call time)
   dma_h2d_gbps: float | None = None  # informational: pinned host -> device copy
   zero_copy_gbps: float | None = None  # informational: streaming read of host memory
   managed_migrates: bool | None = None  # None: not measured; placement never relies on it
   source: str = ""
+  op_us: float = 1.65  # one of XLA's small fused kernels (the H200 trace above)
+  step_ms: float = 0.0  # host work per generated token not overlapped with the device
 
   def __post_init__(self):
     if not (self.device_read_gbps > 0 and self.host_read_gbps > 0 and self.launch_us >= 0):
@@ -50,8 +57,10 @@ DEFAULT_RATES: dict[str, Rates] = {
     # H200, measured 2026-11-29 by this module's probe: jaxvt's Q4_K qmatmul at batch 1 read
     # 451 GB/s from HBM and 49.7 from the host tier (DMA 54.9, zero-copy 50.6, managed 7.2 then
     # 3551: it migrates); FACTS.md 1: scattered routed-expert slices 47.5, the MoE host rate.
+    # step_ms: generate's 12.8 ms/token against the 9.76 ms/step of back-to-back decode steps
+    # (device busy 99%) on the Qwen3.6-35B-A3B-shaped model (docs/BENCHMARKS.md, GPU notes).
     "cuda": Rates("cuda", 451.0, 47.5, 4.0, 54.9, 50.6, True,
-                  "default for cuda: H200 figures of 2026-11-29, not this device"),
+                  "default for cuda: H200 figures of 2026-11-29, not this device", step_ms=3.0),
     # RX 9060 XT (ORIGIN.md): GEMM from host 8 GB/s (streaming 23); ~320 GB/s GDDR6 at ~80%.
     "rocm": Rates("rocm", 250.0, 8.0, 8.0, None, 23.0, False,
                   "default for rocm: the origin's gfx1200 figures, not this device"),
@@ -90,16 +99,9 @@ class Prediction:
 
 
 def kernel_calls(plan: Plan, cfg: ModelConfig) -> int:
-  """Kernel launches per decode step: one per matrix unit (a layer's routed gate/up/down are one
-  fused call) plus FUSED_OPS_PER_LAYER per layer."""
-  calls = 0
-  for u in plan.units:
-    if u.role in (Role.NORM, Role.SMALL):
-      continue
-    if u.role is Role.ROUTED_EXPERTS and u.name != "moe.w_gate":
-      continue
-    calls += 1
-  return calls + FUSED_OPS_PER_LAYER * cfg.n_layers
+  """Matrix kernel calls per decode step: one per matrix unit (routed gate, up and down are a
+  call each)."""
+  return sum(1 for u in plan.units if u.role not in (Role.NORM, Role.SMALL))
 
 
 def state_read_bytes(cfg: ModelConfig, shape: memory.RunShape, context_pos: int) -> int:
@@ -116,9 +118,11 @@ def predict(plan: Plan, rates: Rates, cfg: ModelConfig, shape: memory.RunShape =
   dev = plan.device_read_bytes + state_read_bytes(cfg, shape, pos)
   host = plan.host_read_bytes
   calls = kernel_calls(plan, cfg)
+  fixed = (calls * rates.launch_us + cfg.n_layers * XLA_OPS_PER_LAYER * rates.op_us +
+           rates.step_ms * 1000.0)
   return Prediction(plan.policy.batch, pos, dev, host, calls,
                     dev / rates.device_read_gbps / 1e6, host / rates.host_read_gbps / 1e6,
-                    calls * rates.launch_us / 1000.0)
+                    fixed / 1000.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,7 +103,8 @@ def rates_from_probe(r: ProbeResult, source: str) -> cost.Rates:
       platform=r.platform, device_read_gbps=r.device_gemv_gbps or d.device_read_gbps,
       host_read_gbps=r.host_gemv_gbps or d.host_read_gbps, launch_us=r.launch_us or d.launch_us,
       dma_h2d_gbps=r.dma_h2d_gbps, zero_copy_gbps=r.zero_copy_gbps,
-      managed_migrates=r.managed_migrates, source=f"measured: {source}{note}")
+      managed_migrates=r.managed_migrates, source=f"measured: {source}{note}",
+      op_us=d.op_us, step_ms=d.step_ms)
 
 
 def load_rates(device=None, *, platform: str | None = None, device_kind: str | None = None,
@@ -156,7 +157,9 @@ def time_qmatmul(w, iters: int = 20) -> float:
   from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
   m = w.meta
   nbytes = max(m.experts, 1) * m.rows * row_bytes(m.formats[0], m.cols)
-  f = jax.jit(lambda x, w: ops.qmatmul(x, w, jnp.int32(0)))
+  from jaxvt.ffi.numerics import default_mode  # pylint: disable=import-outside-toplevel
+  mode = default_mode(w.data.devices().pop().platform)
+  f = jax.jit(lambda x, w: ops.qmatmul(x, w, jnp.int32(0), mode))
   x = jnp.ones((1, m.cols), jnp.float32)
   f(x, w).block_until_ready()
   t0 = time.perf_counter()
@@ -164,6 +167,33 @@ def time_qmatmul(w, iters: int = 20) -> float:
     y = f(x, w)
   y.block_until_ready()
   return nbytes * iters / (time.perf_counter() - t0) / 1e9
+
+
+def time_launch(device=None, steps: int = 256, reps: int = 5) -> float:
+  """Microseconds per device kernel inside a jitted layer scan: each step runs one small matrix
+  call (64 x 1024 Q4_K) and the elementwise fusion that consumes it, as a decode step's many
+  small kernels do; the best of `reps` runs over `steps` steps, per kernel."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jaxvt.ffi import ops  # pylint: disable=import-outside-toplevel
+  from jaxvt.ffi.numerics import default_mode  # pylint: disable=import-outside-toplevel
+  w = device_qweight(64 * 576, cols=1024, device=device)
+  mode = default_mode(w.data.devices().pop().platform)
+
+  @jax.jit
+  def run(x):
+    def body(x, _):
+      return x + ops.qmatmul(x, w, jnp.int32(0), mode).sum(), None
+    return jax.lax.scan(body, x, None, length=steps)[0]
+
+  x = jax.device_put(jnp.zeros((1, 1024), jnp.float32), device)
+  run(x).block_until_ready()
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    run(x).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return best / (2 * steps) * 1e6
 
 
 def device_qweight(nbytes: int, cols: int = 4096, type_id: int = Q4_K, device=None):
@@ -236,6 +266,10 @@ def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
     kw["device_gemv_gbps"] = time_qmatmul(device_qweight(gemv_bytes, device=device), iters * 5)
   except _ARM_ERRORS as e:
     notes.append(f"device GEMV not measured ({_why(e)})")
+  try:
+    kw["launch_us"] = time_launch(device)
+  except _ARM_ERRORS as e:
+    notes.append(f"kernel cost not measured ({_why(e)})")
   if make_host_weight is None:
     gpu = platform in ("cuda", "rocm")
     make_host_weight = lambda n: host_qweight(n, ext, gpu, device=device)

@@ -1,0 +1,133 @@
+"""python -m jaxvt.bench profile: where a decode step's device time goes.
+
+Loads a model (the embedded default, or --model; --offload-gb / --device-gb as for jaxvt.run),
+prefills a short prompt, times `--steps` jitted decode steps on the wall clock, then traces the
+same steps with jax.profiler (a Perfetto JSON trace) and sums the device-side events by name:
+how many kernels a step launches, how much of the step the device is busy, and which kernels
+cost most. Nothing is written to docs/BENCHMARKS.md; the table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+
+def device_events(trace: dict) -> list[dict]:
+  """Complete ('X') events of device processes (names like '/device:GPU:0'; on the CPU backend,
+  XLA's host ops, so the tool still says something there)."""
+  names = {}
+  for e in trace.get("traceEvents", []):
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      names[e.get("pid")] = str(e.get("args", {}).get("name", ""))
+  gpu = {p for p, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
+  pids = gpu or {p for p, n in names.items() if "XLA" in n or "/host:CPU" in n}
+  return [e for e in trace.get("traceEvents", [])
+          if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+
+
+def trace(fn, log_dir: str) -> dict:
+  """Runs fn() under jax.profiler and returns the Perfetto trace (a dict); raises OSError,
+  RuntimeError or ValueError when no trace could be made."""
+  import jax
+  with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+    fn()
+  files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+  if not files:
+    raise OSError("the profiler wrote no Perfetto trace")
+  with gzip.open(files[0], "rt") as f:
+    return json.load(f)
+
+
+def device_seconds(fn, match: str) -> float:
+  """Seconds the device spent in kernels whose name contains `match` while fn() ran; 0 when the
+  profiler is unavailable or saw no device (e.g. on the CPU)."""
+  with tempfile.TemporaryDirectory() as d:
+    try:
+      t = trace(fn, d)
+    except (OSError, RuntimeError, ValueError):
+      return 0.0
+  names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in t.get("traceEvents", [])
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {p for p, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
+  return sum(float(e["dur"]) for e in t.get("traceEvents", [])
+             if e.get("ph") == "X" and e.get("pid") in gpu and match in str(e.get("name"))) / 1e6
+
+
+def summarize(events: list[dict], steps: int, top: int = 25) -> tuple[str, float, int]:
+  """A table of the costliest event names per step; returns (table, busy us/step, events/step)."""
+  tot, cnt = collections.Counter(), collections.Counter()
+  for e in events:
+    name = str(e["name"])[:70]
+    tot[name] += float(e["dur"])
+    cnt[name] += 1
+  busy = sum(tot.values()) / max(steps, 1)
+  n = sum(cnt.values()) / max(steps, 1)
+  lines = [f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  name"]
+  for name, us in tot.most_common(top):
+    lines.append(f"{us / steps:9.1f} {cnt[name] / steps:10.1f} {us / cnt[name]:8.2f}  {name}")
+  return "\n".join(lines), busy, int(round(n))
+
+
+def main(args) -> str:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxvt
+  from jaxvt import engine as eng_mod
+  from jaxvt.sampling import SamplingParams
+
+  eng = jaxvt.load(args.model, max_context=args.prompt + args.steps * 3 + 16,
+                   offload_gb=args.offload_gb, device_gb=args.device_gb, force=True)
+  ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
+  _, cache = eng.prefill(ids)
+  pos = len(ids)
+  key = jax.random.key(0)
+  params = SamplingParams()
+
+  def step(cache, pos):
+    toks, cache = eng_mod.decode_sample_fn(
+        eng.weights, cache, jnp.asarray([[7]], jnp.int32), jnp.asarray([[pos]], jnp.int32), key,
+        cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(pos + 1), params=params)
+    return toks, cache
+
+  for _ in range(3):  # compile and warm up
+    toks, cache = step(cache, pos)
+    pos += 1
+  toks.block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    toks, cache = step(cache, pos)
+    pos += 1
+  toks.block_until_ready()
+  wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+
+  out = [f"model {eng.path}: {eng.cfg.arch}, {eng.cfg.n_layers} layers; offload "
+         f"{eng.plan.plan.host_bytes / 2**30:.2f} GiB; predicted "
+         f"{eng.plan.prediction.ms_per_step:.2f} ms/step; wall {wall_ms:.2f} ms/step "
+         f"({args.steps} steps)"]
+  with tempfile.TemporaryDirectory() as d:
+    def steps():
+      nonlocal toks, cache, pos
+      for _ in range(args.steps):
+        toks, cache = step(cache, pos)
+        pos += 1
+      toks.block_until_ready()
+    try:
+      tr = trace(steps, d)
+    except (OSError, RuntimeError, ValueError) as e:
+      out.append(f"no trace: {type(e).__name__}: {e}")
+      eng.close()
+      return "\n".join(out)
+  table, busy, n = summarize(device_events(tr), args.steps, args.top)
+  out.append(f"device busy {busy / 1e3:.2f} ms/step over {n} events/step "
+             f"({busy / 1e3 / wall_ms:.0%} of the wall time)")
+  out.append(table)
+  eng.close()
+  return "\n".join(out)
