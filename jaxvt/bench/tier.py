@@ -9,7 +9,6 @@ Layers are replicated at distinct addresses so every call reads memory the GPU h
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -44,23 +43,11 @@ def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[flo
   whole scan, and the experts kernels alone (device events of a profiler trace; 0 if none)."""
   T, k = ids.shape[1:]
   x = jax.device_put(jnp.ones((T, w.meta.cols), jnp.float32) * 1e-3, device)
-
-  @jax.jit
-  def run(x, ids):
-    def body(acc, l):
-      y = ops.qmatmul_experts(x, w, l, ids[l], default_mode(device.platform))
-      return acc + y[:, 0, 0], None
-    return jax.lax.scan(body, jnp.zeros((T,), jnp.float32),
-                        jnp.arange(w.meta.n_layers, dtype=jnp.int32))[0]
-
-  run(x, ids).block_until_ready()
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    run(x, ids).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
+  mode = default_mode(device.platform)
+  best, once = kb.best_scan_time(lambda x, l: ops.qmatmul_experts(x, w, l, ids[l], mode),
+                                 w.meta.n_layers, x, reps)
   from jaxvt.bench.profile import device_seconds
-  return best, device_seconds(lambda: run(x, ids).block_until_ready(), "experts")
+  return best, device_seconds(once, "experts")
 
 
 def crossover(rng, device, dma: float, rows: int = 4096, cols: int = 4096, layers: int = 16) -> str:

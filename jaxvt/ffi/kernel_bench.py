@@ -63,34 +63,40 @@ def stack(raw: np.ndarray, fmt: int, rows: int, cols: int, layers: int, tier, de
   return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device), meta)
 
 
+def best_scan_time(product, n_layers: int, x: jax.Array, reps: int) -> tuple[float, object]:
+  """Best wall seconds of `reps` runs of one jitted lax.scan that calls product(x, l) for every
+  layer l (after a compiling run); also returns a thunk that runs it once more."""
+  @jax.jit
+  def run(x):
+    def body(acc, l):
+      y = product(x, l)
+      return acc + y.reshape(y.shape[0], -1)[:, 0], None
+    return jax.lax.scan(body, jnp.zeros((x.shape[0],), jnp.float32),
+                        jnp.arange(n_layers, dtype=jnp.int32))[0]
+
+  once = lambda: run(x).block_until_ready()
+  once()
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    once()
+    best = min(best, time.perf_counter() - t0)
+  return best, once
+
+
 def time_scan(w: QWeight, batch: int, device, reps: int, staged: bool = False) -> float:
   """Seconds for one pass of qmatmul over every layer of w; staged: instead stage each layer to
   the device as bf16 (ops.qdequant reads its bytes once) and multiply there (a GEMM)."""
   x = jax.device_put(jnp.ones((batch, w.meta.cols), jnp.float32) * 1e-3, device)
-
   mode = default_mode(device.platform)
 
-  def product(x, w, l):
+  def product(x, l):
     if not staged:
       return ops.qmatmul(x, w, l, mode)
     return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, l).T,
                    preferred_element_type=jnp.float32)
 
-  @jax.jit
-  def run(x, w):
-    def body(acc, l):
-      y = product(x, w, l)
-      return acc + y[:, 0], None
-    return jax.lax.scan(body, jnp.zeros((batch,), jnp.float32),
-                        jnp.arange(w.meta.n_layers, dtype=jnp.int32))[0]
-
-  run(x, w).block_until_ready()
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    run(x, w).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return best
+  return best_scan_time(product, w.meta.n_layers, x, reps)[0]
 
 
 def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
