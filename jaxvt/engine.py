@@ -228,6 +228,22 @@ class Engine:
     self.close()
 
 
+def xla_workspace_bytes(eng: "Engine") -> int | None:
+  """XLA's memory analysis of the largest prefill program `eng` can run (temporaries plus
+  outputs not aliased to inputs), compiled ahead of time; None where XLA gives no analysis."""
+  T = bucket(eng.max_context, PREFILL_BUCKETS, eng.max_context)
+  spec = jax.ShapeDtypeStruct
+  i32 = lambda shape: spec(shape, jnp.int32)
+  cache = jax.eval_shape(lambda: eng.new_cache(1))
+  lowered = prefill_fn.lower(eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool),
+                             i32((1,)), cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(T))
+  ma = lowered.compile().memory_analysis()
+  if ma is None:
+    return None
+  return int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) -
+                                          int(ma.alias_size_in_bytes))
+
+
 def exec_for(platform: str, kernels: bool, par=None) -> Exec:
   """How jaxvt executes on `platform`: ggml's arithmetic (Q8 activations, integer dots) has
   kernels on the CPU, where it makes jaxvt agree with llama.cpp; GPU kernels compute in float32
@@ -306,9 +322,22 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       host_tier.close()
     raise
   ex = exec_for(device.platform, kernels, par)
-  return Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
-                path=path, load_seconds=time.perf_counter() - t0, plan=placed,
-                host_tier=host_tier)
+  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
+               path=path, load_seconds=time.perf_counter() - t0, plan=placed,
+               host_tier=host_tier)
+  # Where memory is planned tight (weights offloaded, or --device-gb), the estimate of the
+  # program's workspace is replaced by XLA's own analysis of the largest prefill, and the plan
+  # checked again before anything runs (one ahead-of-time compile; one device only).
+  if par is None and (placed.host_bytes or device_gb is not None):
+    try:
+      ws = xla_workspace_bytes(eng)
+      if ws is not None:
+        placed.recheck(ws, force=force)
+    except BaseException:
+      eng.close()
+      raise
+  eng.memory = placed.breakdown
+  return eng
 
 
 def _par(mesh: str | None, cfg: ModelConfig, device, host_kind: str):

@@ -87,3 +87,23 @@ def test_plan_golden():
       f.write(text)
   with open(GOLDEN) as f:
     assert text == f.read()
+
+
+def test_workspace_from_xla_memory_analysis():
+  """With weights offloaded the plan is checked again with XLA's analysis of the compiled
+  prefill; a workspace that leaves less than the slack is refused naming the smallest safe
+  budget, and --force lets it run."""
+  from jaxvt.engine import xla_workspace_bytes
+  from jaxvt.errors import JaxvtError
+  with jaxvt.load(max_context=512, offload_gb=0.05, device_gb=0.78) as eng:
+    placed = eng.plan
+    assert eng.memory.workspace_source == "XLA memory analysis"
+    ws = xla_workspace_bytes(eng)
+    assert eng.memory.workspace == ws > 0
+    bd = eng.memory
+    assert bd.weights + bd.kv_cache + bd.state + bd.workspace + bd.slack + bd.free == bd.capacity
+    too_big = bd.headroom - bd.slack + bd.workspace + 1  # one byte over the slack
+    with pytest.raises(JaxvtError, match="smallest safe"):
+      placed.recheck(too_big)
+    placed.recheck(too_big, force=True)
+    assert placed.breakdown.workspace == too_big and not placed.breakdown.fits

@@ -112,7 +112,8 @@ def estimate_workspace_bytes(cfg: ModelConfig, shape: RunShape) -> int:
   and its normed copies (6 * T * d); and the largest layer body's temporaries, reused across the
   scan: attention (q/k/v, gate, output and the T x context score matrix per head), DeltaNet
   (projections, per-64-token-chunk states), FFN (gate/up products; the MoE router logits and the
-  k routed experts' intermediates). The engine replaces this with XLA's compiled memory analysis.
+  k routed experts' intermediates). `jaxvt.load` replaces it with XLA's memory analysis of the
+  compiled prefill (engine.xla_workspace_bytes) where the plan offloads or --device-gb is given.
   """
   a = shape.act_elem_bytes
   b, t_seq = shape.batch, shape.prefill_chunk

@@ -28,6 +28,15 @@ class Placed:
   safe_budget: int | None
   reason: str  # how the budget was chosen
   devices: int = 1  # > 1: a mesh; the plan, its budget and its bytes are per device
+  cfg: ModelConfig | None = None  # what the plan was checked for (one device's, on a mesh)
+  shape: memory.RunShape | None = None
+
+  def recheck(self, workspace_bytes: int, force: bool = False) -> None:
+    """Checks the plan again with XLA's compiled workspace in place of the estimate (raises
+    JaxvtError, naming the smallest safe budget, when the headroom falls under the slack and
+    not `force`); the breakdown then says "XLA memory analysis"."""
+    self.breakdown = memory.check(self.plan, self.facts, self.cfg, self.shape, workspace_bytes,
+                                  force=force)
 
   def placement(self, name: str, layer: int | None) -> str:
     return self.plan.placement.get((name, layer), DEVICE)
@@ -111,7 +120,7 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   memory.host_memory_check(host_total, memory.read_mem_available())
   safe = memory.smallest_safe_budget(base, facts, cfg, shape)
   pred = cost.predict(placed, rates, cfg, shape)
-  return Placed(placed, facts, bd, rates, pred, safe, reason, devices)
+  return Placed(placed, facts, bd, rates, pred, safe, reason, devices, cfg, shape)
 
 
 # Weightless model descriptions `--plan --model NAME` accepts: (config builder, format recipe).
