@@ -4,14 +4,15 @@ Kernels (XLA FFI custom calls, `jaxvt.ffi._jaxvt_ffi`) read a layer's raw GGUF b
 are: device-tier layers inside `w.data`, host-tier layers in place in pinned host memory at the
 address in `w.table`. The layer index is an operand the kernel reads on the device, so every op
 works inside `lax.scan` / `fori_loop` with a traced layer and under CUDA-graph replay. All
-accumulation is float32 (see csrc/kernels_cpu.h and csrc/kernels_gpu.cu for the order).
+accumulation is float32 (see csrc/kernels_cpu.h and csrc/matvec.cuh for the order).
 
 Arithmetic (`mode`, jaxvt.ffi.numerics): "ggml" (default) is llama.cpp's CPU arithmetic: each
 activation row is quantized to the weight format's ggml vec-dot type (Q8_0 for Q4_0/Q8_0, Q8_1
 for Q4_1, Q8_K for K formats, F16/BF16 for F16/BF16 weights), dotted in integers and scaled in
 float32; the CPU kernels add in the order of ggml's AVX2 build (bit-identical to llama.cpp for
-Q4_0/Q4_1/Q8_0/F16/F32), the references in XLA's. "f32" dequantizes exactly and takes an f32 dot
-product. References pick the layer's format with `lax.switch` over `w.meta.formats` and use jnp
+Q4_0/Q4_1/Q8_0/F16/F32), the references in XLA's. ggml mode has CPU kernels only (XLA names the
+missing CUDA/ROCm handler if one is compiled for a GPU; numerics.default_mode(platform) is the
+mode to pass there). "f32" dequantizes exactly and takes an f32 dot product. References pick the layer's format with `lax.switch` over `w.meta.formats` and use jnp
 math. They read device-tier layers only: for a host-tier layer they return NaN.
 
 Model steps in ggml arithmetic (`rms_norm`, `swiglu`, `rope`, `attention`): CPU kernels that
