@@ -18,15 +18,16 @@ import tempfile
 import time
 
 
-def device_events(trace: dict) -> list[dict]:
-  """Complete ('X') events of device processes (names like '/device:GPU:0'; on the CPU backend,
-  XLA's host ops, so the tool still says something there)."""
+def device_events(trace: dict, host_fallback: bool = True) -> list[dict]:
+  """Complete ('X') events of device processes (names like '/device:GPU:0'); with none and
+  `host_fallback`, XLA's host ops (the CPU backend), so the tool still says something there."""
   names = {}
   for e in trace.get("traceEvents", []):
     if e.get("ph") == "M" and e.get("name") == "process_name":
       names[e.get("pid")] = str(e.get("args", {}).get("name", ""))
-  gpu = {p for p, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
-  pids = gpu or {p for p, n in names.items() if "XLA" in n or "/host:CPU" in n}
+  pids = {p for p, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
+  if not pids and host_fallback:
+    pids = {p for p, n in names.items() if "XLA" in n or "/host:CPU" in n}
   return [e for e in trace.get("traceEvents", [])
           if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
 
@@ -52,11 +53,8 @@ def device_seconds(fn, match: str) -> float:
       t = trace(fn, d)
     except (OSError, RuntimeError, ValueError):
       return 0.0
-  names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in t.get("traceEvents", [])
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {p for p, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
-  return sum(float(e["dur"]) for e in t.get("traceEvents", [])
-             if e.get("ph") == "X" and e.get("pid") in gpu and match in str(e.get("name"))) / 1e6
+  return sum(float(e["dur"]) for e in device_events(t, host_fallback=False)
+             if match in str(e.get("name"))) / 1e6
 
 
 def summarize(events: list[dict], steps: int, top: int = 25) -> tuple[str, float, int]:

@@ -74,7 +74,7 @@ def grid_sweep(ext, dma: float) -> str:
   lines = ["### Grid-size probe (kernel alone, CUDA events; GB/s, % of cudaMemcpy)\n",
            "| kernel | " + " | ".join("default" if c == 0 else f"{c // sms}/SM" for c in caps)
            + " |", "|---|" + "---|" * len(caps)]
-  cells = [f"{ext.measure_stream_read_grid(256 * MIB, 10, c):.1f}" for c in caps]
+  cells = [f"{ext.measure_zero_copy_read(256 * MIB, 10, False, c):.1f}" for c in caps]
   lines.append("| stream read 256 MiB | " + " | ".join(cells) + " |")
   for fmt, rows, cols, batch in [(12, 14336, 4096, 1), (12, 4096, 4096, 1), (14, 4096, 4096, 1),
                                  (3, 4096, 4096, 1), (8, 4096, 4096, 1), (30, 4096, 4096, 1),

@@ -24,11 +24,11 @@ void managed_free(uintptr_t ptr);
 
 // GB/s (1e9 bytes/s). Negative on failure, with *err set.
 double measure_dma_h2d(size_t nbytes, int iters, std::string* err);
-double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, std::string* err);
-// Probes of the matvec kernel against the streaming read, by grid size (blocks <= 0: the
-// kernels' defaults): `copies` matrices (pinned host tier, or device tier) read in turn (so no
+// blocks: the streaming kernel's grid (<= 0: four per multiprocessor).
+double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t blocks,
+                              std::string* err);
+// Probe of the matvec kernel, by grid size (grid_cap <= 0: the kernel's default): `copies` matrices (pinned host tier, or device tier) read in turn (so no
 // launch finds its matrix in the GPU's L2), timed with events around `iters` launches.
-double measure_stream_read_grid(size_t nbytes, int iters, int64_t blocks, std::string* err);
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
                          int copies, int iters, int64_t grid_cap, bool device_tier,
                          std::string* err);

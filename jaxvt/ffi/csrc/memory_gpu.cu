@@ -119,29 +119,12 @@ double measure_dma_h2d(size_t nbytes, int iters, std::string* err) {
   return gbs;
 }
 
-double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, std::string* err) {
+double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t blocks,
+                              std::string* err) {
   Timer t(err);
   if (!t.ready) return -1;
   uintptr_t h = 0, hd = 0;
   if (!host_alloc(nbytes, coherent, &h, &hd, err)) return -1;
-  std::memset(reinterpret_cast<void*>(h), 1, nbytes);
-  const int64_t n16 = static_cast<int64_t>(nbytes / 16);
-  const void* p = reinterpret_cast<const void*>(hd);
-  double gbs = -1;
-  bool good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink), "read kernel", err) &&
-              ok(gpuEventRecord(t.a, t.s), "event", err);
-  for (int i = 0; good && i < iters; ++i) good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink), "read kernel", err);
-  good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
-  if (good) gbs = static_cast<double>(n16) * 16 * iters / 1e6 / t.ms();
-  host_free(h);
-  return gbs;
-}
-
-double measure_stream_read_grid(size_t nbytes, int iters, int64_t blocks, std::string* err) {
-  Timer t(err);
-  if (!t.ready) return -1;
-  uintptr_t h = 0, hd = 0;
-  if (!host_alloc(nbytes, false, &h, &hd, err)) return -1;
   std::memset(reinterpret_cast<void*>(h), 1, nbytes);
   const int64_t n16 = static_cast<int64_t>(nbytes / 16);
   const void* p = reinterpret_cast<const void*>(hd);

@@ -185,17 +185,17 @@ double MeasureDmaH2D(size_t nbytes, int iters) {
   return CpuCopy(nbytes, iters);
 }
 
-double MeasureZeroCopyRead(size_t nbytes, int iters, bool coherent) {
+double MeasureZeroCopyRead(size_t nbytes, int iters, bool coherent, int64_t blocks) {
   if (iters < 1) iters = 1;
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
     std::string err;
-    double v = jaxvt::gpu_mem::measure_zero_copy_read(nbytes, iters, coherent, &err);
+    double v = jaxvt::gpu_mem::measure_zero_copy_read(nbytes, iters, coherent, blocks, &err);
     if (v < 0) throw std::runtime_error(err);
     return v;
   }
 #endif
-  (void)coherent;
+  (void)coherent, (void)blocks;
   return CpuRead(nbytes, iters);
 }
 
@@ -231,19 +231,6 @@ double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int c
   (void)fmt, (void)rows, (void)cols, (void)batch, (void)copies, (void)iters, (void)grid_cap;
   (void)device_tier;
   throw std::runtime_error("measure_host_gemv needs a GPU build and a GPU");
-}
-
-double MeasureStreamReadGrid(size_t nbytes, int iters, int64_t blocks) {
-#if defined(JAXVT_WITH_GPU)
-  if (UseGpu()) {
-    std::string err;
-    double v = jaxvt::gpu_mem::measure_stream_read_grid(nbytes, iters, blocks, &err);
-    if (v < 0) throw std::runtime_error(err);
-    return v;
-  }
-#endif
-  (void)nbytes, (void)iters, (void)blocks;
-  throw std::runtime_error("measure_stream_read_grid needs a GPU build and a GPU");
 }
 
 // Times the CPU GEMV kernel alone (no XLA): weights at `addr` (rows x cols of format fmt), batch
@@ -305,14 +292,13 @@ NB_MODULE(_jaxvt_ffi, m) {
   m.def("measure_dma_h2d", &MeasureDmaH2D, nb::arg("nbytes"), nb::arg("iters"),
         "GB/s of pinned host -> device copies (memcpy GB/s on CPU).");
   m.def("measure_zero_copy_read", &MeasureZeroCopyRead, nb::arg("nbytes"), nb::arg("iters"),
-        nb::arg("coherent") = false,
-        "GB/s of a kernel streaming mapped pinned host memory (plain read GB/s on CPU).");
+        nb::arg("coherent") = false, nb::arg("blocks") = 0,
+        "GB/s of a kernel streaming mapped pinned host memory (plain read GB/s on CPU); blocks:"
+        " its grid (0: four per multiprocessor).");
   m.def("measure_host_gemv", &MeasureHostGemv, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
         nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
         nb::arg("device_tier") = false,
         "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid cap.");
-  m.def("measure_stream_read_grid", &MeasureStreamReadGrid, nb::arg("nbytes"), nb::arg("iters"),
-        nb::arg("blocks") = 0, "GPU probe: zero-copy streaming read GB/s with a given grid.");
   m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
         "(first, repeat) device-read GB/s of host-written managed memory, or None.");
   m.def("cpu_threads", &jaxvt::cpu::num_threads, "Threads the CPU kernels use (caller included).");
