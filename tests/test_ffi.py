@@ -181,11 +181,15 @@ def test_host_tier_bitwise_equal_to_device_tier(mode, rng, device, tier):
 def test_experts_routing(fmt, per_slot, mode, rng, device):
   E, T, k = 6, 5, 3
   s = make_stack(rng, [Q4_K, fmt], 32, 512, experts=E)
-  ids = np.array([[0, 2, 5], [2, 2, 1], [5, 0, 9], [3, -1, 3], [1, 1, 1]], np.int32)
+  ids = np.array([[0, 2, 5], [2, 2, 1], [5, 0, 9], [3, -1, 3], [-7, 1, 1]], np.int32)
   x = rng.standard_normal((T, k, 512) if per_slot else (T, 512)).astype(np.float32)
   y = experts(put(x, device), put(s.w, device), 1, put(ids, device), mode)
   assert y.shape == (T, k, 32)
   assert_close(y, experts_ref(x, s, 1, ids, mode))
+  assert not np.asarray(y)[3, 1].any() and not np.asarray(y)[4, 0].any()  # routed nowhere
+  # The reference op follows the same contract.
+  ref = ops.qmatmul_experts_ref(put(x, device), put(s.w, device), 1, put(ids, device), mode)
+  assert_close(ref, experts_ref(x, s, 1, ids, mode))
 
 
 @pytest.mark.parametrize("fmt", K_AND_SOME, ids=NAMES.get)
@@ -206,6 +210,12 @@ def test_experts_read_only_routed_bytes(fmt, mode, rng, device, tier):
   bad = np.asarray(experts(x, put(p.w, device), 0, put(np.array([[0, 1], [1, 4]], np.int32), device),
                            mode))
   assert np.isnan(bad[0, 0]).all() and np.isfinite(bad[1]).all()
+  # A negative id (a slot of another device's experts, in a sharded MoE) reads nothing: with
+  # expert 0 poisoned, its row is exactly 0, not expert 0's NaN.
+  nowhere = np.asarray(experts(x, put(p.w, device), 0, put(np.array([[6, -1], [1, 4]], np.int32),
+                                                             device), mode))
+  np.testing.assert_array_equal(nowhere[0, 1], 0.0)
+  np.testing.assert_allclose(nowhere[1], want[1], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_moe_experts(mode, rng, device):

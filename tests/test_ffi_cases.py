@@ -179,12 +179,16 @@ def assert_close(y, ref_tol) -> None:
 
 def experts_ref(x: np.ndarray, s: Stack, layer: int, ids: np.ndarray,
                 mode: str = "ggml") -> tuple[np.ndarray, np.ndarray]:
-  """x [T, cols] or [T, k, cols], ids [T, k] -> ([T, k, rows], tol) for expert stack s."""
+  """x [T, cols] or [T, k, cols], ids [T, k] -> ([T, k, rows], tol) for expert stack s. Ids
+  above range are clamped into it; a negative id routes its slot nowhere (a row of 0)."""
   T, k = ids.shape
   E, rows = s.mats[layer].shape[:2]
   ys, tols = np.zeros((T, k, rows)), np.zeros((T, k, rows))
   for t in range(T):
     for j in range(k):
+      if ids[t, j] < 0:
+        tols[t, j] = 1e-30  # exactly 0
+        continue
       xv = x[t] if x.ndim == 2 else x[t, j]
       ys[t, j], tols[t, j] = s.ref(xv, layer, int(np.clip(ids[t, j], 0, E - 1)), mode)
   return ys, tols

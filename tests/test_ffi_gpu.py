@@ -29,6 +29,7 @@ _OK = GPU is not None and ffi.available(GPU.platform)
 from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
 from test_ffi import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: E402
                       ROWS, COLS, assert_close, experts_ref, make_stack, put)
+from test_ffi_cases import random_blocks  # noqa: E402
 
 # CPU-only checks that the import brought along.
 del test_threads_and_portable_path_agree, test_user_errors, test_available_and_register_are_idempotent
@@ -121,3 +122,27 @@ def test_kernels_on_gpu_equal_references_on_cpu(mode, rng, device):
                                        mode))
     b = np.asarray(ops.qmatmul_experts_ref(put(xe, cpu), put(e.w, cpu), l, put(ids, cpu), mode))
     np.testing.assert_array_less(np.abs(a - b), experts_ref(xe, e, l, ids, mode)[1])
+
+
+@pytest.mark.parametrize("kind", ["pinned", "write_combined", "huge_pages"])
+def test_every_host_kind_gives_the_device_tiers_bits(mode, rng, device, kind):
+  """A host-tier copy (each allocation kind, page-aligned) and a device-tier copy (packed at odd
+  offsets) of one matrix give identical bits: the kernel cuts rows into windows by address, and
+  the float32 order must not depend on where the cuts fall. Rows of 1680-11760 bytes cross
+  several windows and carry k-blocks over; batch 1, 4 and 16."""
+  from jaxvt.ffi import ops
+  from jaxvt.offload.host_tier import HostTier
+  with HostTier(backend="gpu", kind=kind) as t:
+    for fmt, rows, cols in [(Q6_K, 40, 4096), (Q6_K, 24, 14336), (Q4_K, 36, 14336),
+                            (Q8_0, 33, 4096), (Q4_1, 70, 2048), (BF16, 20, 4096)]:
+      raw = random_blocks(rng, fmt, rows, cols)
+      s = make_stack(rng, [fmt, fmt], rows, cols, host=(1,), tier=t, raws=[raw, raw])
+      w = put(s.w, device)
+      for b in (1, 4, 16):
+        x = rng.standard_normal((b, cols)).astype(np.float32)
+        xd = put(x, device)
+        a = np.asarray(ops.qmatmul(xd, w, 0, mode))
+        h = np.asarray(ops.qmatmul(xd, w, 1, mode))
+        np.testing.assert_array_equal(a, h)
+        assert_close(h, s.ref(x, 1, mode=mode))
+      del w

@@ -105,3 +105,16 @@ def test_measurement_primitives_on_cpu():
   assert ext.measure_dma_h2d(1 << 20, 2) > 0.1
   assert ext.measure_zero_copy_read(1 << 20, 2) > 0.1
   assert ext.measure_managed(1 << 20) is None
+
+
+def test_host_kinds_on_the_cpu_backend():
+  with HostTier(backend="cpu", kind="huge_pages") as tier:
+    assert tier.kind == "huge_pages"
+    buf = tier.alloc(3 << 20)
+    assert buf.host_address % (2 << 20) == 0 and buf.device_address == buf.host_address
+    buf.array[:] = 5
+    assert int(buf.array[::4096].sum()) == 5 * len(buf.array[::4096])
+  with pytest.raises(JaxvtError, match="write-combined host memory exists only for a GPU"):
+    HostTier(backend="cpu", kind="write_combined")
+  with pytest.raises(JaxvtError, match="kind must be one of pinned, write_combined, huge_pages"):
+    HostTier(backend="cpu", kind="mapped")

@@ -2,6 +2,7 @@
 # One device-tool call on the lent H200: build the CUDA extension, run the GPU tests and the
 # GPU benchmarks; logs and docs/BENCHMARKS.md come back under $OUT.
 #   device run (carry .whl, and .llama for llama.cpp): bash tools/h200_run.sh [tier|llamacpp|offload|all]
+#   mesh (kind nvidia-h200-x2, not part of all): bash tools/h200_run.sh mesh
 set -uo pipefail
 what=${1:-all}
 source tools/h200_build.sh
@@ -26,6 +27,10 @@ if [ "$what" = offload ] && [ ! -x $LLAMA_BIN ] && [ ! -e /tmp/llama-build/.buil
 fi
 if [ "$what" = all ] || [ "$what" = offload ]; then
   python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-540} 2>&1 | tee "$OUT/offload.txt" | tail -60
+fi
+# issue #7: one device vs tp=2 over both GPUs of a 2-GPU host, with and without offload
+if [ "$what" = mesh ]; then
+  python3 -m jaxvt.bench mesh --time-limit ${MESH_S:-480} 2>&1 | tee "$OUT/mesh.txt" | tail -40
 fi
 cp docs/BENCHMARKS.md "$OUT/" 2>/dev/null
 ls docs/*.png 2>/dev/null && cp docs/*.png "$OUT/"

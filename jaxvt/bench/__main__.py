@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench {cpu,tier,offload,profile} [options]: benchmarks that write docs/BENCHMARKS.md."""
+"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile} [options]: benchmarks that write docs/BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def main(argv=None) -> int:
   t = sub.add_parser("tier", help="host-tier read rate vs the link (GPU; CPU runs it too)")
   t.add_argument("--total-mib", type=int, default=256)
   t.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
+  t.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
   o = sub.add_parser("offload", help="Qwen3.6-35B-A3B-shaped sweep in an emulated 16 GiB GPU")
   o.add_argument("--model", default="/tmp/jaxvt-qwen36-35b-a3b-shape.gguf")
   o.add_argument("--prompt", type=int, default=512)
@@ -28,6 +29,20 @@ def main(argv=None) -> int:
   o.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
   o.add_argument("--points", default=None, help=argparse.SUPPRESS)
   o.add_argument("--after", default="", help=argparse.SUPPRESS)
+  m = sub.add_parser("mesh", help="tp=2 vs one device, with and without offload (2 GPUs)")
+  m.add_argument("--model", default="/tmp/jaxvt-qwen36-35b-a3b-shape.gguf")
+  m.add_argument("--meshes", default="1,tp=2",
+                 help="comma list; 1 = one device, no mesh; join two axes with +: tp=2+ep=2")
+  m.add_argument("--budgets", default="0,auto,all",
+                 help="comma list of per-device offload GiB, auto, all (every offloadable weight)")
+  m.add_argument("--device-gb", type=float, default=None,
+                 help="emulate a card of this many GiB per device (XLA pool cap + planner)")
+  m.add_argument("--prompt", type=int, default=512)
+  m.add_argument("--gen", type=int, default=128)
+  m.add_argument("--time-limit", type=int, default=480)
+  m.add_argument("--out", default="docs/BENCHMARKS.md", help="the file whose mesh section to write")
+  m.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  m.add_argument("--known", default="{}", help=argparse.SUPPRESS)
   f = sub.add_parser("profile", help="where a decode step's device time goes (jax.profiler)")
   f.add_argument("--model", default=None)
   f.add_argument("--offload-gb", type=float, default=0.0)
@@ -35,6 +50,8 @@ def main(argv=None) -> int:
   f.add_argument("--prompt", type=int, default=32)
   f.add_argument("--steps", type=int, default=8)
   f.add_argument("--top", type=int, default=25)
+  f.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
+  f.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
   args = ap.parse_args(argv)
   if args.which == "cpu":
     from jaxvt.bench import cpu
@@ -45,6 +62,17 @@ def main(argv=None) -> int:
       offload.child(args)
     else:
       print(offload.main(args))
+  elif args.which == "mesh":
+    from jaxvt.bench import mesh
+    from jaxvt.errors import JaxvtError
+    try:
+      if args.child is not None:
+        mesh.child(args)
+      else:
+        print(mesh.main(args))
+    except JaxvtError as e:
+      print(f"jaxvt: error: {e}", file=sys.stderr)
+      return e.exit_code
   elif args.which == "profile":
     from jaxvt.bench import profile
     print(profile.main(args))

@@ -196,51 +196,54 @@ class Session:
     return r
 
   def warm_up(self, eng, overlap: bool) -> None:
-    """Compiles and runs once what the timed generate runs: a generate of one token (prefill,
-    first sample) and one decode step. With `overlap` the two run on two threads, so their
-    compiles overlap (XLA compiles without the GIL); the forced unsafe points run them one
-    after the other, so that the warm-up's device memory is what a plain run needs."""
-    import threading
-
-    import jax
-    import jax.numpy as jnp
-
-    from jaxvt.engine import decode_sample_fn
-    from jaxvt.sampling import SamplingParams
-    n = len(self.ids)
-    errors = []
-
-    def first():
-      eng.generate(self.ids, max_tokens=1, stop_at_eos=False)
-
-    def step():  # the decode call generate makes: a committed cache, as prefill returns it
-      cache = jax.device_put(eng.new_cache(1), jax.devices()[0])
-      key = jax.random.split(jax.random.key(0))[1]
-      toks, _ = decode_sample_fn(eng.weights, cache, jnp.asarray([[1]], jnp.int32),
-                                 jnp.asarray([[n]], jnp.int32), key, cfg=eng.cfg, ex=eng.ex,
-                                 kv_len=eng.kv_len(n + 1), params=SamplingParams())
-      int(toks[0])
-
-    def guarded(f):
-      try:
-        f()
-      except Exception as e:  # pylint: disable=broad-except
-        errors.append(e)
-
-    if overlap:
-      ts = [threading.Thread(target=guarded, args=(f,)) for f in (first, step)]
-      for t in ts:
-        t.start()
-      for t in ts:
-        t.join()
-      if errors:
-        raise errors[0]
-    else:
-      first()
-      step()
+    warm_up(eng, self.ids, overlap)
 
 
-def _out(r: Run) -> None:
+def warm_up(eng, ids: list[int], overlap: bool) -> None:
+  """Compiles and runs once what a timed `eng.generate(ids, ...)` runs (one device): a generate
+  of one token (prefill, first sample) and one decode step. With `overlap` the two run on two
+  threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
+  run them one after the other, so that the warm-up's device memory is what a plain run needs."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxvt.engine import decode_sample_fn
+  from jaxvt.sampling import SamplingParams
+  n = len(ids)
+  errors = []
+
+  def first():
+    eng.generate(ids, max_tokens=1, stop_at_eos=False)
+
+  def step():  # the decode call generate makes: a committed cache, as prefill returns it
+    cache = jax.device_put(eng.new_cache(1), jax.devices()[0])
+    key = jax.random.split(jax.random.key(0))[1]
+    toks, _ = decode_sample_fn(eng.weights, cache, jnp.asarray([[1]], jnp.int32),
+                               jnp.asarray([[n]], jnp.int32), key, cfg=eng.cfg, ex=eng.ex,
+                               kv_len=eng.kv_len(n + 1), params=SamplingParams())
+    int(toks[0])
+
+  def guarded(f):
+    try:
+      f()
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  if overlap:
+    ts = [threading.Thread(target=guarded, args=(f,)) for f in (first, step)]
+    for t in ts:
+      t.start()
+    for t in ts:
+      t.join()
+    if errors:
+      raise errors[0]
+  else:
+    first()
+    step()
+
+
+def print_row(r) -> None:
+  """One RUN line: the row (a dataclass) as JSON, for the parent process."""
   print("RUN " + json.dumps(dataclasses.asdict(r)), flush=True)
 
 
@@ -273,7 +276,7 @@ def child(args) -> None:
       print("RATES " + json.dumps(_rates()), flush=True)
       r = s.measure("device", 0.0)
       r.open_s = s.open_s
-      _out(r)
+      print_row(r)
     return
   s = Session(args.model, args.prompt, args.gen, args.device_gb)  # before the lock: CPU only
   while args.after and not os.path.exists(args.after) and time.time() < deadline:
@@ -303,26 +306,19 @@ def child(args) -> None:
       took.append(time.perf_counter() - t)
       print(f"POINT {arm} {budget}: load {r.load_s:.1f} s, compile+warm-up {r.compile_s:.1f} s, "
             f"measure {r.measure_s:.1f} s, total {took[-1]:.1f} s", flush=True)
-      _out(r)
+      print_row(r)
     if s.tier is not None:
       s.tier.close()
 
 
-class _Child:
-  """A child process whose stdout lines are echoed as they come (stderr goes to a file) and
-  whose RUN / RATES / META / SKIP lines are collected."""
+class Child:
+  """A child process whose stdout lines are echoed as they come (stderr goes to `err_path`) and
+  whose RUN lines (as `row`), RATES / META (JSON), SKIP and ERROR lines are collected."""
 
-  def __init__(self, arm: str, args, env_extra: dict, deadline: float, log, points=None,
-               after: str = "", signal: str = ""):
-    """`signal`: a file created once the child holds the GPU lock (or ends); `after`: a file
-    the child waits for before it takes the lock."""
-    cmd = [sys.executable, "-m", "jaxvt.bench", "offload", "--child", arm, "--model",
-           args.model, "--prompt", str(args.prompt), "--gen", str(args.gen), "--deadline",
-           f"{deadline:.1f}", "--device-gb", str(args.device_gb), "--after", after]
-    if points is not None:
-      cmd += ["--points", json.dumps(points)]
-    self.signal = signal
-    self.err_path = os.path.join(os.environ.get("OUT", "/tmp"), f"offload_{arm}.err")
+  def __init__(self, cmd: list[str], env_extra: dict, err_path: str, log, row=Run,
+               signal: str = ""):
+    """`signal`: a file created once the child prints LOCKED (it holds the GPU lock) or ends."""
+    self.signal, self.err_path, self.row = signal, err_path, row
     self.runs, self.info, self.log = [], {}, log
     with open(self.err_path, "w") as err:
       self.p = subprocess.Popen(cmd, env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
@@ -336,16 +332,18 @@ class _Child:
       if line == "LOCKED" and self.signal:
         open(self.signal, "w").close()
       if line.startswith("RUN "):
-        self.runs.append(Run(**json.loads(line[4:])))
+        self.runs.append(self.row(**json.loads(line[4:])))
       elif line.startswith(("RATES ", "META ")):
         self.info[line.split()[0].lower()] = json.loads(line.split(" ", 1)[1])
       elif line.startswith("SKIP "):
         self.info.setdefault("skipped", []).append(line[5:])
+      elif line.startswith("ERROR "):
+        self.info["error"] = line[6:]
       self.log(line)
     if self.signal:
       open(self.signal, "w").close()
 
-  def wait(self, deadline: float) -> "_Child":
+  def wait(self, deadline: float) -> "Child":
     """Waits for the child, killing it at `deadline` (what it printed before counts)."""
     try:
       self.p.wait(timeout=max(1.0, deadline - time.time()))
@@ -360,7 +358,40 @@ class _Child:
     return self
 
 
-def _pool_fraction(device_gb: float) -> str:
+def _offload_child(arm: str, args, env_extra: dict, deadline: float, log, points=None,
+                   after: str = "", signal: str = "") -> Child:
+  """One arm of this sweep in a child; `after`: a file the child waits for before it takes the
+  GPU lock."""
+  cmd = [sys.executable, "-m", "jaxvt.bench", "offload", "--child", arm, "--model", args.model,
+         "--prompt", str(args.prompt), "--gen", str(args.gen), "--deadline", f"{deadline:.1f}",
+         "--device-gb", str(args.device_gb), "--after", after]
+  if points is not None:
+    cmd += ["--points", json.dumps(points)]
+  err = os.path.join(os.environ.get("OUT", "/tmp"), f"offload_{arm}.err")
+  return Child(cmd, env_extra, err, log, signal=signal)
+
+
+def ensure_model(path: str, log) -> None:
+  """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.gguf.synth: Q4_K_M-like formats, MTP block,
+  seed 0) at `path` unless it exists; under another name first, so a cut-off write never
+  stays behind as the model."""
+  if os.path.exists(path):
+    return
+  from jaxvt.gguf import synth
+  t = time.time()
+  part = f"{path}.part{os.getpid()}"
+  try:
+    synth.write_model(part, synth.qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
+    os.replace(part, path)
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(part)
+  log(f"wrote {path}: {os.path.getsize(path) / GiB:.2f} GiB in {time.time() - t:.0f} s")
+
+
+def pool_fraction(device_gb: float) -> str:
+  """XLA_PYTHON_CLIENT_MEM_FRACTION for a pool of about `device_gb` GiB on each GPU (from the
+  first GPU's memory, nvidia-smi; 0.115, 16 GiB of an H200, where nvidia-smi gives none)."""
   try:
     q = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
     mib = subprocess.run(q, capture_output=True, text=True, timeout=30).stdout.split()[0]
@@ -373,26 +404,21 @@ def main(args) -> str:
   from jaxvt.bench import offload_llama, offload_report, report
   t_start = time.time()
   log = lambda s: print(s, flush=True)
-  if not os.path.exists(args.model):
-    from jaxvt.gguf import synth
-    t = time.time()
-    synth.write_model(args.model, synth.qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
-    log(f"wrote {args.model}: {os.path.getsize(args.model) / GiB:.2f} GiB in "
-        f"{time.time() - t:.0f} s")
+  ensure_model(args.model, log)
   llama = offload_llama.find(args.llama_bench)
   notes = []
   if llama and not os.access(llama, os.X_OK):
     notes.append("llama-bench was being built (nice 19, 12 jobs) while the jaxvt arms ran")
   end = t_start + args.time_limit - 15
   sweep_end = end - (LLAMA_RESERVE_S if llama else 0)
-  frac = _pool_fraction(args.device_gb)
+  frac = pool_fraction(args.device_gb)
   cap = {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
   # both children start now; the lock serialises their GPU phases (device arm first)
   first = f"/tmp/jaxvt-bench-{os.getpid()}.device"  # the device arm takes the GPU first
   with contextlib.suppress(FileNotFoundError):
     os.remove(first)
-  dev = _Child("device", args, {}, sweep_end, log, signal=first)
-  sweep = _Child("sweep", args, cap, sweep_end, log, after=first)
+  dev = _offload_child("device", args, {}, sweep_end, log, signal=first)
+  sweep = _offload_child("sweep", args, cap, sweep_end, log, after=first)
   dev_runs, info = dev.wait(sweep_end).runs, dict(dev.info)
   runs = sweep.wait(sweep_end).runs
   info.update(sweep.info)
@@ -404,7 +430,7 @@ def main(args) -> str:
   left = [p for p in planned if f"{p[0]}:{p[1]}" not in done]
   if sweep.p.returncode and left and sweep_end - time.time() > 60:  # a crash: go on
     log(f"sweep child died; respawning for {len(left)} points")
-    more = _Child("sweep", args, cap, sweep_end, log, left).wait(sweep_end)
+    more = _offload_child("sweep", args, cap, sweep_end, log, left).wait(sweep_end)
     runs += more.runs
     info["skipped"] = more.info.get("skipped", [])
   llama_runs = []

@@ -72,6 +72,39 @@ def summarize(events: list[dict], steps: int, top: int = 25) -> tuple[str, float
   return "\n".join(lines), busy, int(round(n))
 
 
+def _profiled(fn, steps: int, top: int, out: list[str]):
+  """(table, busy us/step, events/step) of fn()'s device events, or None with a line in out
+  when no trace can be taken."""
+  with tempfile.TemporaryDirectory() as d:
+    try:
+      tr = trace(fn, d)
+    except (OSError, RuntimeError, ValueError) as e:
+      out.append(f"no trace: {type(e).__name__}: {e}")
+      return None
+  return summarize(device_events(tr), steps, top)
+
+
+def _prefill(eng, ids, args, mesh) -> str:
+  """Where one prefill of the prompt spends its device time (after two warm-up prefills)."""
+  def once():
+    logits, _ = eng.prefill(ids)
+    logits.block_until_ready()
+  once()
+  once()
+  t0 = time.perf_counter()
+  once()
+  wall_ms = (time.perf_counter() - t0) * 1e3
+  out = [f"prefill of {len(ids)} tokens, mesh {mesh or 'none'}, offload "
+         f"{eng.plan.plan.host_bytes / 2**30:.2f} GiB: wall {wall_ms:.1f} ms "
+         f"({len(ids) / wall_ms * 1e3:.1f} tok/s)"]
+  got = _profiled(once, 1, args.top, out)
+  if got:
+    table, busy, n = got
+    out += [f"device busy {busy / 1e3:.1f} ms over {n} events (all devices)", table]
+  eng.close()
+  return "\n".join(out)
+
+
 def main(args) -> str:
   import jax
   import jax.numpy as jnp
@@ -81,9 +114,12 @@ def main(args) -> str:
   from jaxvt import engine as eng_mod
   from jaxvt.sampling import SamplingParams
 
+  mesh = getattr(args, "mesh", None)
   eng = jaxvt.load(args.model, max_context=args.prompt + args.steps * 3 + 16,
-                   offload_gb=args.offload_gb, device_gb=args.device_gb, force=True)
+                   offload_gb=args.offload_gb, device_gb=args.device_gb, force=True, mesh=mesh)
   ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
+  if getattr(args, "prefill", False):
+    return _prefill(eng, ids, args, mesh)
   _, cache = eng.prefill(ids)
   pos = len(ids)
   key = jax.random.key(0)
@@ -110,22 +146,17 @@ def main(args) -> str:
          f"{eng.plan.plan.host_bytes / 2**30:.2f} GiB; predicted "
          f"{eng.plan.prediction.ms_per_step:.2f} ms/step; wall {wall_ms:.2f} ms/step "
          f"({args.steps} steps)"]
-  with tempfile.TemporaryDirectory() as d:
-    def steps():
-      nonlocal toks, cache, pos
-      for _ in range(args.steps):
-        toks, cache = step(cache, pos)
-        pos += 1
-      toks.block_until_ready()
-    try:
-      tr = trace(steps, d)
-    except (OSError, RuntimeError, ValueError) as e:
-      out.append(f"no trace: {type(e).__name__}: {e}")
-      eng.close()
-      return "\n".join(out)
-  table, busy, n = summarize(device_events(tr), args.steps, args.top)
-  out.append(f"device busy {busy / 1e3:.2f} ms/step over {n} events/step "
-             f"({busy / 1e3 / wall_ms:.0%} of the wall time)")
-  out.append(table)
+  def steps():
+    nonlocal toks, cache, pos
+    for _ in range(args.steps):
+      toks, cache = step(cache, pos)
+      pos += 1
+    toks.block_until_ready()
+
+  got = _profiled(steps, args.steps, args.top, out)
+  if got:
+    table, busy, n = got
+    out += [f"device busy {busy / 1e3:.2f} ms/step over {n} events/step "
+            f"({busy / 1e3 / wall_ms:.0%} of the wall time)", table]
   eng.close()
   return "\n".join(out)

@@ -76,6 +76,11 @@ def grid_sweep(ext, dma: float) -> str:
            + " |", "|---|" + "---|" * len(caps)]
   cells = [f"{ext.measure_zero_copy_read(256 * MIB, 10, False, c):.1f}" for c in caps]
   lines.append("| stream read 256 MiB | " + " | ".join(cells) + " |")
+  try:  # the bulk-copy engine (CUDA sm_90+): 2 blocks per SM by default
+    cells = [f"{ext.measure_zero_copy_read(256 * MIB, 10, False, c, bulk=True):.1f}" for c in caps]
+    lines.append("| bulk-copy read 256 MiB | " + " | ".join(cells) + " |")
+  except RuntimeError as e:
+    lines.append(f"| bulk-copy read 256 MiB | {str(e).splitlines()[0]} |" + " |" * (len(caps) - 1))
   for fmt, rows, cols, batch in [(12, 14336, 4096, 1), (12, 4096, 4096, 1), (14, 4096, 4096, 1),
                                  (3, 4096, 4096, 1), (8, 4096, 4096, 1), (30, 4096, 4096, 1),
                                  (12, 2048, 512, 1), (12, 14336, 4096, 4), (12, 14336, 4096, 16)]:
@@ -98,10 +103,47 @@ def grid_sweep(ext, dma: float) -> str:
   return "\n".join(lines)
 
 
+def kinds_probe(ext) -> str:
+  """Each way of allocating host-tier memory (HostTier kind): copy and streaming-read rates, at
+  256 MiB and at a small matrix's size, and the matvec kernel alone on the shapes that read
+  slowest (GPU only). % is of the best 256 MiB cudaMemcpy of any kind."""
+  from jaxvt.offload.host_tier import KINDS
+  small = 2048 * 512 // 256 * 144  # a Q4_K 2048 x 512 matrix's bytes
+  shapes = [(12, 4096, 14336), (14, 4096, 4096), (12, 14336, 4096), (12, 2048, 512)]
+  rows = {}
+  for kind, k in KINDS.items():
+    r = [ext.measure_dma_h2d(256 * MIB, 5, k), ext.measure_zero_copy_read(256 * MIB, 10, False, 0, k),
+         ext.measure_dma_h2d(small, 200, k), ext.measure_zero_copy_read(small, 200, False, 0, k)]
+    try:
+      r += [ext.measure_zero_copy_read(n, it, False, 0, k, bulk=True)
+            for n, it in ((256 * MIB, 10), (small, 200))]
+    except RuntimeError:  # no bulk-copy engine
+      r += [float("nan")] * 2
+    r += [ext.measure_host_gemv(f, rr, c, 1, copies=8, iters=24, kind=k) for f, rr, c in shapes]
+    r += [ext.measure_host_gemv(12, 4096, 14336, b, copies=8, iters=24, kind=k) for b in (4, 16)]
+    rows[kind] = r
+  ref = max(r[0] for r in rows.values())
+  names = ["cudaMemcpy 256 MiB", "stream read 256 MiB", f"cudaMemcpy {small / MIB:.2f} MiB",
+           f"stream read {small / MIB:.2f} MiB", "bulk-copy read 256 MiB",
+           f"bulk-copy read {small / MIB:.2f} MiB"]
+  names += [f"{kb.FORMATS[f][0]} {rr}x{c} b1" for f, rr, c in shapes]
+  names += [f"Q4_K 4096x14336 b{b}" for b in (4, 16)]
+  lines = [f"### Host memory kinds (kernel alone; GB/s, % of the best cudaMemcpy, {ref:.1f})\n",
+           "| read | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
+  for i, name in enumerate(names):
+    lines.append(f"| {name} | " + " | ".join(f"{rows[k][i]:.1f} ({100 * rows[k][i] / ref:.0f}%)"
+                                              for k in KINDS) + " |")
+  return "\n".join(lines)
+
+
 def main(args) -> str:
   from jaxvt.bench import report
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
+  if getattr(args, "kinds", False):
+    if not gpu:
+      return "the host-memory kinds probe needs a GPU"
+    return kinds_probe(ext)
   if getattr(args, "grid", False):
     if not gpu:
       return "the grid-size probe needs a GPU"
@@ -163,7 +205,7 @@ def main(args) -> str:
     del w
   out += ["", crossover(rng, device, dma)]
   if gpu:
-    out += ["", grid_sweep(ext, dma)]
+    out += ["", grid_sweep(ext, dma), "", kinds_probe(ext)]
   body = "\n".join(out)
   report.write_section(f"tier-{device.platform}", body)
   return body

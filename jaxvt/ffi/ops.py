@@ -234,7 +234,9 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows].
 
   out[t, j] = W[layer, ids[t, j]] @ (x[t] or x[t, j]); only routed experts' bytes are read, each
-  distinct routed expert once per call (per 16 slots on GPU).
+  distinct routed expert once per call (per 16 slots on GPU). Ids above range are clamped into
+  it; a negative id routes its slot nowhere: out[t, j] = 0 and nothing is read for it (a sharded
+  MoE marks the slots of other devices' experts so).
   """
   _check(w, "qmatmul_experts", experts=True)
   m = w.meta
@@ -254,6 +256,7 @@ def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   _check(w, "qmatmul_experts_ref", experts=True)
   m = w.meta
   x = jnp.asarray(x, jnp.float32)
+  routed = _ids(ids) >= 0  # negative: routed nowhere, output 0
   ids = jnp.clip(_ids(ids), 0, m.experts - 1)
   mode = _mode(mode)
   xs = x[:, None] if x.ndim == 2 else x  # [T, 1 or k, cols]
@@ -262,7 +265,7 @@ def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array,
     per_expert = raw.reshape(m.experts, -1)[ids]  # [T, k, rows * row_bytes]
     return numerics.qdot(xs, per_expert.reshape(*ids.shape, m.rows, -1), fmt, m.cols, mode)
 
-  return _switch_formats(w, layer, fn)
+  return jnp.where(routed[..., None], _switch_formats(w, layer, fn), 0.0)
 
 
 def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:

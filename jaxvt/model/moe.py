@@ -97,13 +97,15 @@ def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
 
 def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Array, jax.Array]:
   """Inside a shard_map whose devices hold experts [i * n_local, (i + 1) * n_local) (i: the
-  device's index over ("ep", "tp")): global expert ids -> local ids, with the weight of slots
-  routed to another device's experts set to 0 (their id becomes local expert 0, whose product
-  is multiplied by 0; the psum over the mesh adds the other devices' slots)."""
+  device's index over ("ep", "tp")): global expert ids -> local ids. A slot routed to another
+  device's experts gets id -1 (routed nowhere: the experts kernels read nothing for it and give
+  0) and weight 0; the psum over the mesh adds the other devices' slots. (Routing those slots to
+  a local expert instead made that expert serve half of a prefill's slots on one device, 16 at a
+  time: tp=2 prefill on two H200s ran 12x slower.)"""
   from jaxvt.parallel.mesh import AXES
   local = ids - jax.lax.axis_index(AXES) * n_local
   mine = (local >= 0) & (local < n_local)
-  return jnp.where(mine, local, 0), jnp.where(mine, wts, 0.0)
+  return jnp.where(mine, local, -1), jnp.where(mine, wts, 0.0)
 
 
 def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:

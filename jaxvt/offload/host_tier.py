@@ -11,9 +11,15 @@ Backends (chosen once per tier):
        `coherent=False` (the default) coarse-grained memory (cached in L2). Weights are written
        once before any kernel reads them, so both are correct; which reads faster is a
        measurement (e.g. jaxvt.ffi._jaxvt_ffi.measure_zero_copy_read(..., coherent=...)). CUDA
-       pinned memory is coherent either way and ignores the flag.
+       pinned memory is coherent either way and ignores the flag. `kind` picks the allocation:
+       "pinned" (the above), "write_combined" (| WriteCombined: device reads are not snooped;
+       CPU reads of it are very slow, and the CPU only writes weights into it once) or
+       "huge_pages" (2 MiB-aligned anonymous memory with MADV_HUGEPAGE, pinned and mapped with
+       cudaHostRegister / hipHostRegister). Which one the device reads fastest is a measurement:
+       `python -m jaxvt.bench tier --kinds` (docs/BENCHMARKS.md).
   cpu  page-aligned plain memory (the CPU kernels read it in place as well); used when the
        extension has no GPU support or sees no GPU, or when asked for with backend="cpu".
+       "huge_pages" asks for transparent huge pages there too; "write_combined" is GPU-only.
 
 Freeing a buffer invalidates its numpy view and any QWeight whose table holds its address:
 close a tier only after the arrays and compiled functions that use it are gone.
@@ -78,12 +84,18 @@ def _free_all(records: list, gpu: bool, lock: threading.Lock) -> None:
         ext.host_free(buf.host_address, gpu)
 
 
+KINDS = {"pinned": 0, "write_combined": 1, "huge_pages": 2}  # memory.h HostKind
+
+
 class HostTier:
   """Owner of pinned host buffers. Use as a context manager or call `close()`."""
 
-  def __init__(self, coherent: bool = False, backend: str | None = None):
-    """backend: "gpu", "cpu" or None (gpu when the extension has GPU support and sees a GPU)."""
+  def __init__(self, coherent: bool = False, backend: str | None = None, kind: str = "pinned"):
+    """backend: "gpu", "cpu" or None (gpu when the extension has GPU support and sees a GPU);
+    kind: "pinned", "write_combined" or "huge_pages" (module docstring)."""
     ext = _ext()
+    if kind not in KINDS:
+      raise JaxvtError(f"HostTier kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if backend is None:
       backend = "gpu" if ext.gpu_platform() and ext.gpu_device_count() > 0 else "cpu"
     if backend not in ("gpu", "cpu"):
@@ -91,7 +103,11 @@ class HostTier:
     if backend == "gpu" and not (ext.gpu_platform() and ext.gpu_device_count() > 0):
       raise JaxvtError("HostTier(backend='gpu') needs a GPU build of jaxvt and a visible GPU; "
                        "rebuild with JAXVT_GPU=CUDA (or HIP) or use backend='cpu'")
+    if backend == "cpu" and kind == "write_combined":
+      raise JaxvtError("write-combined host memory exists only for a GPU; use kind='pinned' or "
+                       "'huge_pages' with backend='cpu'")
     self.backend = backend
+    self.kind = kind
     self.coherent = bool(coherent)
     self._buffers: list[HostBuffer] = []
     self._lock = threading.Lock()
@@ -118,7 +134,7 @@ class HostTier:
       raise JaxvtError(f"a host-tier buffer needs a positive size, got {nbytes} bytes")
     ext = _ext()
     try:
-      host, device = ext.host_alloc(nbytes, self.coherent, self.backend == "gpu")
+      host, device = ext.host_alloc(nbytes, self.coherent, self.backend == "gpu", KINDS[self.kind])
     except (RuntimeError, MemoryError, ValueError, OverflowError) as e:
       msg = str(e).splitlines()[0] if str(e) else type(e).__name__
       raise JaxvtError(f"could not allocate {_gib(nbytes)} of {'pinned ' if self.backend == 'gpu' else ''}"
@@ -145,7 +161,7 @@ class HostTier:
     self.close()
 
   def __repr__(self) -> str:
-    return (f"HostTier(backend={self.backend!r}, coherent={self.coherent}, "
+    return (f"HostTier(backend={self.backend!r}, kind={self.kind!r}, coherent={self.coherent}, "
             f"buffers={len(self._buffers)}, {'closed' if self._closed else _gib(self.nbytes)})")
 
 

@@ -294,9 +294,16 @@ def init_cache(cfg: ModelConfig, par: Par, batch: int, max_len: int, kv_dtype=jn
     return tuple(n * par.tp if a == TP else n for n, a in
                  zip(s.shape, tuple(CACHE_SPECS[k]) + (None,) * s.ndim))
 
-  shapes = {k: (global_shape(k, s), s.dtype) for k, s in local.items()}
-  out = {k: NamedSharding(par.mesh, CACHE_SPECS[k]) for k in local}
-  return jax.jit(lambda: {k: jnp.zeros(*v) for k, v in shapes.items()}, out_shardings=out)()
+  shapes = tuple((k, global_shape(k, s), jnp.dtype(s.dtype)) for k, s in local.items())
+  return _zeros(par, shapes)()
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(par: Par, shapes: tuple) -> Callable:
+  """One jitted initializer per (mesh, shapes): a new cache (every generate makes one) compiles
+  nothing after the first."""
+  out = {k: NamedSharding(par.mesh, CACHE_SPECS[k]) for k, _, _ in shapes}
+  return jax.jit(lambda: {k: jnp.zeros(s, d) for k, s, d in shapes}, out_shardings=out)
 
 
 def forward(weights: dict, cache: dict, tokens, positions, cfg: ModelConfig, ex, kv_len: int,

@@ -138,15 +138,21 @@ ffi::Error QMatmulQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// Groups the slots of ids [S] by expert (first-appearance order; ids clamped into range).
+// Groups the slots of ids [S] by expert (first-appearance order; ids above range clamped into
+// it). A negative id routes its slot nowhere: its output row is zeroed here and nothing is read
+// for it (a sharded MoE marks the slots of other devices' experts so).
 struct ExpertGroups {
   std::vector<int32_t> expert_of_group;
   std::vector<std::vector<int32_t>> slots;
-  ExpertGroups(const int32_t* idp, int64_t S, int64_t experts) {
+  ExpertGroups(const int32_t* idp, int64_t S, int64_t experts, float* y, int64_t rows) {
     const int32_t emax = static_cast<int32_t>(std::max<int64_t>(experts, 1) - 1);
     std::vector<int32_t> group_of_expert(emax + 1, -1);
     for (int64_t s = 0; s < S; ++s) {
-      const int32_t e = std::clamp<int32_t>(idp[s], 0, emax);
+      if (idp[s] < 0) {
+        std::fill(y + s * rows, y + (s + 1) * rows, 0.f);
+        continue;
+      }
+      const int32_t e = std::min<int32_t>(idp[s], emax);
       if (group_of_expert[e] < 0) {
         group_of_expert[e] = static_cast<int32_t>(expert_of_group.size());
         expert_of_group.push_back(e);
@@ -174,7 +180,7 @@ ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
   std::vector<const uint8_t*> xa = QuantizeRows(x.typed_data(), nx, cols, L.fmt, act);
   float* yp = y->typed_data();
-  ExpertGroups eg(ids.typed_data(), S, experts);
+  ExpertGroups eg(ids.typed_data(), S, experts, yp, rows);
   const int64_t G = static_cast<int64_t>(eg.expert_of_group.size());
   std::vector<const uint8_t*> ar(S);
   std::vector<float*> yr(S);
@@ -221,19 +227,9 @@ ffi::Error QMatmulExpertsCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   const int32_t* idp = ids.typed_data();
   XSums xs(xp, nx, cols);
 
-  // Group slots by expert (first-appearance order); ids are clamped into [0, experts).
-  const int32_t emax = static_cast<int32_t>(std::max<int64_t>(experts, 1) - 1);
-  std::vector<int32_t> group_of_expert(emax + 1, -1), expert_of_group;
-  std::vector<std::vector<int32_t>> slots;
-  for (int64_t s = 0; s < S; ++s) {
-    const int32_t e = std::clamp<int32_t>(idp[s], 0, emax);
-    if (group_of_expert[e] < 0) {
-      group_of_expert[e] = static_cast<int32_t>(expert_of_group.size());
-      expert_of_group.push_back(e);
-      slots.emplace_back();
-    }
-    slots[group_of_expert[e]].push_back(static_cast<int32_t>(s));
-  }
+  ExpertGroups eg(idp, S, experts, yp, rows);
+  const std::vector<int32_t>& expert_of_group = eg.expert_of_group;
+  const std::vector<std::vector<int32_t>>& slots = eg.slots;
   const int64_t G = static_cast<int64_t>(expert_of_group.size());
   std::vector<const float*> xr(S), s16(S), s32(S);
   std::vector<float*> yr(S);

@@ -16,7 +16,7 @@ namespace {
 // / 32 of them: fewer for small matrices, so the rows spread over every SM) has its own slot of
 // the dynamic shared memory.
 template <int BT>
-__global__ void __launch_bounds__(kThreads) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
+__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
                                                            float* y, int64_t rows, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) qmatmul_kernel(WeightArgs w, const f
   R.k = 1;
   R.x_per_slot = 0;
   R.dense = 1;
-  matvec_fmt<BT>(L.fmt, L.base, R, rows, cols, smem_slots + wib * (kChunkU4 + 1), lane,
+  matvec_fmt<BT>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                  static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
 }
 
@@ -134,6 +134,58 @@ __global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t n, unsig
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
+// The streaming read through the Hopper bulk-copy engine: each block keeps kStages chunks of
+// kBulk bytes in flight (cp.async.bulk global -> shared, completion counted on an mbarrier) and
+// folds each chunk once it lands. A probe: does the copy engine of the SM read host memory over
+// the bus faster than SM loads do?
+constexpr int kBulk = 8192, kStages = 4;
+#if defined(JAXVT_GPU_CUDA)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+__global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p, int64_t nchunks,
+                                                               unsigned* sink) {
+#if defined(JAXVT_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ alignas(128) uint4 buf[kStages][kBulk / 16];
+  __shared__ alignas(8) uint64_t bar[kStages];
+  if (threadIdx.x == 0)
+    for (int i = 0; i < kStages; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[i])) : "memory");
+  __syncthreads();
+  auto fetch = [&](int st, int64_t c) {
+    asm volatile("{ .reg .b64 s; mbarrier.arrive.expect_tx.shared::cta.b64 s, [%0], %1; }"
+                 ::"r"(smem_addr(&bar[st])), "r"(kBulk) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(buf[st])), "l"(p + c * kBulk), "r"(kBulk), "r"(smem_addr(&bar[st]))
+                 : "memory");
+  };
+  const int64_t mine = nchunks > blockIdx.x ? (nchunks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < kStages && i < mine; ++i) fetch(i, blockIdx.x + i * static_cast<int64_t>(gridDim.x));
+  unsigned acc = 0;
+  for (int64_t j = 0; j < mine; ++j) {
+    const int st = static_cast<int>(j % kStages);
+    const uint32_t parity = static_cast<uint32_t>((j / kStages) & 1), a = smem_addr(&bar[st]);
+    uint32_t done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; "
+                   "selp.u32 %0, 1, 0, q; }" : "=r"(done) : "r"(a), "r"(parity) : "memory");
+    for (int i = threadIdx.x; i < kBulk / 16; i += blockDim.x) {
+      const uint4 v = buf[st][i];
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    __syncthreads();  // every thread is done with the stage before it is refilled
+    if (threadIdx.x == 0 && j + kStages < mine)
+      fetch(st, blockIdx.x + (j + kStages) * static_cast<int64_t>(gridDim.x));
+  }
+  if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
+#else
+  (void)p, (void)nchunks, (void)sink;
+#endif
+}
+
 // Benchmark knob (jaxvt.bench tier --grid): when > 0, caps the blocks of qmatmul launches.
 // Set only by the probe functions of memory_gpu.cu, never during model execution.
 int64_t g_grid_cap = 0;
@@ -155,7 +207,7 @@ int sm_count() {
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
                           int64_t rows, int64_t cols) {
   if (batch <= 0 || rows <= 0) return gpuSuccess;
-  constexpr size_t kSlot = (kChunkU4 + 1) * sizeof(uint4);  // shared memory per warp
+  constexpr size_t kSlot = kSlotU4 * sizeof(uint4);  // shared memory per warp
   // One wave of resident blocks (cached per kernel); never more warps than rows. At batch 1 a
   // matrix with too few rows to give every SM two blocks of 8 warps runs blocks of 2 warps.
   static const int64_t cap1 = resident_blocks(qmatmul_kernel<1>, kThreads, kWarps * kSlot);
@@ -198,7 +250,20 @@ gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, in
 void set_grid_cap(int64_t blocks) { g_grid_cap = blocks; }
 
 gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigned* sink,
-                              int64_t blocks) {
+                              int64_t blocks, bool bulk) {
+  if (bulk) {
+#if defined(JAXVT_GPU_CUDA)
+    int dev = 0, major = 0;
+    (void)gpuGetDevice(&dev);
+    (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (major < 9 || (n16 * 16) % kBulk) return cudaErrorNotSupported;
+    if (blocks <= 0) blocks = 2LL * sm_count();
+    stream_read_bulk_kernel<<<blocks, 128, 0, s>>>(static_cast<const uint8_t*>(p), n16 * 16 / kBulk, sink);
+    return gpuGetLastError();
+#else
+    return hipErrorNotSupported;
+#endif
+  }
   if (blocks <= 0) blocks = 4LL * sm_count();
   stream_read_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(p), n16, sink);
   return gpuGetLastError();

@@ -39,8 +39,10 @@ gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, in
 
 // Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink);
 // blocks <= 0: four per multiprocessor.
+// bulk: read through the bulk-copy engine instead of SM loads (cp.async.bulk into shared memory,
+// CUDA sm_90 and later; gpuErrorNotSupported elsewhere); n16 * 16 must be a multiple of 8 KiB.
 gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigned* sink,
-                              int64_t blocks = 0);
+                              int64_t blocks = 0, bool bulk = false);
 
 // Probes only (memory_gpu.cu): cap qmatmul's grid (0 = one wave of resident blocks, the default).
 void set_grid_cap(int64_t blocks);

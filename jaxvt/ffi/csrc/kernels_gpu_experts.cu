@@ -11,24 +11,35 @@ namespace {
 
 #include "matvec.cuh"
 
+// The expert of a routed id: ids above range are clamped into it; a negative id routes its slot
+// nowhere (-1: its output row is zero, nothing is read; a sharded MoE marks the slots of other
+// devices' experts so).
+__device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? -1 : clamp_id(v, n); }
+
 // grid.y: slot s. The first slot routed to an expert owns it and serves every slot routed to it,
 // BT at a time; the other slots' blocks exit at once. Non-routed experts are never touched.
 template <int BT>
 __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     WeightArgs w, const float* x, int x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
     float* y, int64_t rows, int64_t cols, int64_t experts) {
-  __shared__ uint4 smem[kWarps][kChunkU4 + 1];
+  __shared__ uint4 smem[kWarps][kSlotU4];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t s = blockIdx.y;
-  const int e = clamp_id(ids[s], experts);
+  const int e = expert_id(ids[s], experts);
+  if (e < 0) {  // routed nowhere: this block's share of the slot's output row is 0
+    for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
+         r += static_cast<int64_t>(gridDim.x) * kThreads)
+      y[s * rows + r] = 0.f;
+    return;
+  }
   for (int64_t t = 0; t < s; ++t)
-    if (clamp_id(ids[t], experts) == e) return;
+    if (expert_id(ids[t], experts) == e) return;
   const LayerRef L = layer_ref(w);
   if (!fmt_supported(L.fmt)) {
     for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
          r += static_cast<int64_t>(gridDim.x) * kThreads)
       for (int64_t t = s; t < slots; ++t)
-        if (clamp_id(ids[t], experts) == e) y[t * rows + r] = __int_as_float(0x7fc00000);
+        if (expert_id(ids[t], experts) == e) y[t * rows + r] = __int_as_float(0x7fc00000);
     return;
   }
   const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
@@ -51,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     if (threadIdx.x == 0) {
       int n = 0;
       for (int64_t t = pos; t < slots && n < BT; ++t)
-        if (clamp_id(ids[t], experts) == e) served[n++] = static_cast<int32_t>(t);
+        if (expert_id(ids[t], experts) == e) served[n++] = static_cast<int32_t>(t);
       for (int b = n; b < BT; ++b) served[b] = static_cast<int32_t>(s);
       served_n = n;
     }
@@ -61,7 +72,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     matvec_fmt<BT>(L.fmt, base, R, rows, cols, smem[wib], lane,
                    static_cast<int64_t>(blockIdx.x) * kWarps + wib,
                    static_cast<int64_t>(gridDim.x) * kWarps);
-    while (pos < slots && clamp_id(ids[pos], experts) != e) ++pos;
+    while (pos < slots && expert_id(ids[pos], experts) != e) ++pos;
   }
 }
 

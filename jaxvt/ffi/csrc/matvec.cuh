@@ -3,19 +3,20 @@
 // once per call, from HBM or in place from pinned host memory. Included inside each file's
 // anonymous namespace.
 //
-// Streaming design (one logical warp of 32 lanes owns whole output rows):
-//   * A warp takes a task of consecutive rows (as many as fit in a 2 KiB chunk) or, when one row
-//     is larger, one row in chunks of whole k-blocks. Rows of a layer are contiguous, so a task's
-//     bytes are one contiguous range.
-//   * The warp copies the range into its own shared-memory slot with coalesced 16-byte loads
-//     (lane i loads uint4 i, i+32, ...; four loads per lane issued back to back), starting at the
-//     16-byte boundary below the range so any block alignment works. Each weight byte crosses the
-//     bus once; shared memory then serves the unaligned, per-block reads of the dequantizer.
+// Streaming design (one logical warp of 32 lanes owns whole output rows; details at matvec()):
+//   * A warp streams runs of consecutive rows (a layer's rows are contiguous, so a run is one
+//     contiguous byte range) through its own shared-memory slot, in windows of up to 2 KiB whose
+//     ends fall on 128-byte boundaries, with coalesced 16-byte loads (lane i loads uint4 i, i+32,
+//     ...; four loads per lane issued back to back). Each weight byte crosses the bus once, in
+//     whole cache lines inside a run; shared memory then serves the unaligned, per-block reads of
+//     the dequantizer, and a k-block cut by a window's end is carried over to the next window.
 //   * Lanes dequantize 32-element units (formats.h) and dot them with up to BT activation rows
-//     (BT in {1, 4, 16}); the warp reduces with shuffles in a fixed order, so results do not depend
-//     on timing, grid size or tier: a host-tier layer gives the bits its device-tier copy gives.
+//     (BT in {1, 4, 16}); a row's unit g is always lane g % 32's, and the warp reduces with
+//     shuffles in a fixed order, so results do not depend on timing, windows, addresses, grid
+//     size or tier: a host-tier layer gives the bits its device-tier copy gives.
 //   * Many warps per SM (8 per block, grid sized from the SM count) keep enough loads in flight to
-//     cover PCIe latency; the grid is a grid-stride loop, so its size never depends on the format.
+//     cover PCIe latency; runs go round-robin over the warps, so the grid's size never depends on
+//     the format.
 // Both tiers take the same path (reading device-tier layers directly from HBM, without the
 // staging, measured no faster on the H200: docs/BENCHMARKS.md), so both give the same bits.
 // Accumulation is float32 throughout. Batches above 16 rows re-stream the weights once per group
@@ -28,6 +29,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kLaneU4 = 4;                    // uint4 loads per lane per chunk
 constexpr int kChunkU4 = 32 * kLaneU4;        // 128 uint4 = 2 KiB per warp
 constexpr int kCap = kChunkU4 * 16 - 32;      // usable bytes (room for alignment slop)
+constexpr int kWin = kChunkU4 * 16;           // matvec's window: 2 KiB, a multiple of 128 bytes
+constexpr int kPreU4 = 14;                    // room for a carried partial k-block (< 224 bytes)
+constexpr int kSlotU4 = kPreU4 + kChunkU4 + 1;  // one warp's shared memory in matvec
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -99,13 +103,15 @@ struct Rows {
   __device__ __forceinline__ float* yrow(int b) const { return y + (dense ? b0 + b : slot[b]) * rows; }
 };
 
-// acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]): lane l takes
-// units l, l + 32, ... in order (the float32 order every tier and grid size shares).
+// acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]). The row's
+// unit g goes to lane g % 32, and each lane takes its units in increasing order, so a row's float32
+// order does not depend on how the row was cut into windows (nor on the tier, the address or the
+// grid).
 template <int F, int BT>
 __device__ __forceinline__ void accumulate(const uint8_t* p, int nunits, int64_t k0,
                                            const Rows<BT>& R, float (&acc)[BT], int lane) {
   using T = Traits<F>;
-  for (int u = lane; u < nunits; u += 32) {
+  for (int u = (lane - static_cast<int>((k0 >> 5) & 31)) & 31; u < nunits; u += 32) {
     float w[32];
     unit_weights<F>(p + (u / T::kUpk) * T::kKbb, u % T::kUpk, w);
     const int64_t k = k0 + 32 * static_cast<int64_t>(u);
@@ -135,61 +141,117 @@ __device__ __forceinline__ void write_rows(float (&acc)[BT], const Rows<BT>& R, 
   }
 }
 
-// The warps of the grid's x dimension compute rows [0, rows) of the matrix at base. Each warp
-// walks a sequence of pieces (several whole rows, or one chunk of one long row), loading piece
-// p+1 into registers before it computes piece p.
+__device__ __forceinline__ uintptr_t floor16(uintptr_t a) { return a & ~uintptr_t{15}; }
+__device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~uintptr_t{15}; }
+
+// The warps of the grid's x dimension compute rows [0, rows) of the matrix at base.
+//   * Runs: a warp streams a run of consecutive rows in order (as many short rows as fill about
+//     one window, or one long row). Runs go round-robin over the grid's warps, so the grid sweeps
+//     the matrix front to back.
+//   * Windows: a run is read in windows of up to 2 KiB, of about equal size, whose ends fall on
+//     128-byte boundaries (the first one starts at the 16-byte boundary below the run, the last
+//     ends at the 16-byte boundary above it), so inside a run no cache line
+//     is requested twice or in part; a k-block cut by a window's end is carried to the front room
+//     of the warp's slot, before the next window's bytes. Only the line a run shares with the
+//     next is read by two warps.
+//   * The next window (of this run or of the warp's next run) is loaded into registers before
+//     the warp computes on the current one.
 template <int F, int BT>
 __device__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
   using T = Traits<F>;
   const int64_t nkb = cols / T::kKbe, rb = nkb * T::kKbb;
-  const bool whole = rb <= kCap;
-  // Rows per piece: as many as fit, but no more than spreads the rows over every warp (small
-  // matrices then have all their bytes in flight at once).
-  int64_t rpt = whole ? kCap / rb : 1;
-  const int64_t spread = rows / nwarps;
-  if (rpt > spread) rpt = spread > 1 ? spread : 1;
-  // Long rows: the fewest pieces that fit, of equal size (no short tail piece).
-  const int64_t nch = whole ? 1 : (nkb + kCap / T::kKbb - 1) / (kCap / T::kKbb);
-  const int64_t kch = (nkb + nch - 1) / nch;             // k-blocks per piece
-  const int64_t ngroups = (rows + rpt - 1) / rpt;
-  if (gwarp >= ngroups) return;
-  const int64_t npieces = ((ngroups - 1 - gwarp) / nwarps + 1) * nch;
-  // Piece p of this warp: row group gwarp + (p / nch) * nwarps, k-chunk p % nch.
-  auto where = [&](int64_t p, int64_t* r0, int64_t* nr, int64_t* kb0, int64_t* nk) {
-    *r0 = (gwarp + (p / nch) * nwarps) * rpt;
-    *nr = rows - *r0 < rpt ? rows - *r0 : rpt;
-    *kb0 = (p % nch) * kch;
-    *nk = nkb - *kb0 < kch ? nkb - *kb0 : kch;
+  int64_t rpr = rb >= kWin ? 1 : kWin / rb;  // rows per run
+  const int64_t spread = rows / nwarps;      // small matrices: every warp gets a run
+  if (rpr > spread) rpr = spread > 1 ? spread : 1;
+  const int64_t nruns = (rows + rpr - 1) / rpr;
+  if (gwarp >= nruns) return;
+  uint8_t* const buf = reinterpret_cast<uint8_t*>(slot + kPreU4);
+  const uintptr_t b0 = reinterpret_cast<uintptr_t>(base);
+  auto run_start = [&](int64_t q) { return b0 + static_cast<uintptr_t>(q * rpr * rb); };
+  auto run_end = [&](int64_t q) {
+    const int64_t r1 = (q + 1) * rpr;
+    return b0 + static_cast<uintptr_t>((r1 < rows ? r1 : rows) * rb);
+  };
+  // A run of B bytes is cut into n = ceil(B / kStep) windows of about B / n bytes each, at
+  // 128-byte boundaries (so each holds at most kStep + 143 <= kWin bytes): no short last window
+  // whose load would sit alone in flight while the warp computes on a full one.
+  constexpr int64_t kStep = kWin - 144;
+  auto cut = [&](int64_t q, int64_t i, int64_t n) {  // start of window i of run q (i == n: end)
+    const uintptr_t s = run_start(q), e = run_end(q);
+    if (i == 0) return floor16(s);
+    if (i == n) return ceil16(e);
+    return (s + static_cast<uintptr_t>((e - s) * i / n)) & ~uintptr_t{127};
+  };
+  auto windows = [&](int64_t q) {
+    return static_cast<int64_t>((run_end(q) - run_start(q) + kStep - 1) / kStep);
   };
   float acc[BT];
 #pragma unroll
   for (int b = 0; b < BT; ++b) acc[b] = 0.f;
+  int64_t q = gwarp;                        // the run of the pending window
+  int64_t wi = 0, nw = windows(q);          // and its index among the run's windows
+  uintptr_t rend = run_end(q);
+  uintptr_t wa = cut(q, 0, nw), we = cut(q, 1, nw);
   Pending pend;
-  {
-    int64_t r0, nr, kb0, nk;
-    where(0, &r0, &nr, &kb0, &nk);
-    issue(pend, base + r0 * rb + kb0 * T::kKbb, whole ? nr * rb : nk * T::kKbb, lane);
-  }
-  for (int64_t p = 0; p < npieces; ++p) {
-    int64_t r0, nr, kb0, nk;
-    where(p, &r0, &nr, &kb0, &nk);
-    const uint8_t* ptr = commit(slot, pend, lane);
-    if (p + 1 < npieces) {
-      int64_t r1, nr1, kb1, nk1;
-      where(p + 1, &r1, &nr1, &kb1, &nk1);
-      issue(pend, base + r1 * rb + kb1 * T::kKbb, whole ? nr1 * rb : nk1 * T::kKbb, lane);
+  issue(pend, reinterpret_cast<const uint8_t*>(wa), static_cast<int64_t>(we - wa), lane);
+  uintptr_t cpos = run_start(q);            // next unconsumed k-block of the run
+  uintptr_t prev_wa = wa;                   // where the bytes now in `buf` start
+  int64_t r = q * rpr, kb = 0;              // its row and k-block
+  for (;;) {
+    // Carry the partial k-block [cpos, wa) of the previous window to just before `buf`.
+    const int carry = static_cast<int>(wa > cpos ? wa - cpos : 0);
+    if (carry) {
+      const uint8_t* src = buf + (cpos - prev_wa);
+      uint8_t* dst = buf - carry;
+      for (int i = lane; i < carry; i += 32) dst[i] = src[i];
+      gpuSyncWarp();
     }
-    if (whole) {
-      for (int64_t i = 0; i < nr; ++i) {
-        accumulate<F, BT>(ptr + i * rb, static_cast<int>(nkb * T::kUpk), 0, R, acc, lane);
-        write_rows<BT>(acc, R, r0 + i, lane);
-      }
+    commit(reinterpret_cast<uint4*>(buf), pend, lane);
+    const uintptr_t cur_wa = wa, cur_we = we, cur_rend = rend;
+    // The next window: the rest of this run, or the warp's next run.
+    bool more = true, new_run = false;
+    if (wi + 1 < nw) {
+      ++wi;
+      wa = we;
+      we = cut(q, wi + 1, nw);
+    } else if (q + nwarps < nruns) {
+      new_run = true;
+      q += nwarps;
+      wi = 0;
+      nw = windows(q);
+      rend = run_end(q);
+      wa = cut(q, 0, nw);
+      we = cut(q, 1, nw);
     } else {
-      accumulate<F, BT>(ptr, static_cast<int>(nk * T::kUpk), kb0 * T::kKbe, R, acc, lane);
-      if (kb0 + nk == nkb) write_rows<BT>(acc, R, r0, lane);
+      more = false;
     }
-    gpuSyncWarp();  // every lane is done with the slot before the next commit overwrites it
+    if (more) issue(pend, reinterpret_cast<const uint8_t*>(wa), static_cast<int64_t>(we - wa), lane);
+    // Whole k-blocks of the current window, row by row.
+    const uintptr_t lim = cur_we < cur_rend ? cur_we : cur_rend;
+    int64_t avail = static_cast<int64_t>((lim - cpos) / T::kKbb);
+    const uint8_t* ptr = buf + static_cast<int64_t>(cpos - cur_wa);  // may be in the front room
+    while (avail > 0) {
+      const int64_t n = nkb - kb < avail ? nkb - kb : avail;
+      accumulate<F, BT>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
+      ptr += n * T::kKbb;
+      cpos += static_cast<uintptr_t>(n * T::kKbb);
+      avail -= n;
+      kb += n;
+      if (kb == nkb) {
+        write_rows<BT>(acc, R, r, lane);
+        ++r;
+        kb = 0;
+      }
+    }
+    gpuSyncWarp();  // every lane is done with the slot before the next carry and commit
+    if (!more) break;
+    prev_wa = cur_wa;
+    if (new_run) {  // nothing to carry
+      cpos = run_start(q);
+      r = q * rpr;
+      kb = 0;
+    }
   }
 }
 

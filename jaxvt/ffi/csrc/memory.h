@@ -12,10 +12,20 @@ namespace jaxvt::gpu_mem {
 int device_count();  // 0 when the runtime finds no device (or fails to start)
 int sm_count();      // multiprocessors of the current device
 
+// How host-tier memory is allocated (HostTier(kind=...); a benchmark switches it):
+//   kPinned         gpuHostAlloc(Mapped | Portable [| coherence flag on HIP])
+//   kWriteCombined  the same | WriteCombined: not snooped by device reads, write-combined (and very
+//                   slow to read) on the CPU; weights are written once and never read back there
+//   kHugePages      anonymous memory on 2 MiB boundaries with MADV_HUGEPAGE, touched, then pinned
+//                   and mapped with gpuHostRegister(Mapped | Portable): fewer, larger pages for the
+//                   device to translate
+enum HostKind : int { kPinned = 0, kWriteCombined = 1, kHugePages = 2 };
+
 // Pinned, device-mapped host memory. Returns false (and *err) on failure, having freed anything
 // it allocated. coherent: HIP fine-grained (bypasses the GPU L2) vs coarse-grained memory; CUDA
-// pinned memory is coherent either way.
-bool host_alloc(size_t nbytes, bool coherent, uintptr_t* host, uintptr_t* device, std::string* err);
+// pinned memory is coherent either way. host_free knows how each address was allocated.
+bool host_alloc(size_t nbytes, bool coherent, int kind, uintptr_t* host, uintptr_t* device,
+                std::string* err);
 void host_free(uintptr_t host);
 
 // Managed memory; false with *err empty when the device cannot use it concurrently.
@@ -23,14 +33,16 @@ bool managed_alloc(size_t nbytes, uintptr_t* ptr, std::string* err);
 void managed_free(uintptr_t ptr);
 
 // GB/s (1e9 bytes/s). Negative on failure, with *err set.
-double measure_dma_h2d(size_t nbytes, int iters, std::string* err);
+// kind: the host memory's HostKind (the source of the copies / the memory read).
+double measure_dma_h2d(size_t nbytes, int iters, int kind, std::string* err);
 // blocks: the streaming kernel's grid (<= 0: four per multiprocessor).
-double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t blocks,
-                              std::string* err);
+// bulk: through the bulk-copy engine (kernels_gpu.h launch_stream_read).
+double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t blocks, int kind,
+                              bool bulk, std::string* err);
 // Probe of the matvec kernel, by grid size (grid_cap <= 0: the kernel's default): `copies` matrices (pinned host tier, or device tier) read in turn (so no
 // launch finds its matrix in the GPU's L2), timed with events around `iters` launches.
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
-                         int copies, int iters, int64_t grid_cap, bool device_tier,
+                         int copies, int iters, int64_t grid_cap, bool device_tier, int kind,
                          std::string* err);
 // First and repeated device read of host-written managed memory; false if unsupported.
 bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err);

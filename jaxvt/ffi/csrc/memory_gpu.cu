@@ -1,6 +1,10 @@
 // Pinned host-tier allocation and the raw bandwidth probes, for CUDA and HIP (vendor.h).
+#include <sys/mman.h>
+
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels_gpu.h"
@@ -54,23 +58,97 @@ int device_count() {
 
 int sm_count() { return gpu::sm_count(); }
 
-bool host_alloc(size_t nbytes, bool coherent, uintptr_t* host, uintptr_t* device, std::string* err) {
+namespace {
+
+// Registered (kHugePages) allocations: host address -> the mapping to unmap after unregistering.
+struct Mapping {
+  void* base;
+  size_t len;
+};
+std::mutex g_mu;
+std::unordered_map<uintptr_t, Mapping> g_registered;
+
+constexpr size_t kHuge = size_t{2} << 20;
+
+bool huge_alloc(size_t nbytes, void** out, Mapping* m, std::string* err) {
+  if (nbytes > SIZE_MAX - 2 * kHuge) {
+    if (err) *err = "size out of range";
+    return false;
+  }
+  const size_t len = (nbytes + kHuge - 1) / kHuge * kHuge;
+  // Over-map by one huge page so the buffer can start on a 2 MiB boundary.
+  void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
+    if (err) *err = std::string("mmap: ") + std::strerror(errno);
+    return false;
+  }
+  const uintptr_t r = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t a = (r + kHuge - 1) & ~(uintptr_t{kHuge} - 1);
+  if (a > r) munmap(raw, a - r);
+  if (r + len + kHuge > a + len) munmap(reinterpret_cast<void*>(a + len), r + len + kHuge - a - len);
+  void* p = reinterpret_cast<void*>(a);
+  (void)madvise(p, len, MADV_HUGEPAGE);  // a hint: without transparent huge pages, 4 KiB pages
+  std::memset(p, 0, len);                // fault the pages in now, as huge pages where granted
+  if (!ok(gpuHostRegister(p, len, gpuHostRegisterMapped | gpuHostRegisterPortable),
+          "registering host memory", err)) {
+    munmap(p, len);
+    return false;
+  }
+  *out = p;
+  *m = Mapping{p, len};
+  return true;
+}
+
+}  // namespace
+
+bool host_alloc(size_t nbytes, bool coherent, int kind, uintptr_t* host, uintptr_t* device,
+                std::string* err) {
   void* h = nullptr;
-  const unsigned flags = gpuHostAllocMapped | gpuHostAllocPortable |
-                         (coherent ? gpuHostAllocCoherent : gpuHostAllocNonCoherent);
-  if (!ok(gpuHostAlloc(&h, nbytes, flags), "pinned host allocation", err)) return false;
+  Mapping m{nullptr, 0};
+  if (kind == kHugePages) {
+    if (!huge_alloc(nbytes, &h, &m, err)) return false;
+  } else {
+    const unsigned flags = gpuHostAllocMapped | gpuHostAllocPortable |
+                           (coherent ? gpuHostAllocCoherent : gpuHostAllocNonCoherent) |
+                           (kind == kWriteCombined ? gpuHostAllocWriteCombined : 0u);
+    if (!ok(gpuHostAlloc(&h, nbytes, flags), "pinned host allocation", err)) return false;
+  }
   void* d = nullptr;
   if (!ok(gpuHostGetDevicePointer(&d, h, 0), "device pointer of pinned memory", err)) {
-    (void)gpuFreeHost(h);
+    if (m.base) {
+      (void)gpuHostUnregister(h);
+      munmap(m.base, m.len);
+    } else {
+      (void)gpuFreeHost(h);
+    }
     return false;
   }
   *host = reinterpret_cast<uintptr_t>(h);
   *device = reinterpret_cast<uintptr_t>(d);
+  if (m.base) {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_registered[*host] = m;
+  }
   return true;
 }
 
 void host_free(uintptr_t host) {
-  if (host) (void)gpuFreeHost(reinterpret_cast<void*>(host));
+  if (!host) return;
+  Mapping m{nullptr, 0};
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_registered.find(host);
+    if (it != g_registered.end()) {
+      m = it->second;
+      g_registered.erase(it);
+    }
+  }
+  if (m.base) {
+    (void)gpuHostUnregister(m.base);
+    munmap(m.base, m.len);
+  } else {
+    (void)gpuFreeHost(reinterpret_cast<void*>(host));
+  }
 }
 
 bool managed_alloc(size_t nbytes, uintptr_t* ptr, std::string* err) {
@@ -97,11 +175,11 @@ void managed_free(uintptr_t ptr) {
   if (ptr) (void)gpuFree(reinterpret_cast<void*>(ptr));
 }
 
-double measure_dma_h2d(size_t nbytes, int iters, std::string* err) {
+double measure_dma_h2d(size_t nbytes, int iters, int kind, std::string* err) {
   Timer t(err);
   if (!t.ready) return -1;
   uintptr_t h = 0, hd = 0;
-  if (!host_alloc(nbytes, true, &h, &hd, err)) return -1;
+  if (!host_alloc(nbytes, true, kind, &h, &hd, err)) return -1;
   std::memset(reinterpret_cast<void*>(h), 1, nbytes);
   void* d = nullptr;
   double gbs = -1;
@@ -119,20 +197,20 @@ double measure_dma_h2d(size_t nbytes, int iters, std::string* err) {
   return gbs;
 }
 
-double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t blocks,
-                              std::string* err) {
+double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t blocks, int kind,
+                              bool bulk, std::string* err) {
   Timer t(err);
   if (!t.ready) return -1;
   uintptr_t h = 0, hd = 0;
-  if (!host_alloc(nbytes, coherent, &h, &hd, err)) return -1;
+  if (!host_alloc(nbytes, coherent, kind, &h, &hd, err)) return -1;
   std::memset(reinterpret_cast<void*>(h), 1, nbytes);
   const int64_t n16 = static_cast<int64_t>(nbytes / 16);
   const void* p = reinterpret_cast<const void*>(hd);
   double gbs = -1;
-  bool good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink, blocks), "read kernel", err) &&
+  bool good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink, blocks, bulk), "read kernel", err) &&
               ok(gpuEventRecord(t.a, t.s), "event", err);
   for (int i = 0; good && i < iters; ++i)
-    good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink, blocks), "read kernel", err);
+    good = ok(gpu::launch_stream_read(t.s, p, n16, t.sink, blocks, bulk), "read kernel", err);
   good = good && ok(gpuEventRecord(t.b, t.s), "event", err) && ok(gpuEventSynchronize(t.b), "sync", err);
   if (good) gbs = static_cast<double>(n16) * 16 * iters / 1e6 / t.ms();
   host_free(h);
@@ -140,14 +218,14 @@ double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t b
 }
 
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
-                         int copies, int iters, int64_t grid_cap, bool device_tier,
+                         int copies, int iters, int64_t grid_cap, bool device_tier, int kind,
                          std::string* err) {
   Timer t(err);
   if (!t.ready || copies < 1) return -1;
   const size_t mat = static_cast<size_t>(rows * row_bytes);
   uintptr_t h = 0, hd = 0;
   void* dd = nullptr;  // device-tier copies
-  if (!host_alloc(mat * copies, false, &h, &hd, err)) return -1;
+  if (!host_alloc(mat * copies, false, kind, &h, &hd, err)) return -1;
   std::memset(reinterpret_cast<void*>(h), 0x11, mat * copies);  // small valid scales, no NaN
   if (device_tier && !(ok(gpuMalloc(&dd, mat * copies), "device allocation", err) &&
                        ok(gpuMemcpyAsync(dd, reinterpret_cast<void*>(h), mat * copies,

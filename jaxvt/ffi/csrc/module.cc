@@ -5,6 +5,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -78,21 +79,28 @@ constexpr size_t kPage = 4096;
 
 // ---- host tier ---------------------------------------------------------------------------------
 
-std::pair<uintptr_t, uintptr_t> HostAlloc(size_t nbytes, bool coherent, bool gpu) {
+// kind: jaxvt::gpu_mem::HostKind. On the CPU backend kHugePages asks for transparent huge pages
+// (2 MiB-aligned memory, MADV_HUGEPAGE) and the other kinds are plain page-aligned memory.
+std::pair<uintptr_t, uintptr_t> HostAlloc(size_t nbytes, bool coherent, bool gpu, int kind) {
   if (nbytes == 0) throw std::invalid_argument("host tier allocation of 0 bytes");
+  if (kind < 0 || kind > 2) throw std::invalid_argument("host tier kind must be 0, 1 or 2");
   if (gpu) {
 #if defined(JAXVT_WITH_GPU)
     uintptr_t h = 0, d = 0;
     std::string err;
-    if (!jaxvt::gpu_mem::host_alloc(nbytes, coherent, &h, &d, &err)) throw std::runtime_error(err);
+    if (!jaxvt::gpu_mem::host_alloc(nbytes, coherent, kind, &h, &d, &err))
+      throw std::runtime_error(err);
     return {h, d};
 #else
     throw std::runtime_error("this build of jaxvt has no GPU support (rebuild with JAXVT_GPU=CUDA or HIP)");
 #endif
   }
-  if (nbytes > (SIZE_MAX - kPage)) throw std::runtime_error("size out of range");
-  void* p = std::aligned_alloc(kPage, (nbytes + kPage - 1) / kPage * kPage);
+  const size_t align = kind == jaxvt::gpu_mem::kHugePages ? size_t{2} << 20 : kPage;
+  if (nbytes > (SIZE_MAX - align)) throw std::runtime_error("size out of range");
+  const size_t len = (nbytes + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, len);
   if (!p) throw std::runtime_error("out of host memory (aligned_alloc failed)");
+  if (kind == jaxvt::gpu_mem::kHugePages) (void)madvise(p, len, MADV_HUGEPAGE);  // a hint
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   return {a, a};
 }
@@ -172,12 +180,12 @@ double CpuRead(size_t nbytes, int iters) {
   return static_cast<double>(n) * 8 * iters / 1e9 / Seconds(std::chrono::steady_clock::now() - t0);
 }
 
-double MeasureDmaH2D(size_t nbytes, int iters) {
+double MeasureDmaH2D(size_t nbytes, int iters, int kind) {
   if (iters < 1) iters = 1;
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
     std::string err;
-    double v = jaxvt::gpu_mem::measure_dma_h2d(nbytes, iters, &err);
+    double v = jaxvt::gpu_mem::measure_dma_h2d(nbytes, iters, kind, &err);
     if (v < 0) throw std::runtime_error(err);
     return v;
   }
@@ -185,17 +193,19 @@ double MeasureDmaH2D(size_t nbytes, int iters) {
   return CpuCopy(nbytes, iters);
 }
 
-double MeasureZeroCopyRead(size_t nbytes, int iters, bool coherent, int64_t blocks) {
+double MeasureZeroCopyRead(size_t nbytes, int iters, bool coherent, int64_t blocks, int kind,
+                           bool bulk) {
   if (iters < 1) iters = 1;
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
     std::string err;
-    double v = jaxvt::gpu_mem::measure_zero_copy_read(nbytes, iters, coherent, blocks, &err);
+    double v = jaxvt::gpu_mem::measure_zero_copy_read(nbytes, iters, coherent, blocks, kind, bulk,
+                                                      &err);
     if (v < 0) throw std::runtime_error(err);
     return v;
   }
 #endif
-  (void)coherent, (void)blocks;
+  (void)coherent, (void)blocks, (void)kind, (void)bulk;
   return CpuRead(nbytes, iters);
 }
 
@@ -215,7 +225,7 @@ std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
 
 // GPU-only probes of the host-tier matvec kernel (memory.h); GB/s of weight bytes read.
 double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int copies, int iters,
-                       int64_t grid_cap, bool device_tier) {
+                       int64_t grid_cap, bool device_tier, int kind) {
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
     if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
@@ -223,13 +233,13 @@ double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int c
     std::string err;
     const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
     double v = jaxvt::gpu_mem::measure_host_gemv(fmt, rows, cols, rb, batch, copies, iters,
-                                                 grid_cap, device_tier, &err);
+                                                 grid_cap, device_tier, kind, &err);
     if (v < 0) throw std::runtime_error(err);
     return v;
   }
 #endif
   (void)fmt, (void)rows, (void)cols, (void)batch, (void)copies, (void)iters, (void)grid_cap;
-  (void)device_tier;
+  (void)device_tier, (void)kind;
   throw std::runtime_error("measure_host_gemv needs a GPU build and a GPU");
 }
 
@@ -281,23 +291,26 @@ NB_MODULE(_jaxvt_ffi, m) {
   }, "Multiprocessors of the current GPU (0 without one).");
   m.def("gpu_device_count", &GpuDeviceCount, "GPUs the runtime sees (0 without GPU support).");
   m.def("host_alloc", &HostAlloc, nb::arg("nbytes"), nb::arg("coherent") = false,
-        nb::arg("gpu") = false,
+        nb::arg("gpu") = false, nb::arg("kind") = 0,
         "(host address, device address) of nbytes of host-tier memory: pinned and device-mapped "
-        "with gpu=True, page-aligned plain memory otherwise. Raises on failure.");
+        "with gpu=True, page-aligned plain memory otherwise. kind: 0 pinned, 1 write-combined, "
+        "2 huge pages (memory.h). Raises on failure.");
   m.def("host_free", &HostFree, nb::arg("host"), nb::arg("gpu") = false);
   m.def("managed_alloc", &ManagedAlloc, nb::arg("nbytes"),
         "Managed-memory address, or None where the backend has none (CPU builds, no device, "
         "no concurrent managed access).");
   m.def("managed_free", &ManagedFree, nb::arg("ptr"));
-  m.def("measure_dma_h2d", &MeasureDmaH2D, nb::arg("nbytes"), nb::arg("iters"),
+  m.def("measure_dma_h2d", &MeasureDmaH2D, nb::arg("nbytes"), nb::arg("iters"), nb::arg("kind") = 0,
         "GB/s of pinned host -> device copies (memcpy GB/s on CPU).");
   m.def("measure_zero_copy_read", &MeasureZeroCopyRead, nb::arg("nbytes"), nb::arg("iters"),
-        nb::arg("coherent") = false, nb::arg("blocks") = 0,
+        nb::arg("coherent") = false, nb::arg("blocks") = 0, nb::arg("kind") = 0,
+        nb::arg("bulk") = false,
         "GB/s of a kernel streaming mapped pinned host memory (plain read GB/s on CPU); blocks:"
-        " its grid (0: four per multiprocessor).");
+        " its grid (0: four per multiprocessor); kind: the memory's HostKind; bulk: read with"
+        " the bulk-copy engine (CUDA sm_90+; raises elsewhere).");
   m.def("measure_host_gemv", &MeasureHostGemv, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
         nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
-        nb::arg("device_tier") = false,
+        nb::arg("device_tier") = false, nb::arg("kind") = 0,
         "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid cap.");
   m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
         "(first, repeat) device-read GB/s of host-written managed memory, or None.");

@@ -52,6 +52,11 @@ typedef cudaEvent_t gpuEvent_t;
 #define gpuHostAllocPortable cudaHostAllocPortable
 #define gpuHostAllocCoherent 0u
 #define gpuHostAllocNonCoherent 0u
+#define gpuHostAllocWriteCombined cudaHostAllocWriteCombined
+#define gpuHostRegister cudaHostRegister
+#define gpuHostUnregister cudaHostUnregister
+#define gpuHostRegisterMapped cudaHostRegisterMapped
+#define gpuHostRegisterPortable cudaHostRegisterPortable
 #define gpuMallocManaged cudaMallocManaged
 #define gpuMemAttachGlobal cudaMemAttachGlobal
 
@@ -101,6 +106,11 @@ typedef hipEvent_t gpuEvent_t;
 #define gpuHostAllocPortable hipHostMallocPortable
 #define gpuHostAllocCoherent hipHostMallocCoherent
 #define gpuHostAllocNonCoherent hipHostMallocNonCoherent
+#define gpuHostAllocWriteCombined hipHostMallocWriteCombined
+#define gpuHostRegister hipHostRegister
+#define gpuHostUnregister hipHostUnregister
+#define gpuHostRegisterMapped hipHostRegisterMapped
+#define gpuHostRegisterPortable hipHostRegisterPortable
 #define gpuMallocManaged hipMallocManaged
 #define gpuMemAttachGlobal hipMemAttachGlobal
 
