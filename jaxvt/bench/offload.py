@@ -176,7 +176,7 @@ class Session:
       r.device_read_gb = p.plan.device_read_bytes / 1e9
       r.predicted_ms = p.prediction.ms_per_step
       t1 = time.perf_counter()
-      self.warm_up(eng, overlap=not forced)
+      warm_up(eng, self.ids, overlap=not forced)
       t2 = time.perf_counter()
       g = eng.generate(self.ids, max_tokens=gen, stop_at_eos=False)
       r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
@@ -194,9 +194,6 @@ class Session:
       del eng
       gc.collect()
     return r
-
-  def warm_up(self, eng, overlap: bool) -> None:
-    warm_up(eng, self.ids, overlap)
 
 
 def warm_up(eng, ids: list[int], overlap: bool) -> None:
