@@ -31,6 +31,7 @@ from jaxvt.sampling import SamplingParams, sample
 STAGE_ROWS = 8
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
+DECODE_CHUNK = 16  # decode steps generate runs per device program
 
 
 def bucket(n: int, buckets: Iterable[int], cap: int) -> int:
@@ -76,6 +77,31 @@ def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig
   return sample(logits[:, 0], key, params), cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len", "params", "steps"),
+                   donate_argnames=("cache",))
+def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex: Exec,
+                   kv_len: int, params: SamplingParams, steps: int):
+  """`steps` decode steps in one device program, each sampling the token the next one feeds.
+
+  token int32 [b]: the last sampled token (not yet in the cache); position int32 []: where it
+  goes; key: the sampling key, split once per step as generate splits it. Returns (tokens int32
+  [steps, b]: the sampled tokens in order, cache, key). Positions past the cache are dropped, so
+  a caller stops consuming tokens at the context's end."""
+  b = token.shape[0]
+
+  def step(i, carry):
+    cache, tok, key, out = carry
+    key, sub = jax.random.split(key)
+    pos = jnp.broadcast_to(position + i, (b, 1)).astype(jnp.int32)
+    logits, cache = _forward(weights, cache, tok[:, None], pos, cfg, ex, kv_len)
+    nxt = sample(logits[:, 0], sub, params)
+    return cache, nxt, key, out.at[i].set(nxt)
+
+  out = jnp.zeros((steps, b), jnp.int32)
+  cache, _, key, out = jax.lax.fori_loop(0, steps, step, (cache, token.astype(jnp.int32), key, out))
+  return out, cache, key
+
+
 @dataclasses.dataclass
 class GenerationStats:
   prompt_tokens: int = 0
@@ -114,6 +140,7 @@ class Engine:
   plan: object = None
   host_tier: object = None
   memory: object = None  # the device-memory breakdown the planner checked
+  decode_chunk: int = DECODE_CHUNK  # decode steps per device program in generate
 
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
@@ -181,12 +208,13 @@ class Engine:
     stats.prefill_seconds = time.perf_counter() - t0
 
     out: list[int] = []
+    pending: list[int] = []  # tokens the device sampled ahead, in order
     stopped_by = "max_tokens"
-    pos = len(ids)
+    pos = len(ids)  # where `nxt` goes when it is fed back
     t1 = time.perf_counter()
-    # Each step's token is read before the next is dispatched. (Queueing step n+1 on step n's
-    # token while it was still on the device measured slower on the H200, 42 vs 74 tok/s on the
-    # 35B-shaped model, 2026-11-29; the cause was not established.)
+    # Decode runs DECODE_CHUNK steps per device program (sampling on the device), so the host
+    # reads tokens back once per chunk rather than once per token; tokens sampled after a stop
+    # are discarded.
     while True:
       if nxt in stops:
         stopped_by = "eos"
@@ -201,11 +229,13 @@ class Engine:
       if pos >= self.max_context:
         stopped_by = "context"
         break
-      key, sub = jax.random.split(key)
-      toks, cache = decode_sample_fn(
-          self.weights, cache, jnp.asarray([[nxt]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
-          sub, cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + 1), params=sampling)
-      nxt = int(toks[0])
+      if not pending:  # a power of two up to the chunk: few distinct programs, little waste
+        n = min(self.decode_chunk, 1 << (max_tokens - len(out) - 1).bit_length())
+        toks, cache, key = decode_loop_fn(
+            self.weights, cache, jnp.asarray([nxt], jnp.int32), jnp.int32(pos), key,
+            cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + n), params=sampling, steps=n)
+        pending = np.asarray(toks)[:, 0].tolist()
+      nxt = pending.pop(0)
       pos += 1
     stats.decode_seconds = time.perf_counter() - t1
     stats.generated_tokens = len(out)

@@ -244,6 +244,39 @@ def test_moe_experts(mode, rng, device):
   np.testing.assert_allclose(np.asarray(out), want, atol=tol * scale, rtol=0)
 
 
+def test_multi_and_pair_give_the_bits_of_separate_calls(mode, rng, device, tier):
+  """qmatmul_multi (matrices of several shapes, formats and tiers sharing one input) and
+  qmatmul_experts2 (a MoE's gate and up) equal their separate calls bit for bit: on a GPU they
+  are one launch each, whose rows run the same arithmetic as the single-matrix kernel."""
+  L = 2
+  stacks = [make_stack(rng, [Q4_K, Q6_K], 96, COLS, host=(1,), tier=tier),
+            make_stack(rng, [Q8_0, Q4_K], 40, COLS),
+            make_stack(rng, [BF16, Q5_K], 8, COLS, host=(0,), tier=tier),
+            make_stack(rng, [Q4_1, Q4_0], 200, COLS, host=(0, 1), tier=tier),
+            make_stack(rng, [Q6_K, Q6_K], 16, COLS)]
+  ws = [put(st.w, device) for st in stacks]
+  for b in (1, 3, 9):
+    x = rng.standard_normal((b, COLS)).astype(np.float32)
+    xd = put(x, device)
+    for l in range(L):
+      fused = jax.jit(lambda x, l: ops.qmatmul_multi(x, ws, l, mode))(xd, jnp.int32(l))
+      assert len(fused) == len(ws)
+      for y, w, st in zip(fused, ws, stacks):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(ops.qmatmul(xd, w, l, mode)))
+        assert_close(y, st.ref(x, l, mode=mode))
+  E, T, k = 6, 3, 2
+  g = make_stack(rng, [Q4_K, Q6_K], 32, 512, experts=E, host=(0,), tier=tier)
+  u = make_stack(rng, [Q8_0, Q4_K], 32, 512, experts=E)
+  ids = put(np.array([[0, 5], [5, 2], [-1, 3]], np.int32), device)
+  wg, wu = put(g.w, device), put(u.w, device)
+  for shape in [(T, 512), (T, k, 512)]:
+    x = put(rng.standard_normal(shape).astype(np.float32), device)
+    for l in range(L):
+      a, c = jax.jit(lambda x, l: ops.qmatmul_experts2(x, wg, wu, l, ids, mode))(x, jnp.int32(l))
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(experts(x, wg, l, ids, mode)))
+      np.testing.assert_array_equal(np.asarray(c), np.asarray(experts(x, wu, l, ids, mode)))
+
+
 def test_vmap(mode, rng, device):
   s = make_stack(rng, [Q4_K, Q6_K], ROWS, COLS)
   x = rng.standard_normal((4, 3, COLS)).astype(np.float32)

@@ -167,6 +167,52 @@ def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
   return y.reshape(*lead, m.rows)
 
 
+@functools.cache
+def _multi_call(rows: tuple[int, ...], cols: int):
+  def fused(x2, layer, *bufs):
+    out = tuple(jax.ShapeDtypeStruct((x2.shape[0], r), jnp.float32) for r in rows)
+    return jax.ffi.ffi_call("jaxvt_qmatmul_multi", out)(x2, layer, *bufs, cols=np.int64(cols))
+
+  def separate(x2, layer, *bufs):
+    return tuple(_qmatmul_call(r, cols)(x2, *bufs[3 * i:3 * i + 3], layer)
+                 for i, r in enumerate(rows))
+
+  return fused, separate
+
+
+MAX_MULTI = 4  # matrices one qmatmul_multi launch takes (csrc/kernels_gpu.h kMaxMulti)
+
+
+def qmatmul_multi(x: jax.Array, ws, layer, mode: str = "ggml") -> list[jax.Array]:
+  """[qmatmul(x, w, layer, mode) for w in ws]: several matrices with the same input (each in its
+  own format and tier). On a GPU, up to MAX_MULTI of them in "f32" mode run as one launch, which
+  gives the same bits as separate launches; elsewhere (and in ggml mode) they are separate calls."""
+  ws = list(ws)
+  if _mode(mode) == "ggml" or len(ws) == 1:
+    return [qmatmul(x, w, layer, mode) for w in ws]
+  if len(ws) > MAX_MULTI:
+    return (qmatmul_multi(x, ws[:MAX_MULTI], layer, mode)
+            + qmatmul_multi(x, ws[MAX_MULTI:], layer, mode))
+  cols = ws[0].meta.cols
+  for w in ws:
+    _check(w, "qmatmul_multi", experts=False)
+    if w.meta.cols != cols:
+      raise JaxvtError(f"qmatmul_multi: the matrices have {w.meta.cols} and {cols} columns; "
+                       "they must share their input")
+  x = jnp.asarray(x, jnp.float32)
+  if x.shape[-1:] != (cols,):
+    raise JaxvtError(f"qmatmul_multi: x has {x.shape[-1:]} columns, the weights {cols}")
+  lead = x.shape[:-1]
+  fused, separate = _multi_call(tuple(w.meta.rows for w in ws), cols)
+  bufs = [b for w in ws for b in (w.data, w.table, w.fmts)]
+  args = (x.reshape(-1, cols), _layer(layer), *bufs)
+  if _ffi.available("cpu"):
+    ys = jax.lax.platform_dependent(*args, cpu=separate, default=fused)
+  else:
+    ys = fused(*args)
+  return [y.reshape(*lead, w.meta.rows) for y, w in zip(ys, ws)]
+
+
 def _layer_bytes(w: QWeight, layer: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(raw uint8 [stride'] of the layer's device slot, format index into meta.formats, is_host)."""
   m = w.meta
@@ -250,6 +296,44 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
                                                        ids)
 
 
+@functools.cache
+def _experts2_call(rows: int, cols: int, experts: int):
+  def fused(x, d0, t0, f0, d1, t1, f1, layer, ids):
+    out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
+    return jax.ffi.ffi_call("jaxvt_qmatmul_experts2", (out, out))(
+        x, d0, t0, f0, d1, t1, f1, layer, ids, rows=np.int64(rows), cols=np.int64(cols),
+        experts=np.int64(experts))
+
+  def separate(x, d0, t0, f0, d1, t1, f1, layer, ids):
+    one = _experts_call(rows, cols, experts, 0)
+    return one(x, d0, t0, f0, layer, ids), one(x, d1, t1, f1, layer, ids)
+
+  return fused, separate
+
+
+def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Array,
+                     mode: str = "ggml") -> tuple[jax.Array, jax.Array]:
+  """(qmatmul_experts(x, w0, ...), qmatmul_experts(x, w1, ...)) for two expert stacks of one shape
+  (a MoE's gate and up): one launch on a GPU in "f32" mode, with the same bits as two."""
+  if _mode(mode) == "ggml":
+    return (qmatmul_experts(x, w0, layer, ids, mode), qmatmul_experts(x, w1, layer, ids, mode))
+  _check(w0, "qmatmul_experts2", experts=True)
+  _check(w1, "qmatmul_experts2", experts=True)
+  if w0.shape != w1.shape:
+    raise JaxvtError(f"qmatmul_experts2: stacks of shapes {w0.shape} and {w1.shape} differ")
+  m = w0.meta
+  x = jnp.asarray(x, jnp.float32)
+  ids = _ids(ids)
+  if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
+    raise JaxvtError(f"qmatmul_experts2: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] "
+                     f"or [T, k, {m.cols}] with ids [T, k]")
+  fused, separate = _experts2_call(m.rows, m.cols, m.experts)
+  args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids)
+  if _ffi.available("cpu"):
+    return jax.lax.platform_dependent(*args, cpu=separate, default=fused)
+  return fused(*args)
+
+
 def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array,
                         mode: str = "ggml") -> jax.Array:
   """Reference for qmatmul_experts: gathers the routed experts' bytes, numerics.qdot."""
@@ -273,9 +357,13 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
   return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u
 
 
-def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode):
+def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None):
   x = jnp.asarray(x, jnp.float32)
-  h = silu_mul(mm(x, w_gate, layer, ids, mode), mm(x, w_up, layer, ids, mode), mode)  # [T, k, ffn]
+  if mm2 is None:
+    g, u = mm(x, w_gate, layer, ids, mode), mm(x, w_up, layer, ids, mode)
+  else:
+    g, u = mm2(x, w_gate, w_up, layer, ids, mode)
+  h = silu_mul(g, u, mode)  # [T, k, ffn]
   d = mm(h, w_down, layer, ids, mode)  # [T, k, cols]
   return jnp.einsum("tk,tkd->td", jnp.asarray(weights, jnp.float32), d)
 
@@ -284,7 +372,8 @@ def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, 
                 mode: str = "ggml"):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once."""
-  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode))
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
+              qmatmul_experts2)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,

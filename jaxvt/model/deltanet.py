@@ -155,10 +155,11 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
   b, t, _ = h.shape
   nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
   with jax.named_scope("gdn_in"):
-    mixed = layers.linear(h, w["gdn.w_qkv"], gi, ex)  # [b, t, 2 nk dk + nv dv]
-    z = layers.linear(h, w["gdn.w_z"], gi, ex).reshape(b, t, nv, dv)
-    beta = jax.nn.sigmoid(layers.linear(h, w["gdn.w_beta"], gi, ex))  # [b, t, nv]
-    alpha = layers.linear(h, w["gdn.w_alpha"], gi, ex)
+    mixed, z, beta, alpha = layers.linear_many(
+        h, [w["gdn.w_qkv"], w["gdn.w_z"], w["gdn.w_beta"], w["gdn.w_alpha"]], gi, ex)
+    # mixed [b, t, 2 nk dk + nv dv]; beta, alpha [b, t, nv]
+    z = z.reshape(b, t, nv, dv)
+    beta = jax.nn.sigmoid(beta)
     g = w["gdn.a"][gi] * jax.nn.softplus(alpha + w["gdn.dt_bias"][gi])  # ssm_a = -exp(A_log)
     beta = jnp.where(valid[..., None], beta, 0.0)
     g = jnp.where(valid[..., None], g, 0.0)

@@ -78,6 +78,18 @@ def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
 
 
+def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:
+  """[linear(x, w, layer, ex) for w in ws] for matrices that share their input: with kernels and
+  rows below ex.stage_rows, one launch on a GPU (ops.qmatmul_multi; the same bits)."""
+  from jaxvt.ffi import ops
+  ws = list(ws)
+  rows = x.size // x.shape[-1]
+  if (not ex.kernels or ex.stage_rows and rows >= ex.stage_rows
+      or any(w.meta.staged for w in ws)):
+    return [linear(x, w, layer, ex) for w in ws]
+  return ops.qmatmul_multi(x.astype(jnp.float32), ws, layer, ex.numerics)
+
+
 def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
   """Sums the partial products of a row-parallel projection over the mesh: over "tp", or over
   ("ep", "tp") for routed experts (jaxvt.parallel). The identity on one device."""
@@ -145,14 +157,14 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   """
   b, t, _ = x.shape
   H, K, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
-  q = linear(x, w["attn.wq"], ai, ex)
+  q, k, v = linear_many(x, [w["attn.wq"], w["attn.wk"], w["attn.wv"]], ai, ex)
   if cfg.attn_output_gate:  # per head [q | gate]
     q = q.reshape(b, t, H, 2 * D)
     q, gate = q[..., :D], q[..., D:].reshape(b, t, H * D)
   else:
     q, gate = q.reshape(b, t, H, D), None
-  k = linear(x, w["attn.wk"], ai, ex).reshape(b, t, K, D)
-  v = linear(x, w["attn.wv"], ai, ex).reshape(b, t, K, Dv)
+  k = k.reshape(b, t, K, D)
+  v = v.reshape(b, t, K, Dv)
   if cfg.qk_norm:
     q = rms_norm(q, w["attn.q_norm"][ai], cfg.rms_eps, ex)
     k = rms_norm(k, w["attn.k_norm"][ai], cfg.rms_eps, ex)
@@ -192,7 +204,12 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
 def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
            ex: Exec) -> jax.Array:
   """Dense SwiGLU FFN: down(silu(gate x) * up x)."""
-  g, u = linear(x, w_gate, li, ex), linear(x, w_up, li, ex)
+  g, u = linear_many(x, [w_gate, w_up], li, ex)
+  return swiglu_down(g, u, w_down, li, ex)
+
+
+def swiglu_down(g: jax.Array, u: jax.Array, w_down: QWeight, li, ex: Exec) -> jax.Array:
+  """The second half of swiglu: down(silu(g) * u) from the gate and up products."""
   if ex.ggml:
     from jaxvt.ffi import ops
     h = ops.swiglu(g, u, kernels=ex.kernels)

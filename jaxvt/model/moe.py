@@ -114,8 +114,10 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
   b, t, d = h.shape
   x = h.reshape(b * t, d).astype(jnp.float32)
   with jax.named_scope("router"):
-    ids, wts = route(layers.linear(x, w["moe.router"], li, ex), cfg.n_experts_used,
-                     cfg.norm_topk_prob)
+    # The router and the shared expert's gate / up read the same x: one launch where they can.
+    shared = ["shexp.w_gate", "shexp.w_up"] if cfg.shared_ffn_dim else []
+    logits, *gu = layers.linear_many(x, [w["moe.router"]] + [w[n] for n in shared], li, ex)
+    ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob)
     if ex.par is not None:
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
@@ -125,7 +127,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
     y = routed(x, wg, wu, wd, lg, ids, wts)  # sharded: this device's experts' partial sum
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
-      s = layers.swiglu(x, w["shexp.w_gate"], w["shexp.w_up"], w["shexp.w_down"], li, ex)
+      s = layers.swiglu_down(gu[0], gu[1], w["shexp.w_down"], li, ex)
       gate = jax.nn.sigmoid(jnp.dot(x, w["shexp.gate"][li].astype(jnp.float32),
                                     precision=jax.lax.Precision.HIGHEST))  # [T]
       if ex.par is not None and ex.par.ep > 1:  # s is split over tp only, the experts over both

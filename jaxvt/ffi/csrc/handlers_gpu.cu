@@ -56,6 +56,52 @@ ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                 "qmatmul_experts");
 }
 
+// x [B, cols], layer, then (data, table, fmts) per matrix; one result [B, rows_i] per matrix.
+ffi::Error QMatmulMultiGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                           ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t cols) {
+  const int64_t n = static_cast<int64_t>(rets.size());
+  if (n < 1 || n > gpu::kMaxMulti || static_cast<int64_t>(args.size()) != 3 * n)
+    return ffi::Error::InvalidArgument("jaxvt qmatmul_multi: 1-4 matrices, 3 buffers each");
+  gpu::WeightArgs w[gpu::kMaxMulti];
+  float* y[gpu::kMaxMulti];
+  int64_t rows[gpu::kMaxMulti];
+  for (int64_t i = 0; i < n; ++i) {
+    auto data = args.get<ffi::AnyBuffer>(3 * i);
+    auto table = args.get<ffi::Buffer<ffi::U32>>(3 * i + 1);
+    auto fmts = args.get<ffi::Buffer<ffi::S32>>(3 * i + 2);
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!data.has_value() || !table.has_value() || !fmts.has_value() || !out.has_value())
+      return ffi::Error::InvalidArgument("jaxvt qmatmul_multi: bad operand types");
+    w[i] = Weights(*data, *table, *fmts, layer);
+    y[i] = (*out)->typed_data();
+    auto od = (*out)->dimensions();
+    rows[i] = od.size() ? od.back() : 0;
+  }
+  const int64_t batch = static_cast<int64_t>(x.element_count()) / cols;
+  return Status(gpu::launch_qmatmul_multi(s, static_cast<int>(n), w, y, rows, x.typed_data(), batch,
+                                          cols),
+                "qmatmul_multi");
+}
+
+ffi::Error QMatmulExperts2Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data0,
+                              ffi::Buffer<ffi::U32> table0, ffi::Buffer<ffi::S32> fmts0,
+                              ffi::AnyBuffer data1, ffi::Buffer<ffi::U32> table1,
+                              ffi::Buffer<ffi::S32> fmts1, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y0,
+                              ffi::ResultBuffer<ffi::F32> y1, int64_t rows, int64_t cols,
+                              int64_t experts) {
+  const int64_t slots = static_cast<int64_t>(ids.element_count());
+  auto idd = ids.dimensions();
+  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
+  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
+  return Status(gpu::launch_qmatmul_experts2(s, Weights(data0, table0, fmts0, layer),
+                                             Weights(data1, table1, fmts1, layer), x.typed_data(),
+                                             per_slot, ids.typed_data(), slots, k,
+                                             y0->typed_data(), y1->typed_data(), rows, cols,
+                                             experts),
+                "qmatmul_experts2");
+}
+
 ffi::Error QEmbedGpu(gpuStream_t s, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data,
                      ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t rows,
@@ -130,6 +176,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQDequantGpu, jaxvt::QDequantGpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulMultiGpu, jaxvt::QMatmulMultiGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("cols"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExperts2Gpu, jaxvt::QMatmulExperts2Gpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"),

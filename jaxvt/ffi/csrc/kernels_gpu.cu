@@ -14,13 +14,10 @@ namespace {
 
 // grid.y: batch group g covers rows [g*BT, g*BT + BT) of x / y. Each warp of the block (blockDim.x
 // / 32 of them: fewer for small matrices, so the rows spread over every SM) has its own slot of
-// the dynamic shared memory.
+// the dynamic shared memory; with XS the block's activation rows follow the slots (stage_x).
 template <int BT>
-__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
-                                                           float* y, int64_t rows, int64_t cols) {
-  extern __shared__ uint4 smem_slots[];
-  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-  const LayerRef L = layer_ref(w);
+__device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t batch, float* y,
+                                               int64_t rows, int64_t cols) {
   Rows<BT> R;
   R.slot = nullptr;
   R.x = x;
@@ -32,8 +29,56 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(Wei
   R.k = 1;
   R.x_per_slot = 0;
   R.dense = 1;
-  matvec_fmt<BT>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
+  R.xs = nullptr;
+  R.xs_stride = xs_stride(cols);
+  return R;
+}
+
+template <int BT, bool XS>
+__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
+                                                           float* y, int64_t rows, int64_t cols) {
+  extern __shared__ uint4 smem_slots[];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  const LayerRef L = layer_ref(w);
+  Rows<BT> R = dense_rows<BT>(x, batch, y, rows, cols);
+  if (XS) {
+    float4* xs = reinterpret_cast<float4*>(smem_slots + wpb * kSlotU4);
+    stage_x<BT>(xs, R, R.nb);
+    R.xs = xs;
+  }
+  matvec_fmt<BT, XS>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                  static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
+}
+
+// Several matrices with the same input x (and the same layer index) in one launch: the blocks of
+// matrix i are [block0[i], block0[i+1]); each computes exactly what qmatmul_kernel computes for
+// that matrix alone (the rows' arithmetic does not depend on the grid), so the outputs are the
+// same bits as separate launches.
+struct MultiArgs {
+  WeightArgs w[kMaxMulti];
+  float* y[kMaxMulti];
+  int64_t rows[kMaxMulti];
+  int64_t block0[kMaxMulti + 1];
+  int n;
+};
+
+template <int BT, bool XS>
+__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kernel(
+    MultiArgs m, const float* x, int64_t batch, int64_t cols) {
+  extern __shared__ uint4 smem_slots[];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  int i = 0;
+  while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
+  const LayerRef L = layer_ref(m.w[i]);
+  Rows<BT> R = dense_rows<BT>(x, batch, m.y[i], m.rows[i], cols);
+  if (XS) {
+    float4* xs = reinterpret_cast<float4*>(smem_slots + wpb * kSlotU4);
+    stage_x<BT>(xs, R, R.nb);
+    R.xs = xs;
+  }
+  const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
+  matvec_fmt<BT, XS>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
+                 (m.block0[i + 1] - m.block0[i]) * wpb);
 }
 
 // One warp per looked-up row; lanes dequantize units straight from memory (rows are small).
@@ -204,32 +249,107 @@ int sm_count() {
   return cached[dev];
 }
 
+namespace {
+
+constexpr int64_t kSlotBytes = kSlotU4 * sizeof(uint4);  // shared memory per warp
+
+// How a qmatmul launch runs: rows per pass (BT), warps per block, dynamic shared memory, and
+// whether the activation rows are staged in it (at most 4 rows, and only when they fit: their
+// values are the same either way, so the bits are too).
+struct Launch {
+  int bt, wpb;
+  int64_t smem;
+  bool xs;
+};
+
+Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small) {
+  static const int64_t allowed = [] {
+    const int64_t v[] = {allow_dyn_smem(qmatmul_kernel<1, true>, 0),
+                         allow_dyn_smem(qmatmul_kernel<4, true>, 0),
+                         allow_dyn_smem(qmatmul_multi_kernel<1, true>, 0),
+                         allow_dyn_smem(qmatmul_multi_kernel<4, true>, 0)};
+    int64_t m = v[0];
+    for (int64_t a : v) m = a < m ? a : m;
+    return m;
+  }();
+  Launch l;
+  l.bt = batch == 1 ? 1 : (batch <= 4 ? 4 : 16);
+  // At batch 1 a matrix with too few rows to give every SM two blocks of 8 warps runs blocks of
+  // 2 warps, so its rows reach every SM.
+  const bool small = allow_small && batch == 1 && (rows + kWarps - 1) / kWarps < 2LL * sm_count() &&
+                     g_grid_cap <= 0;
+  l.wpb = small ? 2 : kWarps;
+  const int64_t slots = l.wpb * kSlotBytes, staged = slots + l.bt * xs_stride(cols) * 16;
+  l.xs = l.bt <= 4 && staged <= allowed;
+  l.smem = l.xs ? staged : slots;
+  return l;
+}
+
+template <int BT, bool XS>
+gpuError_t run_qmatmul(gpuStream_t s, const Launch& l, const WeightArgs& w, const float* x,
+                       int64_t batch, float* y, int64_t rows, int64_t cols) {
+  const int64_t groups = (batch + BT - 1) / BT;
+  int64_t cap = g_grid_cap > 0 ? g_grid_cap
+                               : resident_blocks(qmatmul_kernel<BT, XS>, 32 * l.wpb, l.smem) / groups;
+  qmatmul_kernel<BT, XS><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups), 32 * l.wpb,
+                           l.smem, s>>>(w, x, batch, y, rows, cols);
+  return gpuGetLastError();
+}
+
+template <int BT, bool XS>
+gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t* rows,
+                     int64_t total, const float* x, int64_t batch, int64_t cols) {
+  const int64_t groups = (batch + BT - 1) / BT;
+  int64_t cap = resident_blocks(qmatmul_multi_kernel<BT, XS>, kThreads, l.smem) / groups;
+  if (cap < m.n) cap = m.n;
+  m.block0[0] = 0;
+  for (int i = 0; i < m.n; ++i) {
+    // One wave of blocks shared in proportion to the rows; at least one block per matrix.
+    const int64_t share = (cap * rows[i] + total - 1) / total;
+    m.block0[i + 1] = m.block0[i] + blocks_for(rows[i], share < 1 ? 1 : share);
+  }
+  const dim3 grid(static_cast<unsigned>(m.block0[m.n]), static_cast<unsigned>(groups));
+  qmatmul_multi_kernel<BT, XS><<<grid, kThreads, l.smem, s>>>(m, x, batch, cols);
+  return gpuGetLastError();
+}
+
+}  // namespace
+
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
                           int64_t rows, int64_t cols) {
   if (batch <= 0 || rows <= 0) return gpuSuccess;
-  constexpr size_t kSlot = kSlotU4 * sizeof(uint4);  // shared memory per warp
-  // One wave of resident blocks (cached per kernel); never more warps than rows. At batch 1 a
-  // matrix with too few rows to give every SM two blocks of 8 warps runs blocks of 2 warps.
-  static const int64_t cap1 = resident_blocks(qmatmul_kernel<1>, kThreads, kWarps * kSlot);
-  static const int64_t cap1s = resident_blocks(qmatmul_kernel<1>, 64, 2 * kSlot);
-  static const int64_t cap4 = resident_blocks(qmatmul_kernel<4>, kThreads, kWarps * kSlot);
-  static const int64_t cap16 = resident_blocks(qmatmul_kernel<16>, kThreads, kWarps * kSlot);
-  if (batch == 1) {
-    const bool small = (rows + kWarps - 1) / kWarps < 2LL * sm_count() && g_grid_cap <= 0;
-    const int wpb = small ? 2 : kWarps;
-    const int64_t cap = g_grid_cap > 0 ? g_grid_cap : (small ? cap1s : cap1);
-    qmatmul_kernel<1><<<dim3(blocks_for(rows, cap, wpb), 1), 32 * wpb, wpb * kSlot, s>>>(
-        w, x, batch, y, rows, cols);
-  } else if (batch <= 4) {
-    qmatmul_kernel<4><<<dim3(blocks_for(rows, cap4), 1), kThreads, kWarps * kSlot, s>>>(
-        w, x, batch, y, rows, cols);
-  } else {
-    const int64_t groups = (batch + 15) / 16;
-    int64_t cap = cap16 / groups;
-    qmatmul_kernel<16><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap), groups), kThreads,
-                         kWarps * kSlot, s>>>(w, x, batch, y, rows, cols);
+  const Launch l = plan_launch(batch, rows, cols, true);
+  if (l.bt == 1)
+    return l.xs ? run_qmatmul<1, true>(s, l, w, x, batch, y, rows, cols)
+                : run_qmatmul<1, false>(s, l, w, x, batch, y, rows, cols);
+  if (l.bt == 4)
+    return l.xs ? run_qmatmul<4, true>(s, l, w, x, batch, y, rows, cols)
+                : run_qmatmul<4, false>(s, l, w, x, batch, y, rows, cols);
+  return run_qmatmul<16, false>(s, l, w, x, batch, y, rows, cols);
+}
+
+gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float* const* y,
+                                const int64_t* rows, const float* x, int64_t batch, int64_t cols) {
+  if (n < 1 || n > kMaxMulti) return gpuErrorInvalidValue;
+  if (batch <= 0) return gpuSuccess;
+  int64_t total = 0;
+  for (int i = 0; i < n; ++i) total += rows[i];
+  if (total <= 0) return gpuSuccess;
+  const Launch l = plan_launch(batch, total, cols, false);
+  MultiArgs m;
+  m.n = n;
+  for (int i = 0; i < n; ++i) {
+    m.w[i] = w[i];
+    m.y[i] = y[i];
+    m.rows[i] = rows[i];
   }
-  return gpuGetLastError();
+  if (l.bt == 1)
+    return l.xs ? run_multi<1, true>(s, l, m, rows, total, x, batch, cols)
+                : run_multi<1, false>(s, l, m, rows, total, x, batch, cols);
+  if (l.bt == 4)
+    return l.xs ? run_multi<4, true>(s, l, m, rows, total, x, batch, cols)
+                : run_multi<4, false>(s, l, m, rows, total, x, batch, cols);
+  return run_multi<16, false>(s, l, m, rows, total, x, batch, cols);
 }
 
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,

@@ -30,6 +30,17 @@ gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, in
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,
                                   int64_t rows, int64_t cols, int64_t experts);
+// Several matrices (n <= kMaxMulti, each W_i [rows[i], cols], each at the same layer index, each
+// in its own tier and format) times the same x [B, cols]: y[i] [B, rows[i]]; one launch, the same
+// bits as n launch_qmatmul calls.
+constexpr int kMaxMulti = 4;
+gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float* const* y,
+                                const int64_t* rows, const float* x, int64_t batch, int64_t cols);
+// launch_qmatmul_experts for two stacks of the same shape (a MoE's gate and up) in one launch.
+gpuError_t launch_qmatmul_experts2(gpuStream_t s, const WeightArgs& w0, const WeightArgs& w1,
+                                   const float* x, bool x_per_slot, const int32_t* ids,
+                                   int64_t slots, int64_t k, float* y0, float* y1, int64_t rows,
+                                   int64_t cols, int64_t experts);
 // out[i, :] = W[ids[i], :] as float32.
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,
                          int64_t rows, int64_t cols);

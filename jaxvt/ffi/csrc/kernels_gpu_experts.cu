@@ -16,15 +16,20 @@ namespace {
 // devices' experts so).
 __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? -1 : clamp_id(v, n); }
 
-// grid.y: slot s. The first slot routed to an expert owns it and serves every slot routed to it,
-// BT at a time; the other slots' blocks exit at once. Non-routed experts are never touched.
-template <int BT>
+// grid.y: (matrix m, slot s) = (y / slots, y % slots); m picks w0 / y0 or w1 / y1 (two stacks of
+// the same shape that read the same x: a MoE's gate and up). The first slot routed to an expert
+// owns it and serves every slot routed to it, BT at a time; the other slots' blocks exit at once.
+// Non-routed experts are never touched. With XS, each group's activation rows are staged in
+// dynamic shared memory (stage_x) before the warps stream the expert.
+template <int BT, bool XS>
 __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
-    WeightArgs w, const float* x, int x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
-    float* y, int64_t rows, int64_t cols, int64_t experts) {
+    WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids, int64_t slots,
+    int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
   __shared__ uint4 smem[kWarps][kSlotU4];
+  extern __shared__ float4 xs_dyn[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
-  const int64_t s = blockIdx.y;
+  const int64_t m = blockIdx.y / slots, s = blockIdx.y % slots;
+  float* const y = m ? y1 : y0;
   const int e = expert_id(ids[s], experts);
   if (e < 0) {  // routed nowhere: this block's share of the slot's output row is 0
     for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
@@ -34,7 +39,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
   }
   for (int64_t t = 0; t < s; ++t)
     if (expert_id(ids[t], experts) == e) return;
-  const LayerRef L = layer_ref(w);
+  const LayerRef L = layer_ref(m ? w1 : w0);
   if (!fmt_supported(L.fmt)) {
     for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
          r += static_cast<int64_t>(gridDim.x) * kThreads)
@@ -52,13 +57,15 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
   R.k = k;
   R.x_per_slot = x_per_slot;
   R.dense = 0;
+  R.xs = nullptr;
+  R.xs_stride = xs_stride(cols);
   __shared__ int32_t served[BT];
   __shared__ int served_n;
   R.slot = served;
   // Every thread of the block runs the same group loop (it depends on ids only), so the
   // barriers below are reached uniformly.
   for (int64_t pos = s; pos < slots;) {
-    __syncthreads();  // the previous group's readers are done with `served`
+    __syncthreads();  // the previous group's readers are done with `served` and the staged rows
     if (threadIdx.x == 0) {
       int n = 0;
       for (int64_t t = pos; t < slots && n < BT; ++t)
@@ -68,12 +75,74 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     }
     __syncthreads();
     R.nb = served_n;
+    if (XS) {
+      stage_x<BT>(xs_dyn, R, R.nb);
+      R.xs = xs_dyn;
+    }
     pos = static_cast<int64_t>(served[R.nb - 1]) + 1;
-    matvec_fmt<BT>(L.fmt, base, R, rows, cols, smem[wib], lane,
+    matvec_fmt<BT, XS>(L.fmt, base, R, rows, cols, smem[wib], lane,
                    static_cast<int64_t>(blockIdx.x) * kWarps + wib,
                    static_cast<int64_t>(gridDim.x) * kWarps);
     while (pos < slots && expert_id(ids[pos], experts) != e) ++pos;
   }
+}
+
+constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 64;
+
+template <int BT, bool XS>
+gpuError_t launch(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
+                  const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
+                  float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, int64_t smem) {
+  // Slots whose expert another slot owns exit at once, so size the grid for the owners: assume
+  // min(slots, experts) of them per matrix share one wave of resident blocks.
+  const int64_t resident = resident_blocks(qmatmul_experts_kernel<BT, XS>, kThreads, static_cast<size_t>(smem));
+  const int64_t owners = nmat * (slots < experts ? slots : (experts > 0 ? experts : 1));
+  int64_t cap = 2 * resident / owners;
+  if (cap < 1) cap = 1;
+  const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
+  qmatmul_experts_kernel<BT, XS><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k, y0,
+                                                           y1, rows, cols, experts);
+  return gpuGetLastError();
+}
+
+// The activation rows are staged in shared memory when they fit (at most 4 per group).
+template <int BT>
+gpuError_t launch_bt(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
+                     const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
+                     float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
+  static const int64_t allowed = allow_dyn_smem(qmatmul_experts_kernel<BT, true>, kStaticSmem);
+  const int64_t need = BT * xs_stride(cols) * 16;
+  if (need <= allowed)
+    return launch<BT, true>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                            experts, need);
+  return launch<BT, false>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                           experts, 0);
+}
+
+gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
+                      const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
+                      float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
+  if (slots <= 0 || rows <= 0) return gpuSuccess;
+  // grid.y holds at most 65535 (matrix, slot) pairs: larger calls run in chunks of whole tokens
+  // (each chunk is the same product restricted to its slots).
+  const int64_t per = (65535 / nmat) / k * k;
+  if (slots > per) {
+    for (int64_t c0 = 0; c0 < slots; c0 += per) {
+      const int64_t n = slots - c0 < per ? slots - c0 : per;
+      const float* xc = x + (x_per_slot ? c0 : c0 / k) * cols;
+      const gpuError_t e = launch_any(s, nmat, w0, w1, xc, x_per_slot, ids + c0, n, k,
+                                      y0 + c0 * rows, y1 + c0 * rows, rows, cols, experts);
+      if (e != gpuSuccess) return e;
+    }
+    return gpuSuccess;
+  }
+  // Batch-1 decode routes its k <= 8 slots to distinct experts: one slot per expert.
+  if (slots <= 8)
+    return launch_bt<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts);
+  if (slots <= 64)
+    return launch_bt<4>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts);
+  return launch<16, false>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                           experts, 0);
 }
 
 }  // namespace
@@ -81,25 +150,14 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,
                                   int64_t rows, int64_t cols, int64_t experts) {
-  if (slots <= 0 || rows <= 0) return gpuSuccess;
-  // Slots whose expert another slot owns exit at once, so size the grid for the owners: assume
-  // min(slots, experts) of them share one wave of resident blocks.
-  static const int64_t resident = resident_blocks(qmatmul_experts_kernel<1>);
-  const int64_t owners = slots < experts ? slots : (experts > 0 ? experts : 1);
-  int64_t cap = 2 * resident / owners;
-  if (cap < 1) cap = 1;
-  const dim3 grid(blocks_for(rows, cap), slots), block(kThreads);
-  if (slots <= 4) {
-    qmatmul_experts_kernel<1><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows,
-                                                     cols, experts);
-  } else if (slots <= 64) {
-    qmatmul_experts_kernel<4><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows,
-                                                     cols, experts);
-  } else {
-    qmatmul_experts_kernel<16><<<grid, block, 0, s>>>(w, x, x_per_slot, ids, slots, k, y, rows,
-                                                      cols, experts);
-  }
-  return gpuGetLastError();
+  return launch_any(s, 1, w, w, x, x_per_slot, ids, slots, k, y, y, rows, cols, experts);
+}
+
+gpuError_t launch_qmatmul_experts2(gpuStream_t s, const WeightArgs& w0, const WeightArgs& w1,
+                                   const float* x, bool x_per_slot, const int32_t* ids,
+                                   int64_t slots, int64_t k, float* y0, float* y1, int64_t rows,
+                                   int64_t cols, int64_t experts) {
+  return launch_any(s, 2, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts);
 }
 
 }  // namespace jaxvt::gpu

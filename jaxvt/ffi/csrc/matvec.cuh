@@ -85,6 +85,8 @@ struct Traits {
 };
 
 // Which activation / output rows a warp works on: dense rows b0 + b, or routed slots.
+// xs: when not null, the block's activation rows staged in shared memory (stage_x below), read
+// there instead of from global memory; both give the same values, so the same bits.
 template <int BT>
 struct Rows {
   const float* x;
@@ -96,6 +98,8 @@ struct Rows {
   int x_per_slot;    // experts: x holds one row per slot
   int dense;
   const int32_t* slot;  // experts: the slots served (shared memory, BT entries)
+  const float4* xs;     // staged rows (or null), xs_stride float4 per row
+  int64_t xs_stride;
   __device__ __forceinline__ const float* xrow(int b) const {
     const int64_t r = dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
     return x + r * cols;
@@ -103,11 +107,35 @@ struct Rows {
   __device__ __forceinline__ float* yrow(int b) const { return y + (dense ? b0 + b : slot[b]) * rows; }
 };
 
-// acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]). The row's
+// Staged activations. Lane g % 32 is the only reader of unit g (32 elements) of a row, and reads
+// it as 8 float4; reading it from global memory puts the 32 lanes of a warp on 32 different cache
+// lines per load. Staged here, float4 c (0..7) of unit g sits at ((g / 32) * 8 + c) * 32 + g % 32,
+// so a warp's load is 32 consecutive float4 (no bank conflict) and every warp of the block
+// shares one copy.
+__host__ __device__ __forceinline__ int64_t xs_stride(int64_t cols) {
+  return ((cols / 32 + 31) / 32) * 256;
+}
+
+// Copies activation rows 0..nb-1 of R into xs (all threads of the block; ends with a barrier).
+template <int BT>
+__device__ __forceinline__ void stage_x(float4* xs, const Rows<BT>& R, int nb) {
+  const int64_t n4 = R.cols / 4, st = xs_stride(R.cols);
+  for (int b = 0; b < nb; ++b) {
+    const float4* src = reinterpret_cast<const float4*>(R.xrow(b));
+    for (int64_t t = threadIdx.x; t < n4; t += blockDim.x) {
+      const int64_t g = t >> 3, c = t & 7;
+      xs[b * st + ((g >> 5) * 8 + c) * 32 + (g & 31)] = src[t];
+    }
+  }
+  __syncthreads();
+}
+
+// acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]); XS: x_b is
+// read from the staged rows R.xs, else from global memory (the same values, so the same bits). The row's
 // unit g goes to lane g % 32, and each lane takes its units in increasing order, so a row's float32
 // order does not depend on how the row was cut into windows (nor on the tier, the address or the
 // grid).
-template <int F, int BT>
+template <int F, int BT, bool XS>
 __device__ __forceinline__ void accumulate(const uint8_t* p, int nunits, int64_t k0,
                                            const Rows<BT>& R, float (&acc)[BT], int lane) {
   using T = Traits<F>;
@@ -115,14 +143,17 @@ __device__ __forceinline__ void accumulate(const uint8_t* p, int nunits, int64_t
     float w[32];
     unit_weights<F>(p + (u / T::kUpk) * T::kKbb, u % T::kUpk, w);
     const int64_t k = k0 + 32 * static_cast<int64_t>(u);
+    const int64_t g = k >> 5;
 #pragma unroll
     for (int b = 0; b < BT; ++b) {
       if (b < R.nb) {
-        const float4* xv = reinterpret_cast<const float4*>(R.xrow(b) + k);
+        const float4* xv = XS ? R.xs + b * R.xs_stride + (g >> 5) * 256 + (g & 31)
+                              : reinterpret_cast<const float4*>(R.xrow(b) + k);
+        constexpr int step = XS ? 32 : 1;
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float4 v = xv[i];
+          const float4 v = xv[i * step];
           s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
         }
         acc[b] += s;
@@ -156,8 +187,8 @@ __device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~ui
 //     next is read by two warps.
 //   * The next window (of this run or of the warp's next run) is loaded into registers before
 //     the warp computes on the current one.
-template <int F, int BT>
-__device__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
+template <int F, int BT, bool XS>
+__device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
   using T = Traits<F>;
   const int64_t nkb = cols / T::kKbe, rb = nkb * T::kKbb;
@@ -233,7 +264,7 @@ __device__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int
     const uint8_t* ptr = buf + static_cast<int64_t>(cpos - cur_wa);  // may be in the front room
     while (avail > 0) {
       const int64_t n = nkb - kb < avail ? nkb - kb : avail;
-      accumulate<F, BT>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
+      accumulate<F, BT, XS>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
       ptr += n * T::kKbb;
       cpos += static_cast<uintptr_t>(n * T::kKbb);
       avail -= n;
@@ -255,11 +286,11 @@ __device__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int
   }
 }
 
-template <int BT>
-__device__ void matvec_fmt(int fmt, const uint8_t* base, const Rows<BT>& R, int64_t rows,
+template <int BT, bool XS>
+__device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, const Rows<BT>& R, int64_t rows,
                            int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
 #define JV_CASE(F) \
-  case F: matvec<F, BT>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
+  case F: matvec<F, BT, XS>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
   switch (fmt) {
     JV_CASE(kF32) JV_CASE(kF16) JV_CASE(kBF16) JV_CASE(kQ4_0) JV_CASE(kQ4_1) JV_CASE(kQ8_0)
     JV_CASE(kQ4_K) JV_CASE(kQ5_K) JV_CASE(kQ6_K)
@@ -291,6 +322,35 @@ int64_t resident_blocks(K kernel, int threads = kThreads, size_t smem = 0) {
     per_sm = 1;
   }
   return static_cast<int64_t>(per_sm) * sm_count();
+}
+
+// The most shared memory one block may use on this device (the opt-in limit, above the 48 KiB a
+// launch gets by default), cached per process.
+inline int64_t smem_optin() {
+  static const int64_t v = [] {
+    int dev = 0, n = 0;
+    if (gpuGetDevice(&dev) != gpuSuccess ||
+        gpuDeviceGetAttribute(&n, gpuDevAttrMaxSharedMemoryPerBlockOptin, dev) != gpuSuccess ||
+        n < 49152) {
+      (void)gpuGetLastError();
+      n = 49152;
+    }
+    return static_cast<int64_t>(n);
+  }();
+  return v;
+}
+
+// Opts `kernel` in to dynamic shared memory up to the device's limit less `static_bytes` (call
+// once per kernel, from a static initializer); returns the dynamic bytes a launch may then ask.
+template <typename K>
+int64_t allow_dyn_smem(K kernel, int64_t static_bytes) {
+  const int64_t n = smem_optin() - static_bytes;
+  if (n <= 0) return 0;
+  if (gpuSetMaxDynamicSmem(kernel, static_cast<int>(n)) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return 49152 - static_bytes > 0 ? 49152 - static_bytes : 0;
+  }
+  return n;
 }
 
 inline int64_t blocks_for(int64_t warps_wanted, int64_t cap_blocks, int warps_per_block = kWarps) {

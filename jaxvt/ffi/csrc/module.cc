@@ -60,6 +60,8 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsGpu);
   gpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedGpu);
   gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
+  gpu["jaxvt_qmatmul_multi"] = Capsule(JaxvtQMatmulMultiGpu);
+  gpu["jaxvt_qmatmul_experts2"] = Capsule(JaxvtQMatmulExperts2Gpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;

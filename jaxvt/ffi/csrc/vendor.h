@@ -20,6 +20,7 @@ typedef cudaError_t gpuError_t;
 typedef cudaEvent_t gpuEvent_t;
 #define gpuSuccess cudaSuccess
 #define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+#define gpuErrorInvalidValue cudaErrorInvalidValue
 #define gpuGetErrorString cudaGetErrorString
 #define gpuGetLastError cudaGetLastError
 #define gpuGetDevice cudaGetDevice
@@ -62,6 +63,12 @@ typedef cudaEvent_t gpuEvent_t;
 
 #define gpuShflXor(v, o) __shfl_xor_sync(0xffffffffu, (v), (o), 32)
 #define gpuSyncWarp() __syncwarp()
+#define gpuDevAttrMaxSharedMemoryPerBlockOptin cudaDevAttrMaxSharedMemoryPerBlockOptin
+// Lets blocks of `kernel` use up to `bytes` of dynamic shared memory (above the 48 KiB default).
+template <typename K>
+inline gpuError_t gpuSetMaxDynamicSmem(K kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 
 #elif defined(JAXVT_GPU_HIP)
 
@@ -73,6 +80,7 @@ typedef hipError_t gpuError_t;
 typedef hipEvent_t gpuEvent_t;
 #define gpuSuccess hipSuccess
 #define gpuErrorMemoryAllocation hipErrorOutOfMemory
+#define gpuErrorInvalidValue hipErrorInvalidValue
 #define gpuGetErrorString hipGetErrorString
 #define gpuGetLastError hipGetLastError
 #define gpuGetDevice hipGetDevice
@@ -115,6 +123,12 @@ typedef hipEvent_t gpuEvent_t;
 #define gpuMemAttachGlobal hipMemAttachGlobal
 
 #define gpuShflXor(v, o) __shfl_xor((v), (o), 32)
+#define gpuDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeMaxSharedMemoryPerBlock
+template <typename K>
+inline gpuError_t gpuSetMaxDynamicSmem(K kernel, int bytes) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                             hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 // Orders this wavefront's shared-memory writes before its later reads (lanes run in lock step).
 #define gpuSyncWarp()                                        \
   do {                                                       \
