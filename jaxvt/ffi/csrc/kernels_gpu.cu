@@ -39,11 +39,13 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(Wei
                                                            float* y, int64_t rows, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-  const LayerRef L = layer_ref(w);
   Rows<BT> R = dense_rows<BT>(x, batch, y, rows, cols);
+  XLoad xl;
+  if (XS) xl = stage_x_load<BT>(R, R.nb);  // in flight while the layer's address is read
+  const LayerRef L = layer_ref(w);
   if (XS) {
     float4* xs = reinterpret_cast<float4*>(smem_slots + wpb * kSlotU4);
-    stage_x<BT>(xs, R, R.nb);
+    stage_x_store<BT>(xs, xl, R, R.nb);
     R.xs = xs;
   }
   matvec_fmt<BT, XS>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
@@ -69,11 +71,13 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kern
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
-  const LayerRef L = layer_ref(m.w[i]);
   Rows<BT> R = dense_rows<BT>(x, batch, m.y[i], m.rows[i], cols);
+  XLoad xl;
+  if (XS) xl = stage_x_load<BT>(R, R.nb);  // in flight while the layer's address is read
+  const LayerRef L = layer_ref(m.w[i]);
   if (XS) {
     float4* xs = reinterpret_cast<float4*>(smem_slots + wpb * kSlotU4);
-    stage_x<BT>(xs, R, R.nb);
+    stage_x_store<BT>(xs, xl, R, R.nb);
     R.xs = xs;
   }
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
@@ -274,9 +278,9 @@ Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small) 
   }();
   Launch l;
   l.bt = batch == 1 ? 1 : (batch <= 4 ? 4 : 16);
-  // At batch 1 a matrix with too few rows to give every SM two blocks of 8 warps runs blocks of
-  // 2 warps, so its rows reach every SM.
-  const bool small = allow_small && batch == 1 && (rows + kWarps - 1) / kWarps < 2LL * sm_count() &&
+  // At batch 1 a matrix with too few rows to give every SM a block of 8 warps runs blocks of 2
+  // warps, so its rows reach every SM.
+  const bool small = allow_small && batch == 1 && (rows + kWarps - 1) / kWarps < sm_count() &&
                      g_grid_cap <= 0;
   l.wpb = small ? 2 : kWarps;
   const int64_t slots = l.wpb * kSlotBytes, staged = slots + l.bt * xs_stride(cols) * 16;

@@ -21,15 +21,26 @@ __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? 
 // owns it and serves every slot routed to it, BT at a time; the other slots' blocks exit at once.
 // Non-routed experts are never touched. With XS, each group's activation rows are staged in
 // dynamic shared memory (stage_x) before the warps stream the expert.
+// Routed ids are cached in shared memory for calls of up to this many slots (decode and short
+// prompts); larger calls read them from global memory.
+constexpr int kIdsCached = 512;
+
 template <int BT, bool XS>
 __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
-    WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids, int64_t slots,
-    int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
+    WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids_g,
+    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
   __shared__ uint4 smem[kWarps][kSlotU4];
+  __shared__ int32_t ids_s[kIdsCached];
   extern __shared__ float4 xs_dyn[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t m = blockIdx.y / slots, s = blockIdx.y % slots;
   float* const y = m ? y1 : y0;
+  const int32_t* ids = ids_g;
+  if (slots <= kIdsCached) {  // one parallel load instead of a serial scan of global memory
+    for (int64_t t = threadIdx.x; t < slots; t += blockDim.x) ids_s[t] = ids_g[t];
+    __syncthreads();
+    ids = ids_s;
+  }
   const int e = expert_id(ids[s], experts);
   if (e < 0) {  // routed nowhere: this block's share of the slot's output row is 0
     for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
@@ -37,8 +48,9 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
       y[s * rows + r] = 0.f;
     return;
   }
-  for (int64_t t = 0; t < s; ++t)
-    if (expert_id(ids[t], experts) == e) return;
+  int earlier = 0;  // does an earlier slot own this expert? (the block's threads split the scan)
+  for (int64_t t = threadIdx.x; t < s; t += blockDim.x) earlier |= expert_id(ids[t], experts) == e;
+  if (__syncthreads_or(earlier)) return;
   const LayerRef L = layer_ref(m ? w1 : w0);
   if (!fmt_supported(L.fmt)) {
     for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
@@ -76,18 +88,18 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     __syncthreads();
     R.nb = served_n;
     if (XS) {
-      stage_x<BT>(xs_dyn, R, R.nb);
+      stage_x_store<BT>(xs_dyn, stage_x_load<BT>(R, R.nb), R, R.nb);
       R.xs = xs_dyn;
     }
     pos = static_cast<int64_t>(served[R.nb - 1]) + 1;
     matvec_fmt<BT, XS>(L.fmt, base, R, rows, cols, smem[wib], lane,
-                   static_cast<int64_t>(blockIdx.x) * kWarps + wib,
-                   static_cast<int64_t>(gridDim.x) * kWarps);
+                       static_cast<int64_t>(blockIdx.x) * kWarps + wib,
+                       static_cast<int64_t>(gridDim.x) * kWarps);
     while (pos < slots && expert_id(ids[pos], experts) != e) ++pos;
   }
 }
 
-constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 64;
+constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64;
 
 template <int BT, bool XS>
 gpuError_t launch(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,

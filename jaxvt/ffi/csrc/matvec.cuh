@@ -116,15 +116,59 @@ __host__ __device__ __forceinline__ int64_t xs_stride(int64_t cols) {
   return ((cols / 32 + 31) / 32) * 256;
 }
 
-// Copies activation rows 0..nb-1 of R into xs (all threads of the block; ends with a barrier).
+// Copies activation rows 0..nb-1 of R into xs, in two parts so a kernel can do other loads (its
+// layer's address) while the first part's loads are in flight: stage_x_load issues the first
+// kXBatch float4 of each thread, stage_x_store stores them, copies the rest kXBatch at a time
+// (each batch's loads issued before its stores) and ends with a barrier. All threads of the block
+// take part.
+constexpr int kXBatch = 4;
+struct XLoad {
+  float4 v[kXBatch];
+};
+
 template <int BT>
-__device__ __forceinline__ void stage_x(float4* xs, const Rows<BT>& R, int nb) {
-  const int64_t n4 = R.cols / 4, st = xs_stride(R.cols);
-  for (int b = 0; b < nb; ++b) {
-    const float4* src = reinterpret_cast<const float4*>(R.xrow(b));
-    for (int64_t t = threadIdx.x; t < n4; t += blockDim.x) {
-      const int64_t g = t >> 3, c = t & 7;
-      xs[b * st + ((g >> 5) * 8 + c) * 32 + (g & 31)] = src[t];
+__device__ __forceinline__ const float4* x_src(const Rows<BT>& R, int64_t i, int64_t n4) {
+  return reinterpret_cast<const float4*>(R.xrow(static_cast<int>(i / n4))) + i % n4;
+}
+
+__device__ __forceinline__ int64_t xs_index(int64_t i, int64_t n4, int64_t st) {
+  const int64_t b = i / n4, t = i % n4, g = t >> 3, c = t & 7;
+  return b * st + ((g >> 5) * 8 + c) * 32 + (g & 31);
+}
+
+template <int BT>
+__device__ __forceinline__ XLoad stage_x_load(const Rows<BT>& R, int nb) {
+  XLoad l;
+  const int64_t n4 = R.cols / 4, total = nb * n4;
+#pragma unroll
+  for (int j = 0; j < kXBatch; ++j) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (i < total) l.v[j] = *x_src(R, i, n4);
+  }
+  return l;
+}
+
+template <int BT>
+__device__ __forceinline__ void stage_x_store(float4* xs, const XLoad& first, const Rows<BT>& R,
+                                              int nb) {
+  const int64_t n4 = R.cols / 4, total = nb * n4, st = xs_stride(R.cols);
+  const int64_t step = static_cast<int64_t>(kXBatch) * blockDim.x;
+#pragma unroll
+  for (int j = 0; j < kXBatch; ++j) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (i < total) xs[xs_index(i, n4, st)] = first.v[j];
+  }
+  for (int64_t base = step; base < total; base += step) {
+    float4 v[kXBatch];
+#pragma unroll
+    for (int j = 0; j < kXBatch; ++j) {
+      const int64_t i = base + threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (i < total) v[j] = *x_src(R, i, n4);
+    }
+#pragma unroll
+    for (int j = 0; j < kXBatch; ++j) {
+      const int64_t i = base + threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (i < total) xs[xs_index(i, n4, st)] = v[j];
     }
   }
   __syncthreads();
