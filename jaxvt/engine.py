@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import numerics
 from jaxvt.model import decoder
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
@@ -275,11 +276,11 @@ def xla_workspace_bytes(eng: "Engine") -> int | None:
 
 
 def exec_for(platform: str, kernels: bool, par=None) -> Exec:
-  """How jaxvt executes on `platform`: ggml's arithmetic (Q8 activations, integer dots) has
-  kernels on the CPU, where it makes jaxvt agree with llama.cpp; GPU kernels compute in float32
-  (dequantize, f32 dot), and GPU prefill stages layers for XLA's GEMM (Exec.stage_rows)."""
+  """How jaxvt executes on `platform`: ggml's arithmetic on the CPU, where it makes jaxvt agree
+  with llama.cpp; on GPUs ggml's integer products with every other step in float32 ("q8",
+  numerics.default_mode), and GPU prefill stages layers for XLA's GEMM (Exec.stage_rows)."""
   gpu = platform != "cpu"
-  return Exec(kernels=kernels, numerics="f32" if gpu else "ggml", par=par,
+  return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
               stage_rows=STAGE_ROWS if gpu and kernels else 0)
 
 

@@ -80,7 +80,7 @@ class Stack:
     fmt = self.fmts[layer]
     rows = self.mats[layer].shape[1]
     raw = self.raws[layer].reshape(-1, rows, self.raws[layer].shape[-1])[expert]
-    return matmul_ref(x, self.mats[layer][expert], fmt if mode == "ggml" else None, raw)
+    return matmul_ref(x, self.mats[layer][expert], fmt if mode in ("ggml", "q8") else None, raw)
 
 
 def make_stack(rng, fmts: list[int], rows: int, cols: int, experts: int = 0,

@@ -34,10 +34,11 @@ from test_ffi_cases import random_blocks  # noqa: E402
 # CPU-only checks that the import brought along.
 del test_threads_and_portable_path_agree, test_user_errors, test_available_and_register_are_idempotent
 del test_dequant_helper_matches_gguf, test_reference_of_a_host_layer_is_nan, test_references_match_numpy
-# ggml arithmetic is a CPU contract (docs/NUMERICS.md): no GPU kernels, and its jnp formulas assume
-# float32 products rounded before each addition, which XLA:GPU does not keep (it contracts them
-# into FMAs). Those tests run in test_ffi.py; here the kernels run in "f32" mode (the `mode`
-# fixture below) and are also checked against references computed on the CPU backend.
+# ggml mode's norm / RoPE / attention steps are a CPU contract (docs/NUMERICS.md), and its jnp
+# formulas assume float32 products rounded before each addition, which XLA:GPU does not keep (it
+# contracts them into FMAs). Those tests run in test_ffi.py; here the kernels run in "f32" and
+# "q8" modes (the `mode` fixture below) and are also checked against references computed on the
+# CPU backend.
 del test_activation_quantizers_match_numpy, test_ggml_norm_and_swiglu_kernels
 del test_ggml_rope_kernel, test_ggml_attention_kernel, test_kernels_equal_references_on_device
 
@@ -49,9 +50,10 @@ def device():
   return GPU
 
 
-@pytest.fixture(params=["f32"])
+@pytest.fixture(params=["f32", "q8"])
 def mode(request):
-  """ggml arithmetic (integer dots over Q8 activations) is a CPU contract with no GPU kernels."""
+  """"f32", and "q8": ggml's integer products (the GPU default). "ggml" mode's other steps
+  (norms, RoPE, attention in ggml's rounding) are a CPU contract."""
   return request.param
 
 

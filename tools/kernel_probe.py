@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import tempfile
 
 import jax
@@ -52,6 +53,7 @@ def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--modes", default="f32,q8")
   a = p.parse_args()
   dev = jax.devices()[0]
   rng = np.random.default_rng(0)
@@ -78,27 +80,28 @@ def main() -> None:
       "lm_head (248320 x 2048 Q6_K)": ([dense(rng, Q6_K, 248320, 2048, 1, dev)], x2048, "one"),
   }
   print(f"batch {B}, {L} layers per scan; device {dev.device_kind}")
-  print(f"{'product':58} {'kernel':30} {'calls':>5} {'us/call':>8} {'GB/s':>7}")
-  for name, (ws, x, kind) in cases.items():
+  print(f"{'product':58} {'mode':4} {'kernel':30} {'calls':>5} {'us/call':>8} {'GB/s':>7}")
+  for (name, (ws, x, kind)), mode in [(c, m) for c in cases.items() for m in a.modes.split(",")]:
     n = ws[0].meta.n_layers
 
-    @jax.jit
-    def run(x, ws=ws, kind=kind):
+    @functools.partial(jax.jit, static_argnames=("kind", "mode"))
+    def run(x, ws, ids, kind, mode):
       def body(acc, l):
         if kind == "multi":
-          ys = ops.qmatmul_multi(x, ws, l, "f32")
+          ys = ops.qmatmul_multi(x, ws, l, mode)
         elif kind == "one":
-          ys = [ops.qmatmul(x, ws[0], l, "f32")]
+          ys = [ops.qmatmul(x, ws[0], l, mode)]
         elif kind == "experts2":
-          ys = list(ops.qmatmul_experts2(x, ws[0], ws[1], l, ids, "f32"))
+          ys = list(ops.qmatmul_experts2(x, ws[0], ws[1], l, ids, mode))
         else:
-          ys = [ops.qmatmul_experts(x, ws[0], l, ids, "f32")]
+          ys = [ops.qmatmul_experts(x, ws[0], l, ids, mode)]
         return acc + sum(jnp.sum(y) for y in ys), None
       return jax.lax.scan(body, jnp.float32(0), jnp.arange(n, dtype=jnp.int32))[0]
 
-    run(x).block_until_ready()
+    go = lambda: run(x, ws, ids, kind=kind, mode=mode).block_until_ready()
+    go()
     with tempfile.TemporaryDirectory() as d:
-      tr = profile.trace(lambda: run(x).block_until_ready(), d)
+      tr = profile.trace(go, d)
     per = collections.defaultdict(list)
     for e in profile.device_events(tr, host_fallback=False):
       if "jaxvt" in str(e["name"]):
@@ -108,7 +111,7 @@ def main() -> None:
       read = read * 8 * B // 256  # only the routed experts' bytes
     for k, durs in per.items():
       us = float(np.median(durs))
-      print(f"{name:58} {k:30} {len(durs):5d} {us:8.2f} {read / us / 1e3:7.0f}")
+      print(f"{name:58} {mode:4} {k:30} {len(durs):5d} {us:8.2f} {read / us / 1e3:7.0f}")
 
 
 if __name__ == "__main__":

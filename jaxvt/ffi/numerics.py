@@ -1,7 +1,7 @@
 """jaxvt's arithmetic contracts in plain jnp: the formulas the `*_ref` ops compute and the kernels
 implement (docs/NUMERICS.md).
 
-Two modes (`MODES`):
+Three modes (`MODES`):
 
 - "ggml" (default): what llama.cpp's CPU backend computes. Before a product with a weight matrix
   of format F, each activation row is converted to F's ggml vec-dot type (`VEC_TYPE`): Q8_0 for
@@ -13,6 +13,10 @@ Two modes (`MODES`):
   apart).
 - "f32": dequantize the weights exactly (gguf-py's floats), then an f32 dot product: the model as
   a float framework (transformers) computes it.
+- "q8": the products with weight matrices in "ggml"'s arithmetic (the same integers; the GPU
+  kernels add the float32 terms per 32-element unit, in their own fixed order), every other step
+  of the model in float32 as in "f32". The default on GPUs: integer dots are what make a matvec
+  over quantized weights run near the memory's bandwidth there.
 
 Besides the matmul, "ggml" mode fixes the model's other float32 steps as ggml does them
 (`rms_norm`, `swiglu`, `rope`, `attention` below; their CPU kernels in
@@ -29,13 +33,18 @@ import numpy as np
 from jaxvt.gguf import quants as Q
 from jaxvt.gguf.quants import dequantize
 
-MODES = ("ggml", "f32")
+MODES = ("ggml", "f32", "q8")
 
 
 def default_mode(platform: str) -> str:
   """The contract jaxvt computes in on a platform: "ggml" on the CPU (its kernels reproduce
-  llama.cpp there), "f32" on GPUs (ggml's integer arithmetic has CPU kernels only)."""
-  return "ggml" if platform.lower() == "cpu" else "f32"
+  llama.cpp there), "q8" on GPUs (ggml's integer products, float32 elsewhere)."""
+  return "ggml" if platform.lower() == "cpu" else "q8"
+
+
+def integer_products(mode: str) -> bool:
+  """Whether products with weight matrices quantize activations and dot in integers."""
+  return mode in ("ggml", "q8")
 F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = (
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 VEC_TYPE = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q8_0", Q8_0: "Q8_0", Q4_1: "Q8_1",
@@ -147,7 +156,7 @@ def qdot(x: jax.Array, raw: jax.Array, fmt: int, cols: int, mode: str = "ggml") 
   """x f32 [L..., cols] times weight rows raw uint8 [L'..., R, row_bytes] (L' broadcastable
   against L) -> f32 [L..., R] under the contract `mode`."""
   x = jnp.asarray(x, jnp.float32)
-  if mode == "f32" or fmt == F32:
+  if mode == "f32" or fmt == F32:  # ("q8" computes "ggml"'s products)
     wts = dequantize(raw, fmt, cols)
     return jnp.einsum("...k,...rk->...r", x, wts, precision=_HI)
   if fmt in (F16, BF16):

@@ -160,7 +160,7 @@ def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
     raise JaxvtError(f"qmatmul: x has {x.shape[-1:]} columns, the weight {m.cols}")
   lead = x.shape[:-1]
   args = (x.reshape(-1, m.cols), w.data, w.table, w.fmts, _layer(layer))
-  if _mode(mode) == "ggml":
+  if numerics.integer_products(_mode(mode)):
     y = _qmatmul_q8_call(m.rows, m.cols, _act_bytes(w))(*args)
   else:
     y = _qmatmul_call(m.rows, m.cols)(*args)
@@ -168,14 +168,18 @@ def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
 
 
 @functools.cache
-def _multi_call(rows: tuple[int, ...], cols: int):
+def _multi_call(rows: tuple[int, ...], cols: int, act_bytes: tuple[int, ...] | None):
+  """(fused GPU call, separate calls); act_bytes: per matrix, the activation scratch of ggml's
+  arithmetic (None: float32)."""
   def fused(x2, layer, *bufs):
     out = tuple(jax.ShapeDtypeStruct((x2.shape[0], r), jnp.float32) for r in rows)
-    return jax.ffi.ffi_call("jaxvt_qmatmul_multi", out)(x2, layer, *bufs, cols=np.int64(cols))
+    return jax.ffi.ffi_call("jaxvt_qmatmul_multi", out)(
+        x2, layer, *bufs, cols=np.int64(cols), ggml=np.int64(act_bytes is not None))
 
   def separate(x2, layer, *bufs):
-    return tuple(_qmatmul_call(r, cols)(x2, *bufs[3 * i:3 * i + 3], layer)
-                 for i, r in enumerate(rows))
+    one = lambda i, r: (_qmatmul_call(r, cols) if act_bytes is None else
+                        _qmatmul_q8_call(r, cols, act_bytes[i]))
+    return tuple(one(i, r)(x2, *bufs[3 * i:3 * i + 3], layer) for i, r in enumerate(rows))
 
   return fused, separate
 
@@ -185,10 +189,11 @@ MAX_MULTI = 4  # matrices one qmatmul_multi launch takes (csrc/kernels_gpu.h kMa
 
 def qmatmul_multi(x: jax.Array, ws, layer, mode: str = "ggml") -> list[jax.Array]:
   """[qmatmul(x, w, layer, mode) for w in ws]: several matrices with the same input (each in its
-  own format and tier). On a GPU, up to MAX_MULTI of them in "f32" mode run as one launch, which
-  gives the same bits as separate launches; elsewhere (and in ggml mode) they are separate calls."""
+  own format and tier). On a GPU, up to MAX_MULTI of them ("f32" or "q8") run as one launch,
+  which gives the same bits as separate launches; elsewhere (and in ggml mode) they are separate
+  calls."""
   ws = list(ws)
-  if _mode(mode) == "ggml" or len(ws) == 1:
+  if _mode(mode) == "ggml" or len(ws) == 1:  # ggml mode is the CPU's: separate calls
     return [qmatmul(x, w, layer, mode) for w in ws]
   if len(ws) > MAX_MULTI:
     return (qmatmul_multi(x, ws[:MAX_MULTI], layer, mode)
@@ -203,7 +208,8 @@ def qmatmul_multi(x: jax.Array, ws, layer, mode: str = "ggml") -> list[jax.Array
   if x.shape[-1:] != (cols,):
     raise JaxvtError(f"qmatmul_multi: x has {x.shape[-1:]} columns, the weights {cols}")
   lead = x.shape[:-1]
-  fused, separate = _multi_call(tuple(w.meta.rows for w in ws), cols)
+  acts = (tuple(_act_bytes(w) for w in ws) if numerics.integer_products(mode) else None)
+  fused, separate = _multi_call(tuple(w.meta.rows for w in ws), cols, acts)
   bufs = [b for w in ws for b in (w.data, w.table, w.fmts)]
   args = (x.reshape(-1, cols), _layer(layer), *bufs)
   if _ffi.available("cpu"):
@@ -291,22 +297,25 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
     raise JaxvtError(f"qmatmul_experts: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] or "
                      f"[T, k, {m.cols}] with ids [T, k]")
-  act = _act_bytes(w) if _mode(mode) == "ggml" else 0
+  act = _act_bytes(w) if numerics.integer_products(_mode(mode)) else 0
   return _experts_call(m.rows, m.cols, m.experts, act)(x, w.data, w.table, w.fmts, _layer(layer),
                                                        ids)
 
 
 @functools.cache
-def _experts2_call(rows: int, cols: int, experts: int):
+def _experts2_call(rows: int, cols: int, experts: int, acts: tuple[int, int] | None):
+  """(fused GPU call, separate calls); acts: the two stacks' activation scratch bytes under
+  ggml's arithmetic (None: float32)."""
   def fused(x, d0, t0, f0, d1, t1, f1, layer, ids):
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
     return jax.ffi.ffi_call("jaxvt_qmatmul_experts2", (out, out))(
         x, d0, t0, f0, d1, t1, f1, layer, ids, rows=np.int64(rows), cols=np.int64(cols),
-        experts=np.int64(experts))
+        experts=np.int64(experts), ggml=np.int64(acts is not None))
 
   def separate(x, d0, t0, f0, d1, t1, f1, layer, ids):
-    one = _experts_call(rows, cols, experts, 0)
-    return one(x, d0, t0, f0, layer, ids), one(x, d1, t1, f1, layer, ids)
+    a0, a1 = acts if acts is not None else (0, 0)
+    return (_experts_call(rows, cols, experts, a0)(x, d0, t0, f0, layer, ids),
+            _experts_call(rows, cols, experts, a1)(x, d1, t1, f1, layer, ids))
 
   return fused, separate
 
@@ -314,8 +323,8 @@ def _experts2_call(rows: int, cols: int, experts: int):
 def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Array,
                      mode: str = "ggml") -> tuple[jax.Array, jax.Array]:
   """(qmatmul_experts(x, w0, ...), qmatmul_experts(x, w1, ...)) for two expert stacks of one shape
-  (a MoE's gate and up): one launch on a GPU in "f32" mode, with the same bits as two."""
-  if _mode(mode) == "ggml":
+  (a MoE's gate and up): one launch on a GPU ("f32" or "q8"), with the same bits as two."""
+  if _mode(mode) == "ggml":  # the CPU's mode: separate calls
     return (qmatmul_experts(x, w0, layer, ids, mode), qmatmul_experts(x, w1, layer, ids, mode))
   _check(w0, "qmatmul_experts2", experts=True)
   _check(w1, "qmatmul_experts2", experts=True)
@@ -327,7 +336,8 @@ def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Arr
   if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
     raise JaxvtError(f"qmatmul_experts2: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] "
                      f"or [T, k, {m.cols}] with ids [T, k]")
-  fused, separate = _experts2_call(m.rows, m.cols, m.experts)
+  acts = (_act_bytes(w0), _act_bytes(w1)) if numerics.integer_products(mode) else None
+  fused, separate = _experts2_call(m.rows, m.cols, m.experts, acts)
   args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids)
   if _ffi.available("cpu"):
     return jax.lax.platform_dependent(*args, cpu=separate, default=fused)
@@ -354,7 +364,7 @@ def qmatmul_experts_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array,
 
 def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
   """silu(g) * u: ggml's formula in ggml mode (numerics.swiglu), jax.nn.silu in f32 mode."""
-  return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u
+  return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u  # "q8": float32
 
 
 def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None):

@@ -28,7 +28,8 @@ class Exec:
     dotted in integers; RMSNorm, RoPE, softmax and SwiGLU rounded as ggml rounds them; q and the
     attention probabilities rounded to the KV-cache dtype. With kernels on CPU this reproduces
     llama.cpp's logits bit for bit (Q4_0/Q4_1/Q8_0/F16/F32 weights, f16 or f32 cache). "f32":
-    exact dequantization and float32 math throughout (what a float framework computes).
+    exact dequantization and float32 math throughout (what a float framework computes). "q8":
+    the matrix products in ggml's integer arithmetic, every other step as "f32" (the GPU default).
   par: None (one device) or a jaxvt.parallel.mesh.Par: the forward runs inside a shard_map over
     its mesh on per-device shards, and `reduce` sums row-parallel partial products over it.
   stage_rows: a matrix product over at least this many activation rows (prefill) first stages
@@ -44,8 +45,8 @@ class Exec:
   stage_rows: int = 0
 
   def __post_init__(self):
-    if self.numerics not in ("ggml", "f32"):
-      raise ValueError(f"Exec.numerics must be 'ggml' or 'f32', got {self.numerics!r}")
+    if self.numerics not in ("ggml", "f32", "q8"):
+      raise ValueError(f"Exec.numerics must be 'ggml', 'f32' or 'q8', got {self.numerics!r}")
 
   @property
   def ggml(self) -> bool:

@@ -159,6 +159,7 @@ JV_HD uint16_t float_to_bf16(float f) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+JV_HD float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 // ---- byte loads that tolerate any alignment ----------------------------------------------------
 

@@ -41,6 +41,36 @@ ffi::Error QMatmulGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer dat
                 "qmatmul");
 }
 
+// ggml's arithmetic ("ggml" / "q8" modes): the signature of the CPU's jaxvt_qmatmul_q8, whose
+// second result (its activation scratch) the GPU kernels do not need (they quantize in shared
+// memory).
+ffi::Error QMatmulQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                        ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                        ffi::ResultBuffer<ffi::U8> scratch, int64_t rows, int64_t cols) {
+  (void)scratch;
+  const int64_t batch = static_cast<int64_t>(x.element_count()) / cols;
+  return Status(gpu::launch_qmatmul(s, Weights(data, table, fmts, layer), x.typed_data(), batch,
+                                    y->typed_data(), rows, cols, true),
+                "qmatmul (ggml arithmetic)");
+}
+
+ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                               ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> scratch,
+                               int64_t rows, int64_t cols, int64_t experts) {
+  (void)scratch;
+  const int64_t slots = static_cast<int64_t>(ids.element_count());
+  auto idd = ids.dimensions();
+  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
+  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
+  return Status(gpu::launch_qmatmul_experts(s, Weights(data, table, fmts, layer), x.typed_data(),
+                                            per_slot, ids.typed_data(), slots, k, y->typed_data(),
+                                            rows, cols, experts, true),
+                "qmatmul_experts (ggml arithmetic)");
+}
+
 ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                              ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
@@ -58,7 +88,8 @@ ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 
 // x [B, cols], layer, then (data, table, fmts) per matrix; one result [B, rows_i] per matrix.
 ffi::Error QMatmulMultiGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                           ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t cols) {
+                           ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t cols,
+                           int64_t ggml) {
   const int64_t n = static_cast<int64_t>(rets.size());
   if (n < 1 || n > gpu::kMaxMulti || static_cast<int64_t>(args.size()) != 3 * n)
     return ffi::Error::InvalidArgument("jaxvt qmatmul_multi: 1-4 matrices, 3 buffers each");
@@ -79,7 +110,7 @@ ffi::Error QMatmulMultiGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   }
   const int64_t batch = static_cast<int64_t>(x.element_count()) / cols;
   return Status(gpu::launch_qmatmul_multi(s, static_cast<int>(n), w, y, rows, x.typed_data(), batch,
-                                          cols),
+                                          cols, ggml != 0),
                 "qmatmul_multi");
 }
 
@@ -89,7 +120,7 @@ ffi::Error QMatmulExperts2Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                               ffi::Buffer<ffi::S32> fmts1, ffi::Buffer<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y0,
                               ffi::ResultBuffer<ffi::F32> y1, int64_t rows, int64_t cols,
-                              int64_t experts) {
+                              int64_t experts, int64_t ggml) {
   const int64_t slots = static_cast<int64_t>(ids.element_count());
   auto idd = ids.dimensions();
   const int64_t k = idd.size() >= 1 ? idd.back() : 1;
@@ -98,7 +129,7 @@ ffi::Error QMatmulExperts2Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                              Weights(data1, table1, fmts1, layer), x.typed_data(),
                                              per_slot, ids.typed_data(), slots, k,
                                              y0->typed_data(), y1->typed_data(), rows, cols,
-                                             experts),
+                                             experts, ggml != 0),
                 "qmatmul_experts2");
 }
 
@@ -188,7 +219,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulMultiGpu, jaxvt::QMatmulMultiGpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("cols"),
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("ggml"),
                               {kCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExperts2Gpu, jaxvt::QMatmulExperts2Gpu,
@@ -205,6 +237,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExperts2Gpu, jaxvt::QMatmulExperts2Gpu
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("ggml"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulQ8Gpu, jaxvt::QMatmulQ8Gpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsQ8Gpu, jaxvt::QMatmulExpertsQ8Gpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"),

@@ -14,7 +14,7 @@ namespace {
 
 // grid.y: batch group g covers rows [g*BT, g*BT + BT) of x / y. Each warp of the block (blockDim.x
 // / 32 of them: fewer for small matrices, so the rows spread over every SM) has its own slot of
-// the dynamic shared memory; with XS the block's activation rows follow the slots (stage_x).
+// the dynamic shared memory; the block's staged activation rows (XM) follow the slots.
 template <int BT>
 __device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t batch, float* y,
                                                int64_t rows, int64_t cols) {
@@ -31,25 +31,41 @@ __device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t batch, fl
   R.dense = 1;
   R.xs = nullptr;
   R.xs_stride = xs_stride(cols);
+  R.xq = nullptr;
+  R.xq_stride = xq_bytes(cols);
+  R.xq_upad = xq_upad(cols);
   return R;
 }
 
-template <int BT, bool XS>
+// The block's activations as XM says (matvec.cuh): staged float32 rows (the loads in flight while
+// the layer's address is read), quantized rows for a quantized format under ggml's arithmetic, or
+// nothing (read from global memory).
+template <int BT, int XM>
+__device__ __forceinline__ LayerRef stage_and_resolve(const WeightArgs& w, Rows<BT>& R, uint4* after_slots) {
+  XLoad xl;
+  if (XM == 1) xl = stage_x_load<BT>(R, R.nb);
+  const LayerRef L = layer_ref(w);
+  if (XM == 1) {
+    float4* xs = reinterpret_cast<float4*>(after_slots);
+    stage_x_store<BT>(xs, xl, R, R.nb);
+    R.xs = xs;
+  } else if (XM == 2 && L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16) {
+    uint8_t* xq = reinterpret_cast<uint8_t*>(after_slots);
+    stage_xq<BT>(xq, R, R.nb, act_type(L.fmt));
+    R.xq = xq;
+  }
+  return L;
+}
+
+template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
                                                            float* y, int64_t rows, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = dense_rows<BT>(x, batch, y, rows, cols);
-  XLoad xl;
-  if (XS) xl = stage_x_load<BT>(R, R.nb);  // in flight while the layer's address is read
-  const LayerRef L = layer_ref(w);
-  if (XS) {
-    float4* xs = reinterpret_cast<float4*>(smem_slots + wpb * kSlotU4);
-    stage_x_store<BT>(xs, xl, R, R.nb);
-    R.xs = xs;
-  }
-  matvec_fmt<BT, XS>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
-                 static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
+  const LayerRef L = stage_and_resolve<BT, XM>(w, R, smem_slots + wpb * kSlotU4);
+  matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
+                     static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
 }
 
 // Several matrices with the same input x (and the same layer index) in one launch: the blocks of
@@ -64,7 +80,7 @@ struct MultiArgs {
   int n;
 };
 
-template <int BT, bool XS>
+template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kernel(
     MultiArgs m, const float* x, int64_t batch, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
@@ -72,17 +88,10 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kern
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
   Rows<BT> R = dense_rows<BT>(x, batch, m.y[i], m.rows[i], cols);
-  XLoad xl;
-  if (XS) xl = stage_x_load<BT>(R, R.nb);  // in flight while the layer's address is read
-  const LayerRef L = layer_ref(m.w[i]);
-  if (XS) {
-    float4* xs = reinterpret_cast<float4*>(smem_slots + wpb * kSlotU4);
-    stage_x_store<BT>(xs, xl, R, R.nb);
-    R.xs = xs;
-  }
+  const LayerRef L = stage_and_resolve<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4);
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
-  matvec_fmt<BT, XS>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
-                 (m.block0[i + 1] - m.block0[i]) * wpb);
+  matvec_fmt<BT, XM>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
+                     (m.block0[i + 1] - m.block0[i]) * wpb);
 }
 
 // One warp per looked-up row; lanes dequantize units straight from memory (rows are small).
@@ -257,89 +266,109 @@ namespace {
 
 constexpr int64_t kSlotBytes = kSlotU4 * sizeof(uint4);  // shared memory per warp
 
-// How a qmatmul launch runs: rows per pass (BT), warps per block, dynamic shared memory, and
-// whether the activation rows are staged in it (at most 4 rows, and only when they fit: their
-// values are the same either way, so the bits are too).
+// How a qmatmul launch runs: rows per pass (BT), warps per block, dynamic shared memory, and how
+// the activations are read (XM, matvec.cuh). ggml's arithmetic stages quantized rows, 4 at most
+// per pass; float32 stages rows (at most 4) when they fit and reads them from global memory
+// otherwise: the values are the same either way, so the bits are too.
 struct Launch {
-  int bt, wpb;
+  int bt, wpb, xm;
   int64_t smem;
-  bool xs;
 };
 
-Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small) {
+Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small, bool ggml) {
   static const int64_t allowed = [] {
-    const int64_t v[] = {allow_dyn_smem(qmatmul_kernel<1, true>, 0),
-                         allow_dyn_smem(qmatmul_kernel<4, true>, 0),
-                         allow_dyn_smem(qmatmul_multi_kernel<1, true>, 0),
-                         allow_dyn_smem(qmatmul_multi_kernel<4, true>, 0)};
+    const int64_t v[] = {allow_dyn_smem(qmatmul_kernel<1, 1>, 0), allow_dyn_smem(qmatmul_kernel<4, 1>, 0),
+                         allow_dyn_smem(qmatmul_kernel<1, 2>, 0), allow_dyn_smem(qmatmul_kernel<4, 2>, 0),
+                         allow_dyn_smem(qmatmul_multi_kernel<1, 1>, 0),
+                         allow_dyn_smem(qmatmul_multi_kernel<4, 1>, 0),
+                         allow_dyn_smem(qmatmul_multi_kernel<1, 2>, 0),
+                         allow_dyn_smem(qmatmul_multi_kernel<4, 2>, 0)};
     int64_t m = v[0];
     for (int64_t a : v) m = a < m ? a : m;
     return m;
   }();
   Launch l;
-  l.bt = batch == 1 ? 1 : (batch <= 4 ? 4 : 16);
+  l.bt = batch == 1 ? 1 : (batch <= 4 || ggml ? 4 : 16);
   // At batch 1 a matrix with too few rows to give every SM a block of 8 warps runs blocks of 2
   // warps, so its rows reach every SM.
   const bool small = allow_small && batch == 1 && (rows + kWarps - 1) / kWarps < sm_count() &&
                      g_grid_cap <= 0;
   l.wpb = small ? 2 : kWarps;
-  const int64_t slots = l.wpb * kSlotBytes, staged = slots + l.bt * xs_stride(cols) * 16;
-  l.xs = l.bt <= 4 && staged <= allowed;
-  l.smem = l.xs ? staged : slots;
+  const int64_t slots = l.wpb * kSlotBytes;
+  if (ggml) {
+    if (slots + l.bt * xq_bytes(cols) > allowed) l.bt = 1;
+    l.xm = slots + l.bt * xq_bytes(cols) <= allowed ? 2 : -1;  // -1: activations too large
+    l.smem = slots + l.bt * xq_bytes(cols);
+    return l;
+  }
+  const int64_t staged = slots + l.bt * xs_stride(cols) * 16;
+  l.xm = l.bt <= 4 && staged <= allowed ? 1 : 0;
+  l.smem = l.xm ? staged : slots;
   return l;
 }
 
-template <int BT, bool XS>
+template <int BT, int XM>
 gpuError_t run_qmatmul(gpuStream_t s, const Launch& l, const WeightArgs& w, const float* x,
                        int64_t batch, float* y, int64_t rows, int64_t cols) {
   const int64_t groups = (batch + BT - 1) / BT;
   int64_t cap = g_grid_cap > 0 ? g_grid_cap
-                               : resident_blocks(qmatmul_kernel<BT, XS>, 32 * l.wpb, l.smem) / groups;
-  qmatmul_kernel<BT, XS><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups), 32 * l.wpb,
+                               : resident_blocks(qmatmul_kernel<BT, XM>, 32 * l.wpb, l.smem) / groups;
+  qmatmul_kernel<BT, XM><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups), 32 * l.wpb,
                            l.smem, s>>>(w, x, batch, y, rows, cols);
   return gpuGetLastError();
 }
 
-template <int BT, bool XS>
+template <int BT, int XM>
 gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t* rows,
                      int64_t total, const float* x, int64_t batch, int64_t cols) {
   const int64_t groups = (batch + BT - 1) / BT;
-  int64_t cap = resident_blocks(qmatmul_multi_kernel<BT, XS>, kThreads, l.smem) / groups;
+  int64_t cap = resident_blocks(qmatmul_multi_kernel<BT, XM>, kThreads, l.smem) / groups;
   if (cap < m.n) cap = m.n;
+  // One wave of blocks shared in proportion to the rows, at least one block per matrix and no
+  // more than the wave (a partial second wave would leave most SMs idle at the end).
+  int64_t left = cap;
   m.block0[0] = 0;
   for (int i = 0; i < m.n; ++i) {
-    // One wave of blocks shared in proportion to the rows; at least one block per matrix.
-    const int64_t share = (cap * rows[i] + total - 1) / total;
-    m.block0[i + 1] = m.block0[i] + blocks_for(rows[i], share < 1 ? 1 : share);
+    int64_t share = cap * rows[i] / total;
+    if (share < 1) share = 1;
+    const int64_t later = m.n - 1 - i;  // blocks the matrices after this one still need
+    if (share > left - later) share = left - later > 1 ? left - later : 1;
+    const int64_t nb = blocks_for(rows[i], share);
+    left -= nb;
+    m.block0[i + 1] = m.block0[i] + nb;
   }
   const dim3 grid(static_cast<unsigned>(m.block0[m.n]), static_cast<unsigned>(groups));
-  qmatmul_multi_kernel<BT, XS><<<grid, kThreads, l.smem, s>>>(m, x, batch, cols);
+  qmatmul_multi_kernel<BT, XM><<<grid, kThreads, l.smem, s>>>(m, x, batch, cols);
   return gpuGetLastError();
 }
 
 }  // namespace
 
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
-                          int64_t rows, int64_t cols) {
+                          int64_t rows, int64_t cols, bool ggml) {
   if (batch <= 0 || rows <= 0) return gpuSuccess;
-  const Launch l = plan_launch(batch, rows, cols, true);
-  if (l.bt == 1)
-    return l.xs ? run_qmatmul<1, true>(s, l, w, x, batch, y, rows, cols)
-                : run_qmatmul<1, false>(s, l, w, x, batch, y, rows, cols);
-  if (l.bt == 4)
-    return l.xs ? run_qmatmul<4, true>(s, l, w, x, batch, y, rows, cols)
-                : run_qmatmul<4, false>(s, l, w, x, batch, y, rows, cols);
-  return run_qmatmul<16, false>(s, l, w, x, batch, y, rows, cols);
+  const Launch l = plan_launch(batch, rows, cols, true, ggml);
+  switch (l.bt * 4 + l.xm) {
+    case 1 * 4 + 0: return run_qmatmul<1, 0>(s, l, w, x, batch, y, rows, cols);
+    case 1 * 4 + 1: return run_qmatmul<1, 1>(s, l, w, x, batch, y, rows, cols);
+    case 1 * 4 + 2: return run_qmatmul<1, 2>(s, l, w, x, batch, y, rows, cols);
+    case 4 * 4 + 0: return run_qmatmul<4, 0>(s, l, w, x, batch, y, rows, cols);
+    case 4 * 4 + 1: return run_qmatmul<4, 1>(s, l, w, x, batch, y, rows, cols);
+    case 4 * 4 + 2: return run_qmatmul<4, 2>(s, l, w, x, batch, y, rows, cols);
+    case 16 * 4 + 0: return run_qmatmul<16, 0>(s, l, w, x, batch, y, rows, cols);
+    default: return gpuErrorInvalidValue;  // activations too large for shared memory
+  }
 }
 
 gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float* const* y,
-                                const int64_t* rows, const float* x, int64_t batch, int64_t cols) {
+                                const int64_t* rows, const float* x, int64_t batch, int64_t cols,
+                                bool ggml) {
   if (n < 1 || n > kMaxMulti) return gpuErrorInvalidValue;
   if (batch <= 0) return gpuSuccess;
   int64_t total = 0;
   for (int i = 0; i < n; ++i) total += rows[i];
   if (total <= 0) return gpuSuccess;
-  const Launch l = plan_launch(batch, total, cols, false);
+  const Launch l = plan_launch(batch, total, cols, false, ggml);
   MultiArgs m;
   m.n = n;
   for (int i = 0; i < n; ++i) {
@@ -347,13 +376,16 @@ gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float
     m.y[i] = y[i];
     m.rows[i] = rows[i];
   }
-  if (l.bt == 1)
-    return l.xs ? run_multi<1, true>(s, l, m, rows, total, x, batch, cols)
-                : run_multi<1, false>(s, l, m, rows, total, x, batch, cols);
-  if (l.bt == 4)
-    return l.xs ? run_multi<4, true>(s, l, m, rows, total, x, batch, cols)
-                : run_multi<4, false>(s, l, m, rows, total, x, batch, cols);
-  return run_multi<16, false>(s, l, m, rows, total, x, batch, cols);
+  switch (l.bt * 4 + l.xm) {
+    case 1 * 4 + 0: return run_multi<1, 0>(s, l, m, rows, total, x, batch, cols);
+    case 1 * 4 + 1: return run_multi<1, 1>(s, l, m, rows, total, x, batch, cols);
+    case 1 * 4 + 2: return run_multi<1, 2>(s, l, m, rows, total, x, batch, cols);
+    case 4 * 4 + 0: return run_multi<4, 0>(s, l, m, rows, total, x, batch, cols);
+    case 4 * 4 + 1: return run_multi<4, 1>(s, l, m, rows, total, x, batch, cols);
+    case 4 * 4 + 2: return run_multi<4, 2>(s, l, m, rows, total, x, batch, cols);
+    case 16 * 4 + 0: return run_multi<16, 0>(s, l, m, rows, total, x, batch, cols);
+    default: return gpuErrorInvalidValue;
+  }
 }
 
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,

@@ -22,25 +22,28 @@ struct WeightArgs {
   const int32_t* layer;   // [] (device scalar)
 };
 
-// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]; float32 (docs/NUMERICS.md "f32").
+// y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]; float32 (docs/NUMERICS.md "f32"),
+// or with ggml: ggml's arithmetic (activations quantized to the format's vec-dot type, integer
+// dots; "q8" / "ggml").
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
-                          int64_t rows, int64_t cols);
+                          int64_t rows, int64_t cols, bool ggml = false);
 // y[slot, r] = sum_k W_e[r, k] x_slot[k], e = ids[slot]; x [T, cols] (x_per_slot = false, token of
 // slot = slot / k) or [T*k, cols]; y [T*k, rows]. Each routed expert is read once per 16 slots.
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,
-                                  int64_t rows, int64_t cols, int64_t experts);
+                                  int64_t rows, int64_t cols, int64_t experts, bool ggml = false);
 // Several matrices (n <= kMaxMulti, each W_i [rows[i], cols], each at the same layer index, each
 // in its own tier and format) times the same x [B, cols]: y[i] [B, rows[i]]; one launch, the same
 // bits as n launch_qmatmul calls.
 constexpr int kMaxMulti = 4;
 gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float* const* y,
-                                const int64_t* rows, const float* x, int64_t batch, int64_t cols);
+                                const int64_t* rows, const float* x, int64_t batch, int64_t cols,
+                                bool ggml);
 // launch_qmatmul_experts for two stacks of the same shape (a MoE's gate and up) in one launch.
 gpuError_t launch_qmatmul_experts2(gpuStream_t s, const WeightArgs& w0, const WeightArgs& w1,
                                    const float* x, bool x_per_slot, const int32_t* ids,
                                    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows,
-                                   int64_t cols, int64_t experts);
+                                   int64_t cols, int64_t experts, bool ggml);
 // out[i, :] = W[ids[i], :] as float32.
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,
                          int64_t rows, int64_t cols);

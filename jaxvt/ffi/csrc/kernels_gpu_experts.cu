@@ -19,13 +19,13 @@ __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? 
 // grid.y: (matrix m, slot s) = (y / slots, y % slots); m picks w0 / y0 or w1 / y1 (two stacks of
 // the same shape that read the same x: a MoE's gate and up). The first slot routed to an expert
 // owns it and serves every slot routed to it, BT at a time; the other slots' blocks exit at once.
-// Non-routed experts are never touched. With XS, each group's activation rows are staged in
-// dynamic shared memory (stage_x) before the warps stream the expert.
+// Non-routed experts are never touched. Each group's activation rows are staged in dynamic
+// shared memory as XM says (matvec.cuh) before the warps stream the expert.
 // Routed ids are cached in shared memory for calls of up to this many slots (decode and short
 // prompts); larger calls read them from global memory.
 constexpr int kIdsCached = 512;
 
-template <int BT, bool XS>
+template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids_g,
     int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
@@ -71,6 +71,10 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
   R.dense = 0;
   R.xs = nullptr;
   R.xs_stride = xs_stride(cols);
+  R.xq = nullptr;
+  R.xq_stride = xq_bytes(cols);
+  R.xq_upad = xq_upad(cols);
+  const bool quantized = L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16;
   __shared__ int32_t served[BT];
   __shared__ int served_n;
   R.slot = served;
@@ -87,12 +91,15 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     }
     __syncthreads();
     R.nb = served_n;
-    if (XS) {
+    if (XM == 1) {
       stage_x_store<BT>(xs_dyn, stage_x_load<BT>(R, R.nb), R, R.nb);
       R.xs = xs_dyn;
+    } else if (XM == 2 && quantized) {
+      stage_xq<BT>(reinterpret_cast<uint8_t*>(xs_dyn), R, R.nb, act_type(L.fmt));
+      R.xq = reinterpret_cast<const uint8_t*>(xs_dyn);
     }
     pos = static_cast<int64_t>(served[R.nb - 1]) + 1;
-    matvec_fmt<BT, XS>(L.fmt, base, R, rows, cols, smem[wib], lane,
+    matvec_fmt<BT, XM>(L.fmt, base, R, rows, cols, smem[wib], lane,
                        static_cast<int64_t>(blockIdx.x) * kWarps + wib,
                        static_cast<int64_t>(gridDim.x) * kWarps);
     while (pos < slots && expert_id(ids[pos], experts) != e) ++pos;
@@ -101,39 +108,47 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
 
 constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64;
 
-template <int BT, bool XS>
+template <int BT, int XM>
 gpuError_t launch(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
                   const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
                   float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, int64_t smem) {
   // Slots whose expert another slot owns exit at once, so size the grid for the owners: assume
   // min(slots, experts) of them per matrix share one wave of resident blocks.
-  const int64_t resident = resident_blocks(qmatmul_experts_kernel<BT, XS>, kThreads, static_cast<size_t>(smem));
+  const int64_t resident = resident_blocks(qmatmul_experts_kernel<BT, XM>, kThreads, static_cast<size_t>(smem));
   const int64_t owners = nmat * (slots < experts ? slots : (experts > 0 ? experts : 1));
   int64_t cap = 2 * resident / owners;
   if (cap < 1) cap = 1;
   const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
-  qmatmul_experts_kernel<BT, XS><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k, y0,
+  qmatmul_experts_kernel<BT, XM><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k, y0,
                                                            y1, rows, cols, experts);
   return gpuGetLastError();
 }
 
-// The activation rows are staged in shared memory when they fit (at most 4 per group).
+// The activation rows are staged in shared memory when they fit (at most 4 per group): as
+// float32 rows, or quantized under ggml's arithmetic (which needs them staged).
 template <int BT>
 gpuError_t launch_bt(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
                      const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
-                     float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
-  static const int64_t allowed = allow_dyn_smem(qmatmul_experts_kernel<BT, true>, kStaticSmem);
+                     float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, bool ggml) {
+  static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_kernel<BT, 1>, kStaticSmem);
+  static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_kernel<BT, 2>, kStaticSmem);
+  if (ggml) {
+    const int64_t need = BT * xq_bytes(cols);
+    if (need > allowed_q) return gpuErrorInvalidValue;  // activations too large for shared memory
+    return launch<BT, 2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                         experts, need);
+  }
   const int64_t need = BT * xs_stride(cols) * 16;
-  if (need <= allowed)
-    return launch<BT, true>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                            experts, need);
-  return launch<BT, false>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                           experts, 0);
+  if (need <= allowed_f)
+    return launch<BT, 1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                         experts, need);
+  return launch<BT, 0>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                       experts, 0);
 }
 
 gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
                       const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,
-                      float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
+                      float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, bool ggml) {
   if (slots <= 0 || rows <= 0) return gpuSuccess;
   // grid.y holds at most 65535 (matrix, slot) pairs: larger calls run in chunks of whole tokens
   // (each chunk is the same product restricted to its slots).
@@ -143,33 +158,35 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
       const int64_t n = slots - c0 < per ? slots - c0 : per;
       const float* xc = x + (x_per_slot ? c0 : c0 / k) * cols;
       const gpuError_t e = launch_any(s, nmat, w0, w1, xc, x_per_slot, ids + c0, n, k,
-                                      y0 + c0 * rows, y1 + c0 * rows, rows, cols, experts);
+                                      y0 + c0 * rows, y1 + c0 * rows, rows, cols, experts, ggml);
       if (e != gpuSuccess) return e;
     }
     return gpuSuccess;
   }
   // Batch-1 decode routes its k <= 8 slots to distinct experts: one slot per expert.
   if (slots <= 8)
-    return launch_bt<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts);
-  if (slots <= 64)
-    return launch_bt<4>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts);
-  return launch<16, false>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                           experts, 0);
+    return launch_bt<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts,
+                        ggml);
+  if (slots <= 64 || ggml)
+    return launch_bt<4>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts,
+                        ggml);
+  return launch<16, 0>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                       experts, 0);
 }
 
 }  // namespace
 
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,
-                                  int64_t rows, int64_t cols, int64_t experts) {
-  return launch_any(s, 1, w, w, x, x_per_slot, ids, slots, k, y, y, rows, cols, experts);
+                                  int64_t rows, int64_t cols, int64_t experts, bool ggml) {
+  return launch_any(s, 1, w, w, x, x_per_slot, ids, slots, k, y, y, rows, cols, experts, ggml);
 }
 
 gpuError_t launch_qmatmul_experts2(gpuStream_t s, const WeightArgs& w0, const WeightArgs& w1,
                                    const float* x, bool x_per_slot, const int32_t* ids,
                                    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows,
-                                   int64_t cols, int64_t experts) {
-  return launch_any(s, 2, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts);
+                                   int64_t cols, int64_t experts, bool ggml) {
+  return launch_any(s, 2, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts, ggml);
 }
 
 }  // namespace jaxvt::gpu

@@ -62,6 +62,8 @@ nb::dict Registrations() {
   gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
   gpu["jaxvt_qmatmul_multi"] = Capsule(JaxvtQMatmulMultiGpu);
   gpu["jaxvt_qmatmul_experts2"] = Capsule(JaxvtQMatmulExperts2Gpu);
+  gpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Gpu);
+  gpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Gpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;

@@ -64,6 +64,8 @@ typedef cudaEvent_t gpuEvent_t;
 #define gpuShflXor(v, o) __shfl_xor_sync(0xffffffffu, (v), (o), 32)
 #define gpuSyncWarp() __syncwarp()
 #define gpuDevAttrMaxSharedMemoryPerBlockOptin cudaDevAttrMaxSharedMemoryPerBlockOptin
+// c + the dot product of a's and b's four signed bytes.
+#define gpuDp4a(a, b, c) __dp4a((a), (b), (c))
 // Lets blocks of `kernel` use up to `bytes` of dynamic shared memory (above the 48 KiB default).
 template <typename K>
 inline gpuError_t gpuSetMaxDynamicSmem(K kernel, int bytes) {
@@ -124,6 +126,14 @@ typedef hipEvent_t gpuEvent_t;
 
 #define gpuShflXor(v, o) __shfl_xor((v), (o), 32)
 #define gpuDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeMaxSharedMemoryPerBlock
+// c + the dot product of a's and b's four signed bytes (written out: the dot4 instructions differ
+// between AMD generations).
+__device__ __forceinline__ int gpuDp4a(int a, int b, int c) {
+  return c + static_cast<int>(static_cast<signed char>(a)) * static_cast<signed char>(b) +
+         static_cast<int>(static_cast<signed char>(a >> 8)) * static_cast<signed char>(b >> 8) +
+         static_cast<int>(static_cast<signed char>(a >> 16)) * static_cast<signed char>(b >> 16) +
+         static_cast<int>(static_cast<signed char>(a >> 24)) * static_cast<signed char>(b >> 24);
+}
 template <typename K>
 inline gpuError_t gpuSetMaxDynamicSmem(K kernel, int bytes) {
   return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
