@@ -13,7 +13,7 @@ import threading
 from types import ModuleType
 
 TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
-           "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8")
+           "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_qmatmul_grouped")
 _lock = threading.Lock()
 _registered: set[str] = set()
 

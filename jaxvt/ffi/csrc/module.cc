@@ -53,6 +53,7 @@ nb::dict Registrations() {
   cpu["jaxvt_swiglu"] = Capsule(JaxvtSwigluCpu);
   cpu["jaxvt_rope"] = Capsule(JaxvtRopeCpu);
   cpu["jaxvt_attention"] = Capsule(JaxvtAttentionCpu);
+  cpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -60,6 +61,7 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsGpu);
   gpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedGpu);
   gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
+  gpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;

@@ -20,6 +20,7 @@ typedef cudaError_t gpuError_t;
 typedef cudaEvent_t gpuEvent_t;
 #define gpuSuccess cudaSuccess
 #define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+#define gpuErrorInvalidValue cudaErrorInvalidValue
 #define gpuGetErrorString cudaGetErrorString
 #define gpuGetLastError cudaGetLastError
 #define gpuGetDevice cudaGetDevice
@@ -73,6 +74,7 @@ typedef hipError_t gpuError_t;
 typedef hipEvent_t gpuEvent_t;
 #define gpuSuccess hipSuccess
 #define gpuErrorMemoryAllocation hipErrorOutOfMemory
+#define gpuErrorInvalidValue hipErrorInvalidValue
 #define gpuGetErrorString hipGetErrorString
 #define gpuGetLastError hipGetLastError
 #define gpuGetDevice hipGetDevice
