@@ -171,3 +171,26 @@ def test_gpu_rule_in_the_model_on_cpu_kernels(qwen35moe):
         out.append(np.asarray(engine.prefill_fn(*((eng.weights, c) + args[2:]), cfg=eng.cfg,
                                                 ex=ex, kv_len=T)[0]))
       np.testing.assert_allclose(out[0], out[1], atol=3e-2 * np.abs(out[1]).max(), rtol=0)
+
+
+def test_products_probe_runs(monkeypatch, tmp_path):
+  """`python -m jaxvt.bench tier --products` on tiny shapes (the GPU run times the 35B ones): a
+  table cell for every path and row count, and where each path starts to win."""
+  import types
+  from jaxvt.bench import products, report
+  monkeypatch.setattr(products, "SHAPES", [(64, 256)])
+  monkeypatch.setattr(products, "FORMATS", (12,))
+  monkeypatch.setattr(products, "ROWS", (1, 40))
+  monkeypatch.setattr(products, "EXPERTS", 4)
+  monkeypatch.setattr(products, "TOP_K", 2)
+  monkeypatch.setattr(products, "EXPERT_MATS", [(12, 32, 256, False), (14, 32, 256, True)])
+  out = tmp_path / "B.md"
+  real = report.write_section
+  monkeypatch.setattr(report, "write_section", lambda name, body: real(name, body, str(out)))
+  body = products.main(types.SimpleNamespace(products="all"))
+  assert "<!-- bench:products-cpu -->" in out.read_text()
+  rows = [l for l in body.splitlines() if l.startswith("| device |") or l.startswith("| host |")]
+  assert len(rows) == 2 * 2 + 2 * 2 * 2  # dense + experts tables, then the summary
+  assert all(len(re.findall(r"\d+\.\d{3} / \d+\.\d{3} / \d+\.\d{3}", l)) == 2 for l in rows[:2])
+  assert products._wins({"a": [3.0, 1.0], "b": [2.0, 2.0]}, "a", ("b",)) == 40
+  assert products._wins({"a": [1.0, 3.0], "b": [2.0, 2.0]}, "a", ("b",)) is None
