@@ -4,9 +4,11 @@ block at a time, std::barrier for __syncthreads), so CI checks the device code's
 staging of GGUF bytes at unaligned addresses, partial k-steps, partial row and slot tiles, zero
 rows for slots routed nowhere and the scatter back to slot order, without a GPU.
 
-Without CUDA's wmma (a host compile has no __CUDA_ARCH__) the kernel takes its float32 FMA tile
-product, the HIP build's; the tensor-core product itself is checked on a GPU by
-test_grouped_gpu.py. Compared with float64 numpy on the bf16-rounded operands (the bound of
+Both tile products are run: the float32 FMA one (the HIP build's, and a host compile's), and the
+wmma one with nvcuda::wmma emulated as CUDA documents it (load_matrix_sync's row- and column-major
+layouts and leading dimensions, mma_sync D = A B + C, store_matrix_sync), which checks how the
+kernel lays its tiles out for the tensor cores; the tensor cores themselves are checked on a GPU
+by test_grouped_gpu.py. Compared with float64 numpy on the bf16-rounded operands (the bound of
 test_grouped.py) for every format. Skipped where the sources or a C++20 compiler are missing.
 """
 
@@ -52,7 +54,62 @@ enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2
 #define __forceinline__ inline
 """
 
+# nvcuda::wmma as the CUDA programming guide specifies it, every lane holding the whole tile.
+FAKE_BF16 = """#pragma once
+#include <cstdint>
+#include <cstring>
+struct __nv_bfloat16 { uint16_t bits; };
+inline float emu_bf16(__nv_bfloat16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+"""
+
+FAKE_MMA = """#pragma once
+#include "cuda_bf16.h"
+namespace nvcuda::wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment { float v[16][16]; };
+template <class Use, class T, class Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const __nv_bfloat16* p, unsigned ld) {
+  const bool rows = std::is_same_v<Layout, row_major>;
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) f.v[i][j] = emu_bf16(rows ? p[i * ld + j] : p[i + j * ld]);
+}
+template <class F>
+void fill_fragment(F& f, float x) {
+  for (auto& r : f.v)
+    for (float& e : r) e = x;
+}
+template <class A, class B, class C>
+void mma_sync(C& d, const A& a, const B& b, const C& c) {
+  C out;
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) {
+      float s = c.v[i][j];
+      for (int k = 0; k < 16; ++k) s += a.v[i][k] * b.v[k][j];
+      out.v[i][j] = s;
+    }
+  d = out;
+}
+template <class C>
+void store_matrix_sync(float* p, const C& f, unsigned ld, layout_t layout) {
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) p[layout == mem_row_major ? i * ld + j : i + j * ld] = f.v[i][j];
+}
+}  // namespace nvcuda::wmma
+"""
+
 SHIM = """#pragma once
+#include <type_traits>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -100,8 +157,8 @@ extern "C" int run_grouped(const uint8_t* data, int64_t stride, const uint32_t* 
 """
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fma", "wmma"])
+def kernel(request, tmp_path_factory):
   d = tmp_path_factory.mktemp("emulated")
   src = open(os.path.join(CSRC, "kernels_gpu_grouped.cu")).read()
   launch = re.search(r"qmatmul_grouped_kernel<<<grid, kThr, 0, s>>>\((.*?)\);", src, re.S)
@@ -110,12 +167,13 @@ def kernel(tmp_path_factory):
                     % launch.group(1))
   src = src.replace("return gpuGetLastError();", "return gpuSuccess;")
   src = '#include "shim.h"\n' + src + ENTRY
-  (d / "cuda_runtime.h").write_text(FAKE_CUDA_RUNTIME)
-  (d / "shim.h").write_text(SHIM)
-  (d / "emu.cc").write_text(src)
+  for name, text in [("cuda_runtime.h", FAKE_CUDA_RUNTIME), ("cuda_bf16.h", FAKE_BF16),
+                     ("mma.h", FAKE_MMA), ("shim.h", SHIM), ("emu.cc", src)]:
+    (d / name).write_text(text)
   so = str(d / "emu.so")
+  arch = ["-D__CUDA_ARCH__=900"] if request.param == "wmma" else []
   subprocess.run([CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-DJAXVT_GPU_CUDA=1",
-                  f"-I{d}", f"-I{CSRC}", str(d / "emu.cc"), "-o", so], check=True,
+                  *arch, f"-I{d}", f"-I{CSRC}", str(d / "emu.cc"), "-o", so], check=True,
                  capture_output=True)
   lib = ctypes.CDLL(so)
   p, i64 = ctypes.c_void_p, ctypes.c_int64
