@@ -37,6 +37,7 @@ FORMATS = (12, 14)
 ROWS = (1, 4, 8, 16, 32, 64, 128, 512)
 DENSE = {"matvec": Products(), "tiled": Products(tiled_rows=1),
          "staged": Products(stage_rows=1, stage_rows_host=1)}
+TIERS = ("device", "host")
 EXPERTS, TOP_K = 256, 8
 EXPERT_MATS = [(12, 512, 2048, False), (14, 2048, 512, True)]  # (format, rows, cols, x per slot)
 
@@ -168,7 +169,7 @@ def main(args) -> str:
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
   device = jax.devices("gpu" if gpu else "cpu")[0]
   rng = np.random.default_rng(0)
-  tiers = ("device", "host")
+  tiers = TIERS
   which = args.products
   out = ["## Products by rows: in place, tiled, staged (" + device.device_kind + ")\n",
          f"Command: `python -m jaxvt.bench tier --products {which}`  ",
