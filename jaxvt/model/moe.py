@@ -9,8 +9,8 @@ optional shared expert behind a sigmoid gate.
 The routed experts go through `jaxvt.ffi.ops.moe_experts` (kernels: reads only the routed
 experts' bytes, from either memory tier; for many slots on a GPU `ops.moe_grouped`, the slots
 sorted by expert and multiplied on tensor cores, Exec.products) or, without kernels, its jnp
-reference (few tokens) or a one-pass-per-expert reference (many tokens; see below). Letters: T tokens, k routed slots,
-e experts, f expert hidden, d model dim.
+reference (few tokens) or a one-pass-per-expert reference (many tokens; see below). Letters:
+T tokens, k routed slots, e experts, f expert hidden, d model dim.
 """
 
 from __future__ import annotations

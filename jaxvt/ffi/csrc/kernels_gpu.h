@@ -1,4 +1,5 @@
-// Launchers of jaxvt's GPU kernels (kernels_gpu.cu, kernels_gpu_experts.cu, kernels_gpu_grouped.cu). Compiled by nvcc or hipcc only.
+// Launchers of jaxvt's GPU kernels (kernels_gpu.cu, kernels_gpu_experts.cu,
+// kernels_gpu_grouped.cu). Compiled by nvcc or hipcc only.
 //
 // Every per-step choice (which layer, its format, its tier and address, which experts) is read by
 // the kernels from device-visible memory; launch geometry depends only on static shapes and the

@@ -1,7 +1,7 @@
 // The grouped routed-experts product (qmatmul_grouped; CUDA, and HIP via hipcc -x hip): token slots
 // sorted by expert (on the device, by the caller), then one launch over every expert of the layer.
 //
-//   y[order[p], r] = sum_k bf16(W_e[r, k]) * x[order[p] / x_div, k]    for p in [offsets[e], offsets[e+1])
+//   y[order[p], r] = sum_k bf16(W_e[r, k]) * x[order[p] / x_div, k],  p in [offsets[e], offsets[e+1])
 //
 // x arrives as bf16; products are exact in float32 (two 8-bit significands) and accumulate in
 // float32. A block computes one tile: up to kBM sorted slots of one expert times kBN rows of that
@@ -77,13 +77,15 @@ __device__ __forceinline__ int32_t count_of(const int32_t* offsets, int64_t e, i
 // Block-wide: which (expert, first position, slots) tile number `i` is; expert -1 when there are
 // fewer tiles. Thread t owns experts [t*per, (t+1)*per); an inclusive prefix sum over the threads'
 // tile counts finds the owner of tile i.
-__device__ void find_tile(const int32_t* offsets, int64_t experts, int64_t slots, int64_t i, Smem& s) {
+__device__ void find_tile(const int32_t* offsets, int64_t experts, int64_t slots, int64_t i,
+                          Smem& s) {
   const int t = threadIdx.x;
   const int64_t per = ceil_div(experts, kThr);
   const int64_t e0 = t * per < experts ? t * per : experts;
   const int64_t e1 = e0 + per < experts ? e0 + per : experts;
   int32_t mine = 0;
-  for (int64_t e = e0; e < e1; ++e) mine += static_cast<int32_t>(ceil_div(count_of(offsets, e, slots), kBM));
+  for (int64_t e = e0; e < e1; ++e)
+    mine += static_cast<int32_t>(ceil_div(count_of(offsets, e, slots), kBM));
   s.scan[t] = mine;
   if (t == 0) s.tile[0] = -1;
   __syncthreads();
@@ -121,7 +123,8 @@ __device__ __forceinline__ void store_bf16x32(uint16_t* o, const float* wv) {
            (static_cast<uint32_t>(float_to_bf16(wv[2 * j + 1])) << 16);
   uint4* o4 = reinterpret_cast<uint4*>(o);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) o4[j] = make_uint4(p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
+  for (int j = 0; j < 4; ++j)
+    o4[j] = make_uint4(p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
 }
 
 // acc (this thread's share of the kBM x kBN tile) += A[:, 0:kSub] . B[:, 0:kSub]^T.
@@ -143,7 +146,8 @@ struct Acc {
     FragB fb;
 #pragma unroll
     for (int kk = 0; kk < kSub; kk += 16) {
-      nvcuda::wmma::load_matrix_sync(fa, reinterpret_cast<const __nv_bfloat16*>(&s.a[16 * mi][kk]), kLdAB);
+      nvcuda::wmma::load_matrix_sync(
+          fa, reinterpret_cast<const __nv_bfloat16*>(&s.a[16 * mi][kk]), kLdAB);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         nvcuda::wmma::load_matrix_sync(
@@ -207,7 +211,8 @@ __device__ void tile_product(const uint8_t* base, const uint16_t* x, int64_t row
       if (r >= nr) continue;
       const uintptr_t a = reinterpret_cast<uintptr_t>(base + (n0 + r) * rb + kb0 * S::kKbb);
       const uintptr_t lo = a & ~uintptr_t{15}, hi = (a + seg + 15) & ~uintptr_t{15};
-      if (j < static_cast<int>((hi - lo) >> 4)) s.u.raw[r][j] = reinterpret_cast<const uint4*>(lo)[j];
+      if (j < static_cast<int>((hi - lo) >> 4))
+        s.u.raw[r][j] = reinterpret_cast<const uint4*>(lo)[j];
     }
     __syncthreads();
     const int units = nb * S::kUpk;
@@ -299,7 +304,8 @@ __global__ void __launch_bounds__(kThr) qmatmul_grouped_kernel(
   for (int i = t; i < kBM * kBN; i += kThr) {
     const int m = i / kBN, n = i % kBN;
     if (m < nslots && n < nr)
-      y[static_cast<int64_t>(s.slot[m]) * rows + n0 + n] = ok ? s.u.c[m][n] : __int_as_float(0x7fc00000);
+      y[static_cast<int64_t>(s.slot[m]) * rows + n0 + n] =
+          ok ? s.u.c[m][n] : __int_as_float(0x7fc00000);
   }
 }
 
