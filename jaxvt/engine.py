@@ -23,14 +23,14 @@ from jaxvt.errors import JaxvtError
 from jaxvt.ffi import numerics
 from jaxvt.model import decoder
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.layers import Exec
+from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
 from jaxvt.sampling import SamplingParams, sample
 
-# GPU prefill: products over at least this many rows stage the layer as bf16 and use XLA's GEMM
-# (Exec.stage_rows). H200, `python -m jaxvt.bench tier` 2026-11-29: a host-tier Q4_K 4096 x 4096
-# layer read in place took 0.220 ms at 1 row and 0.248 at 8; staged 0.233 and 0.232.
-STAGE_ROWS = 8
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+# Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
+# --max-context), so the largest prefill program, whose workspace the planner budgets and XLA's
+# memory analysis re-checks, is this many tokens, not the prompt's length.
+PREFILL_CHUNK = 2048
 KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
 DECODE_CHUNK = 16  # decode steps generate runs per device program
 
@@ -41,6 +41,18 @@ def bucket(n: int, buckets: Iterable[int], cap: int) -> int:
     if b >= n:
       return min(b, cap)
   return cap
+
+
+def prefill_chunks(n: int, start: int, chunk: int, max_context: int) -> list[tuple[int, int, int]]:
+  """The prefill calls that run n tokens from position `start` (start + n <= max_context) in
+  chunks of at most `chunk` tokens: (offset into the tokens, tokens, program length T) each, T the
+  chunk's bucket, never more than `chunk` nor past max_context."""
+  out, i = [], 0
+  while i < n:
+    m = min(chunk, n - i)
+    out.append((i, m, bucket(m, PREFILL_BUCKETS, min(chunk, max_context - start - i))))
+    i += m
+  return out
 
 
 def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_len: int,
@@ -142,6 +154,7 @@ class Engine:
   host_tier: object = None
   memory: object = None  # the device-memory breakdown the planner checked
   decode_chunk: int = DECODE_CHUNK  # decode steps per device program in generate
+  prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill call (the plan's RunShape.prefill_chunk)
 
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
@@ -157,14 +170,22 @@ class Engine:
     return bucket(n, KV_BUCKETS, self.max_context)
 
   def prefill(self, tokens: list[int], cache: dict | None = None, start: int = 0):
-    """Runs `tokens` (one sequence) from position `start`; returns (logits [vocab], cache)."""
+    """Runs `tokens` (one sequence) from position `start`, in calls of at most
+    `self.prefill_chunk` tokens (prefill_chunks); returns (logits [vocab] after the last token,
+    cache)."""
     n = len(tokens)
     if start + n > self.max_context:
       raise JaxvtError(f"the prompt has {n} tokens, more than --max-context {self.max_context}"
                        f"{' allows after ' + str(start) + ' cached' if start else ''}; "
                        "shorten it or raise --max-context")
     cache = self.new_cache(1) if cache is None else cache
-    T = bucket(n, PREFILL_BUCKETS, self.max_context - start)
+    for off, m, T in prefill_chunks(n, start, self.prefill_chunk, self.max_context):
+      logits, cache = self._prefill_call(tokens[off:off + m], cache, start + off, T)
+    return logits, cache
+
+  def _prefill_call(self, tokens: list[int], cache: dict, start: int, T: int):
+    """One prefill program of T >= len(tokens) positions from `start`."""
+    n = len(tokens)
     toks = np.zeros((1, T), np.int32)
     toks[0, :n] = tokens
     pos = (start + np.arange(T, dtype=np.int32))[None]
@@ -261,13 +282,15 @@ class Engine:
 
 def xla_workspace_bytes(eng: "Engine") -> int | None:
   """XLA's memory analysis of the largest prefill program `eng` can run (temporaries plus
-  outputs not aliased to inputs), compiled ahead of time; None where XLA gives no analysis."""
-  T = bucket(eng.max_context, PREFILL_BUCKETS, eng.max_context)
+  outputs not aliased to inputs), compiled ahead of time; None where XLA gives no analysis.
+  That program is a whole chunk (eng.prefill_chunk tokens) reading the whole KV cache (the last
+  chunk of a prompt that fills --max-context)."""
+  T = max(T for _, _, T in prefill_chunks(eng.max_context, 0, eng.prefill_chunk, eng.max_context))
   spec = jax.ShapeDtypeStruct
   i32 = lambda shape: spec(shape, jnp.int32)
   cache = jax.eval_shape(lambda: eng.new_cache(1))
   lowered = prefill_fn.lower(eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool),
-                             i32((1,)), cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(T))
+                             i32((1,)), cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(eng.max_context))
   ma = lowered.compile().memory_analysis()
   if ma is None:
     return None
@@ -278,17 +301,19 @@ def xla_workspace_bytes(eng: "Engine") -> int | None:
 def exec_for(platform: str, kernels: bool, par=None) -> Exec:
   """How jaxvt executes on `platform`: ggml's arithmetic on the CPU, where it makes jaxvt agree
   with llama.cpp; on GPUs ggml's integer products with every other step in float32 ("q8",
-  numerics.default_mode), and GPU prefill stages layers for XLA's GEMM (Exec.stage_rows)."""
+  numerics.default_mode), and GPU prefill's products of many rows take the tile kernels or
+  staging by the crossovers of layers.GPU_PRODUCTS (Exec.products)."""
   gpu = platform != "cpu"
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              stage_rows=STAGE_ROWS if gpu and kernels else 0)
+              products=GPU_PRODUCTS if gpu and kernels else Products())
 
 
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
          on_plan: Callable[[object], None] | None = None, offload_pattern: tuple[str, ...] = (),
-         host_kind: str = "host", mesh: str | None = None) -> Engine:
+         host_kind: str = "host", mesh: str | None = None,
+         prefill_chunk: int = PREFILL_CHUNK) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine. `offload_gb`: GiB of weights for the host tier, or
   "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
@@ -296,7 +321,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   `host_kind`: "host" (jaxvt's host tier, read in place) or "jax_pinned" (JAX's pinned_host
   memory kind, copied to the device at each use: a benchmark arm); `mesh`: "tp=N", "ep=N" or
   "tp=N,ep=M" shards the model over that many local devices (jaxvt.parallel); then `offload_gb`
-  and `device_gb` are per device, and every device plans its own shards the same way."""
+  and `device_gb` are per device, and every device plans its own shards the same way;
+  `prefill_chunk`: tokens per prefill call (capped at max_context): the planner budgets the
+  workspace of a chunk this long, and longer prompts run in chunks of it."""
   from jaxvt import ffi, loader
   from jaxvt.gguf.default_model import default_model_path
   from jaxvt.gguf.reader import open_gguf
@@ -316,6 +343,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   if max_context < 1 or max_context > cfg.context_length:
     raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
                      "model's trained context); pick a value in that range")
+  if prefill_chunk < 1:
+    raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
   par = _par(mesh, cfg, device, host_kind)
   device = par.mesh.devices.flat[0] if par else device or jax.devices()[0]
   if kernels is None:
@@ -333,7 +362,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                                          device_gb=device_gb, force=force, device=device,
                                          max_context=max_context, kernels=kernels,
                                          policy=policy, host_copies=copies,
-                                         devices=par.size if par else 1)
+                                         devices=par.size if par else 1,
+                                         prefill_chunk=prefill_chunk)
   if on_plan:
     on_plan(placed)
   where = placed.placement
@@ -355,7 +385,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   ex = exec_for(device.platform, kernels, par)
   eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
                path=path, load_seconds=time.perf_counter() - t0, plan=placed,
-               host_tier=host_tier)
+               host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk)
   # Where memory is planned tight (weights offloaded, or --device-gb), the estimate of the
   # program's workspace is replaced by XLA's own analysis of the largest prefill, and the plan
   # checked again before anything runs (one ahead-of-time compile; one device only).

@@ -109,11 +109,11 @@ def test_qdequant_bf16(fmt, nexp, rng, device):
 
 @pytest.mark.parametrize("fmt", [Q4_K, Q6_K, Q8_0], ids=NAMES.get)
 def test_staged_linear(fmt, rng, device):
-  """Exec.stage_rows: with that many rows or more, layers.linear stages the layer as bf16 and runs
-  a GEMM (within two bf16 roundings of the float64 product); with fewer, it is the kernel."""
-  from jaxvt.model.layers import Exec, linear
+  """Products.stage_rows: with that many rows or more, layers.linear stages the layer as bf16 and
+  runs a GEMM (within two bf16 roundings of the float64 product); with fewer, it is the kernel."""
+  from jaxvt.model.layers import Exec, Products, linear
   s = make_stack(rng, [Q4_K, fmt], ROWS, COLS)
-  ex = Exec(kernels=True, numerics="f32", stage_rows=8)
+  ex = Exec(kernels=True, numerics="f32", products=Products(stage_rows=8))
   w = put(s.w, device)
   x = rng.standard_normal((2, 8, COLS)).astype(np.float32)
   y = np.asarray(jax.jit(lambda x, w: linear(x, w, jnp.int32(1), ex))(put(x, device), w))

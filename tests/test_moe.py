@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxvt.model import moe
-from jaxvt.model.layers import Exec
+from jaxvt.model.layers import Exec, Products
 from test_qwen_fixtures import device_weights, kernel_modes, np_tensors, synth_file
 
 
@@ -81,6 +81,22 @@ def test_moe_block_matches_float64(files, key, t, ex):
   got = np.asarray(_jit_moe(cfg, ex)(jnp.asarray(h, jnp.float32), w, jnp.int32(li)), np.float64)
   want = np_moe(h[0], W, li, cfg)[None]
   np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+
+
+def test_moe_block_grouped_matches_float64(files):
+  """The routed experts on the grouped kernel (Exec.products: GPU prefill's path, run here on the
+  CPU kernel): bf16 weights and activations, so within 2^-7 of the float64 block's scale."""
+  from jaxvt import ffi
+  if not ffi.available("cpu"):
+    pytest.skip("jaxvt extension not built")
+  ex = Exec(kernels=True, numerics="f32", products=Products(grouped_slots=1))
+  for key in _FILES:
+    cfg, w, W = files[key]
+    h = np.random.default_rng(7).standard_normal((1, 16, cfg.d_model))
+    got = np.asarray(_jit_moe(cfg, ex)(jnp.asarray(h, jnp.float32), w, jnp.int32(1)), np.float64)
+    want = np_moe(h[0], W, 1, cfg)[None]
+    np.testing.assert_allclose(got, want, atol=2.0 ** -7 * np.abs(want).max(), rtol=0)
+    assert not np.allclose(got, want, atol=1e-6 * np.abs(want).max(), rtol=0)  # it is bf16
 
 
 def test_moe_without_renormalisation(files):

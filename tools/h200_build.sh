@@ -10,7 +10,9 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gp
 t_build=$(date +%s)
 # A prebuilt extension (carried: built here with nvcc 13.0 for this Python) is used when it
 # imports and sees the GPU; otherwise CMake builds one (about 5 minutes on that machine).
-if python3 -c "from jaxvt.ffi import _jaxvt_ffi as e; assert e.gpu_device_count() > 0" 2>/dev/null; then
+# (It must register every GPU op of this checkout: jaxvt.ffi.GPU_TARGETS.)
+if python3 -c "from jaxvt import ffi; from jaxvt.ffi import _jaxvt_ffi as e; assert e.gpu_device_count() > 0
+assert set(ffi.GPU_TARGETS) <= set(e.registrations().get(e.gpu_platform(), {}))" 2>/dev/null; then
   echo "prebuilt extension: $(ls jaxvt/ffi/_jaxvt_ffi*.so)"
 else
   cmake -S . -B /tmp/build -G Ninja -DJAXVT_GPU=CUDA -DJAXVT_CUDA_ARCHS=90 \

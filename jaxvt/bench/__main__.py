@@ -17,6 +17,9 @@ def main(argv=None) -> int:
   t.add_argument("--total-mib", type=int, default=256)
   t.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
   t.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
+  t.add_argument("--products", nargs="?", const="all", default=None,
+                 choices=("all", "dense", "experts"),
+                 help="in place / tiled / staged products by rows (layers.Products' crossovers)")
   o = sub.add_parser("offload", help="Qwen3.6-35B-A3B-shaped sweep in an emulated 16 GiB GPU")
   o.add_argument("--model", default="/tmp/jaxvt-qwen36-35b-a3b-shape.gguf")
   o.add_argument("--prompt", type=int, default=512)

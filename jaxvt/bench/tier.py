@@ -138,6 +138,9 @@ def kinds_probe(ext) -> str:
 
 def main(args) -> str:
   from jaxvt.bench import report
+  if getattr(args, "products", None):
+    from jaxvt.bench import products
+    return products.main(args)
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
   if getattr(args, "kinds", False):

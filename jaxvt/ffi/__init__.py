@@ -13,7 +13,10 @@ import threading
 from types import ModuleType
 
 TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
-           "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8")
+           "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_qmatmul_grouped")
+# The targets a GPU build registers for its platform ("CUDA" or "ROCM").
+GPU_TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
+               "jaxvt_qmatmul_grouped")
 _lock = threading.Lock()
 _registered: set[str] = set()
 

@@ -13,7 +13,56 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.model.config import ModelConfig
-from jaxvt.qweight import QWeight
+from jaxvt.qweight import QMeta, QWeight
+
+# Which kernel multiplies a quantized weight by n activation rows on a GPU (prefill): crossovers in
+# rows of x, measured by `python -m jaxvt.bench tier --products` (docs/BENCHMARKS.md, "Products by
+# rows"), which times all three for the 35B model's shapes in both tiers.
+TILED_ROWS = 8  # dense: the tensor-core tile kernel (ops.qmatmul_tiled) from this many rows
+STAGE_ROWS = 128  # dense, device tier: stage bf16 (ops.qdequant) + XLA's GEMM from this many
+# dense, a stack with host-tier layers: the tile kernel reads the weights once per 32 rows of x,
+# staging once, and a host read costs ~80x an HBM read, so staging from the second tile on
+STAGE_ROWS_HOST = 33
+STAGE_MAX_BYTES = 512 << 20  # never stage a layer whose bf16 copy is larger (its workspace)
+GROUPED_SLOTS = 64  # routed experts: the grouped kernel (ops.moe_grouped) from this many T*k slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Products:
+  """The per-product kernel rule: how x [n, cols] times one layer of a stack is computed.
+
+  Dense matrices: "matvec" (ops.qmatmul: reads the layer in place once per 16 rows of x, CUDA
+  cores), "tiled" (ops.qmatmul_tiled: once per 32 rows, tensor cores, bf16 arithmetic) or
+  "staged" (ops.qdequant writes the whole layer as bf16, then XLA's GEMM). Routed experts:
+  "matvec" (ops.moe_experts) or "grouped" (ops.moe_grouped). Each field is the row (slot) count
+  from which its path is taken; 0 never takes it. Products() (every field 0) is the CPU's rule:
+  the matvec kernels, which are the CPU's arithmetic contract.
+  """
+
+  tiled_rows: int = 0
+  stage_rows: int = 0
+  stage_rows_host: int = 0
+  stage_max_bytes: int = 0  # 0: no limit
+  grouped_slots: int = 0
+
+  def dense(self, n: int, meta: QMeta) -> str:
+    """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
+    stage = self.stage_rows_host if meta.any_host else self.stage_rows
+    staged_bytes = 2 * meta.rows * meta.cols * max(meta.experts, 1)
+    if stage and n >= stage and not (self.stage_max_bytes and staged_bytes > self.stage_max_bytes):
+      return "staged"
+    if self.tiled_rows and n >= self.tiled_rows:
+      return "tiled"
+    return "matvec"
+
+  def experts(self, slots: int) -> str:
+    """The path for the routed experts of T*k = `slots` slots."""
+    return "grouped" if self.grouped_slots and slots >= self.grouped_slots else "matvec"
+
+
+GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS,
+                        stage_rows_host=STAGE_ROWS_HOST, stage_max_bytes=STAGE_MAX_BYTES,
+                        grouped_slots=GROUPED_SLOTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +81,16 @@ class Exec:
     the matrix products in ggml's integer arithmetic, every other step as "f32" (the GPU default).
   par: None (one device) or a jaxvt.parallel.mesh.Par: the forward runs inside a shard_map over
     its mesh on per-device shards, and `reduce` sums row-parallel partial products over it.
-  stage_rows: a matrix product over at least this many activation rows (prefill) first stages
-    the layer on the device as bf16 (ops.qdequant: its bytes read once, from either tier) and
-    multiplies with XLA's GEMM (bf16 inputs, float32 accumulation), instead of the matvec kernel
-    that re-reads the weights for every 16 rows; 0: never (the CPU, where the kernels are the
-    arithmetic contract). The GPU default is the crossover measured by `bench tier`.
+  products: which kernel each matrix product takes, by its rows and bytes (Products; with
+    kernels only). Products() on the CPU (the matvec kernels are the arithmetic contract);
+    GPU_PRODUCTS on GPUs, where prefill's products of many rows take the tile kernels (bf16 on
+    tensor cores) or stage the layer as bf16 for XLA's GEMM.
   """
 
   kernels: bool = False
   numerics: str = "ggml"
   par: object = None
-  stage_rows: int = 0
+  products: Products = Products()
 
   def __post_init__(self):
     if self.numerics not in ("ggml", "f32", "q8"):
@@ -71,12 +119,15 @@ def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
   from jaxvt.ffi import ops  # the ops module registers the custom calls on first import
   w, layer = stage(w, layer)
-  if ex.kernels and ex.stage_rows and x.size // x.shape[-1] >= ex.stage_rows:
+  if not ex.kernels:
+    return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
+  path = ex.products.dense(x.size // x.shape[-1], w.meta)
+  if path == "staged":
     return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, layer).T,
                    preferred_element_type=jnp.float32)
-  if ex.kernels:
-    return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
-  return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
+  if path == "tiled":
+    return ops.qmatmul_tiled(x, w, layer)
+  return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
 
 
 def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:

@@ -7,9 +7,10 @@ optional shared expert behind a sigmoid gate.
     + sigmoid(shexp_gate . x) * down_s(silu(gate_s x) * up_s x)  (shared expert, if any)
 
 The routed experts go through `jaxvt.ffi.ops.moe_experts` (kernels: reads only the routed
-experts' bytes, from either memory tier) or, without kernels, its jnp reference (few tokens) or a
-one-pass-per-expert reference (many tokens; see below). Letters: T tokens, k routed slots,
-e experts, f expert hidden, d model dim.
+experts' bytes, from either memory tier; for many slots on a GPU `ops.moe_grouped`, the slots
+sorted by expert and multiplied on tensor cores, Exec.products) or, without kernels, its jnp
+reference (few tokens) or a one-pass-per-expert reference (many tokens; see below). Letters:
+T tokens, k routed slots, e experts, f expert hidden, d model dim.
 """
 
 from __future__ import annotations
@@ -87,7 +88,12 @@ def experts_per_expert_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, l
 
 
 def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
+  """fn(x, w_gate, w_up, w_down, layer, ids, weights) for the routed experts of n_tokens tokens:
+  with kernels, the grouped kernel (many slots on a GPU, Exec.products) or the matvec kernels;
+  without, the gathered reference (few slots) or one pass per expert."""
   from jaxvt.ffi import ops
+  if ex.kernels and ex.products.experts(n_tokens * k) == "grouped":
+    return ops.moe_grouped
   if ex.kernels:
     fn = ops.moe_experts
   else:

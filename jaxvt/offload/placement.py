@@ -87,20 +87,24 @@ def _facts(device, device_gb: float | None) -> memory.DeviceFacts:
 def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str = 0.0,
                     device_gb: float | None = None, force: bool = False, device=None,
                     max_context: int = 2048, kernels: bool = True,
-                    policy: Policy = Policy(), host_copies=None, devices: int = 1) -> Placed:
+                    policy: Policy = Policy(), host_copies=None, devices: int = 1,
+                    prefill_chunk: int | None = None) -> Placed:
   """Plans `units` (jaxvt.loader.UnitBytes) for `device`; raises JaxvtError for unsafe plans.
 
   On a mesh (`devices` > 1) `units`, `cfg` and the budgets are one device's (its shards, its
   KV heads; jaxvt.parallel.shard): the same plan holds for every device. `host_copies` maps a
   unit to the pinned copies the host needs (one per distinct shard; a replicated weight is one
-  buffer every device reads), so the host-RAM check counts the whole host tier."""
+  buffer every device reads), so the host-RAM check counts the whole host tier.
+  `prefill_chunk`: tokens per prefill call (None or more than max_context: max_context), the
+  workspace planned for; the engine runs prompts in chunks of the plan's shape.prefill_chunk."""
   import jax
   device = device or jax.devices()[0]
   sizes = {(u.name, u.layer): u.nbytes for u in units}
   facts = _facts(device, device_gb)
   rates = probe.load_rates(device)
   shape = memory.RunShape(batch=policy.batch, max_context=max_context,
-                          prefill_chunk=max_context, kv_elem_bytes=4)
+                          prefill_chunk=min(prefill_chunk or max_context, max_context),
+                          kv_elem_bytes=4)
   base = plan(cfg, decls, sizes, 1 << 62, policy)  # re-budgeted below; holds any forced units
   if offload_gb == "auto":
     ab = cost.auto_budget(base, facts, rates, cfg, shape)

@@ -297,6 +297,59 @@ ffi::Error QDequantCpu(ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table, ffi::Bu
   return ffi::Error::Success();
 }
 
+// The grouped-experts contract (kernels_gpu_grouped.cu): x bf16 [T or S, cols]; order int32 [S]
+// lists the slots sorted by expert, offsets int32 [E' + 1] (E' = max(experts, 1)) where each
+// expert's run starts; y[order[p]] = W_e x_slot for p in expert e's run, with bf16-rounded weights
+// and float32 sums (cpu::gemm_bf16_rows); positions from offsets[E'] on are routed nowhere (zero
+// rows, nothing read).
+ffi::Error QMatmulGroupedCpu(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
+                             ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> order,
+                             ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t rows, int64_t cols, int64_t experts) {
+  auto lr = GetLayer(data, table, fmts, layer, cols);
+  if (lr.has_error()) return lr.error();
+  const Layer L = lr.value();
+  const int64_t S = static_cast<int64_t>(order.element_count());
+  const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;
+  const int64_t G = std::max<int64_t>(experts, 1);
+  const int32_t* op = order.typed_data();
+  const int32_t* off = offsets.typed_data();
+  if (static_cast<int64_t>(offsets.element_count()) != G + 1 || nx < 1 || S % nx)
+    return ffi::Error::InvalidArgument("jaxvt qmatmul_grouped: offsets must be [experts + 1] and "
+                                       "x one row per token or per slot");
+  for (int64_t g = 0; g <= G; ++g)
+    if (off[g] < (g ? off[g - 1] : 0) || off[g] > S)
+      return ffi::Error::InvalidArgument("jaxvt qmatmul_grouped: offsets must rise within [0, S]");
+  for (int64_t p = 0; p < S; ++p)
+    if (op[p] < 0 || op[p] >= S)
+      return ffi::Error::InvalidArgument("jaxvt qmatmul_grouped: order must index the slots");
+  const int64_t x_div = S / nx;
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  std::vector<float> xf(nx * cols);
+  for (int64_t i = 0; i < nx * cols; ++i) xf[i] = bf16_to_float(xb[i]);
+  float* yp = y->typed_data();
+  for (int64_t p = off[G]; p < S; ++p) std::fill(yp + op[p] * rows, yp + (op[p] + 1) * rows, 0.f);
+  std::vector<const float*> xr(S);
+  std::vector<float*> yr(S);
+  for (int64_t p = 0; p < S; ++p) {
+    xr[p] = xf.data() + op[p] / x_div * cols;
+    yr[p] = yp + op[p] * rows;
+  }
+  const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
+  const int64_t per = RowsPerTask(rows, G, mat_bytes, S / G + 1);
+  const int64_t tpg = (rows + per - 1) / per;
+  auto task = [&](int64_t t) {
+    const int64_t g = t / tpg, c = t % tpg;
+    if (off[g + 1] == off[g]) return;
+    cpu::gemm_bf16_rows(L.fmt, L.base + g * mat_bytes, cols, off[g + 1] - off[g],
+                        xr.data() + off[g], yr.data() + off[g], c * per,
+                        std::min(rows, (c + 1) * per));
+  };
+  cpu::parallel_for(G * tpg, task);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -368,6 +421,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQDequantCpu, jaxvt::QDequantCpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulGroupedCpu, jaxvt::QMatmulGroupedCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"));

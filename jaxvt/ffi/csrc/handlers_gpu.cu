@@ -153,6 +153,28 @@ ffi::Error QDequantGpu(gpuStream_t s, ffi::AnyBuffer data, ffi::Buffer<ffi::U32>
                 "qdequant");
 }
 
+// x bf16 [T or T*k, cols]; order int32 [S] (slots sorted by expert), offsets int32 [E' + 1]
+// (E' = max(experts, 1)); y [S, rows] in slot order. x holds one row per token (slot s reads row
+// s / (S / rows of x)) or one per slot.
+ffi::Error QMatmulGroupedGpu(gpuStream_t s, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
+                             ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> order,
+                             ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t rows, int64_t cols, int64_t experts) {
+  const int64_t slots = static_cast<int64_t>(order.element_count());
+  const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;
+  const int64_t groups = experts > 0 ? experts : 1;
+  if (static_cast<int64_t>(offsets.element_count()) != groups + 1 || nx < 1 || slots % nx)
+    return ffi::Error::InvalidArgument("jaxvt qmatmul_grouped: offsets must be [experts + 1] and "
+                                       "x one row per token or per slot");
+  return Status(gpu::launch_qmatmul_grouped(
+                    s, Weights(data, table, fmts, layer),
+                    reinterpret_cast<const uint16_t*>(x.untyped_data()), slots / nx,
+                    order.typed_data(), offsets.typed_data(), slots, y->typed_data(), rows, cols,
+                    experts),
+                "qmatmul_grouped");
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -268,6 +290,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsQ8Gpu, jaxvt::QMatmulExpertsQ8G
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulGroupedGpu, jaxvt::QMatmulGroupedGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"),

@@ -129,6 +129,22 @@ bool dequant_rows_bf16(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int6
   });
 }
 
+bool gemm_bf16_rows(int fmt, const uint8_t* w, int64_t cols, int64_t n, const float* const* x,
+                    float* const* y, int64_t r0, int64_t r1) {
+  std::vector<float> row(cols);
+  for (int64_t r = r0; r < r1; ++r) {
+    if (!dequant_rows_f32(fmt, w, cols, r, r + 1, row.data())) return false;
+    for (float& v : row) v = bf16_to_float(float_to_bf16(v));
+    for (int64_t b = 0; b < n; ++b) {
+      const float* xb = x[b];
+      float acc = 0.f;
+      for (int64_t k = 0; k < cols; ++k) acc += row[k] * xb[k];
+      y[b][r] = acc;
+    }
+  }
+  return true;
+}
+
 const char* isa() { return cpu_has_avx2() ? "avx2" : "generic"; }
 
 bool use_avx2() { return cpu_has_avx2(); }

@@ -51,6 +51,13 @@ bool dequant_rows_f32(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int64
 bool dequant_rows_bf16(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1,
                        uint16_t* out);
 
+// The grouped-experts contract (qmatmul_grouped), rows [r0, r1) of the matrix at w:
+// y[b][r] = sum_k bf16(W[r, k]) * x[b][k], the weights rounded to bf16 (nearest even) and each
+// x[b] already bf16-valued floats, so every product is exact in float32; the sum runs in k order
+// in float32.
+bool gemm_bf16_rows(int fmt, const uint8_t* w, int64_t cols, int64_t n, const float* const* x,
+                    float* const* y, int64_t r0, int64_t r1);
+
 // Runs fn(ctx, task) for task in [0, n) on the pool's threads and the caller; returns when all
 // are done. Tasks must be independent. Falls back to the calling thread alone when the pool is
 // busy with another caller.

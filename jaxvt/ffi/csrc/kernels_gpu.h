@@ -1,4 +1,5 @@
-// Launchers of jaxvt's GPU kernels (kernels_gpu.cu, kernels_gpu_experts.cu). Compiled by nvcc or hipcc only.
+// Launchers of jaxvt's GPU kernels (kernels_gpu.cu, kernels_gpu_experts.cu,
+// kernels_gpu_grouped.cu). Compiled by nvcc or hipcc only.
 //
 // Every per-step choice (which layer, its format, its tier and address, which experts) is read by
 // the kernels from device-visible memory; launch geometry depends only on static shapes and the
@@ -44,6 +45,16 @@ gpuError_t launch_qmatmul_experts2(gpuStream_t s, const WeightArgs& w0, const We
                                    const float* x, bool x_per_slot, const int32_t* ids,
                                    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows,
                                    int64_t cols, int64_t experts, bool ggml);
+// Grouped routed experts (kernels_gpu_grouped.cu): y[order[p], r] = sum_k bf16(W_e[r, k]) *
+// x[order[p] / x_div, k] for the sorted positions p in [offsets[e], offsets[e+1]) of each expert e
+// (experts = 0: one plain matrix); positions >= offsets[max(experts, 1)] give zero rows. x is bf16
+// [slots / x_div, cols], order int32 [slots], offsets int32 [max(experts, 1) + 1], y [slots, rows];
+// float32 accumulation on tensor cores (CUDA sm_80+) or FMAs. Each routed expert's bytes are read
+// once per tile of 32 slots.
+gpuError_t launch_qmatmul_grouped(gpuStream_t s, const WeightArgs& w, const uint16_t* x,
+                                  int64_t x_div, const int32_t* order, const int32_t* offsets,
+                                  int64_t slots, float* y, int64_t rows, int64_t cols,
+                                  int64_t experts);
 // out[i, :] = W[ids[i], :] as float32.
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,
                          int64_t rows, int64_t cols);

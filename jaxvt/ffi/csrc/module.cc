@@ -53,6 +53,7 @@ nb::dict Registrations() {
   cpu["jaxvt_swiglu"] = Capsule(JaxvtSwigluCpu);
   cpu["jaxvt_rope"] = Capsule(JaxvtRopeCpu);
   cpu["jaxvt_attention"] = Capsule(JaxvtAttentionCpu);
+  cpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -64,6 +65,7 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_experts2"] = Capsule(JaxvtQMatmulExperts2Gpu);
   gpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Gpu);
   gpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Gpu);
+  gpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;
