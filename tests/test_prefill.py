@@ -127,8 +127,8 @@ def test_products_rule():
   assert p.dense(1, dense) == "matvec" and p.dense(p.tiled_rows - 1, dense) == "matvec"
   assert p.dense(p.tiled_rows, dense) == "tiled"
   assert p.dense(p.stage_rows - 1, dense) == "tiled" and p.dense(p.stage_rows, dense) == "staged"
-  assert p.dense(p.stage_rows_host, host) == "staged"
-  assert p.dense(p.stage_rows_host - 1, host) == "tiled"
+  for n in (1, p.tiled_rows, p.stage_rows - 1, p.stage_rows, 4096):  # the tier changes nothing
+    assert p.dense(n, host) == p.dense(n, dense)
   assert p.dense(4096, head) == "tiled"  # its bf16 copy (970 MiB) is over stage_max_bytes
   assert p.experts(p.grouped_slots - 1) == "matvec" and p.experts(p.grouped_slots) == "grouped"
   # A 12-token prompt (a 16-row program) stages no layer of the 35B model, in either tier.

@@ -13,7 +13,7 @@ gate/up 512 x 2048 with x per token, down 2048 x 512 with x per slot) are timed 
 Times are ms per layer: the best of a few runs of one jitted lax.scan over L copies of the layer
 at distinct addresses (L sized so the copies exceed the GPU's L2), divided by L. The last table
 says from which row count each path first wins and stays fastest, the numbers layers.Products'
-constants (TILED_ROWS, STAGE_ROWS, STAGE_ROWS_HOST, GROUPED_SLOTS) are meant to be set from.
+constants (TILED_ROWS, STAGE_ROWS, GROUPED_SLOTS) are meant to be set from.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ SHAPES = [(2048, 512), (512, 2048), (8192, 2048), (2048, 4096), (4096, 2048)]
 FORMATS = (12, 14)
 ROWS = (1, 4, 8, 16, 32, 64, 128, 512)
 DENSE = {"matvec": Products(), "tiled": Products(tiled_rows=1),
-         "staged": Products(stage_rows=1, stage_rows_host=1)}
+         "staged": Products(stage_rows=1)}
 TIERS = ("device", "host")
 EXPERTS, TOP_K = 256, 8
 EXPERT_MATS = [(12, 512, 2048, False), (14, 2048, 512, True)]  # (format, rows, cols, x per slot)

@@ -19,10 +19,10 @@ from jaxvt.qweight import QMeta, QWeight
 # rows of x, measured by `python -m jaxvt.bench tier --products` (docs/BENCHMARKS.md, "Products by
 # rows"), which times all three for the 35B model's shapes in both tiers.
 TILED_ROWS = 8  # dense: the tensor-core tile kernel (ops.qmatmul_tiled) from this many rows
-STAGE_ROWS = 128  # dense, device tier: stage bf16 (ops.qdequant) + XLA's GEMM from this many
-# dense, a stack with host-tier layers: the tile kernel reads the weights once per 32 rows of x,
-# staging once, and a host read costs ~80x an HBM read, so staging from the second tile on
-STAGE_ROWS_HOST = 33
+# dense: stage bf16 (ops.qdequant) + XLA's GEMM from this many. The rule does not look at the
+# tier: a weight takes the same path, so gives the same bits, from HBM and from the host tier, and
+# tokens do not depend on the offload budget.
+STAGE_ROWS = 128
 STAGE_MAX_BYTES = 512 << 20  # never stage a layer whose bf16 copy is larger (its workspace)
 GROUPED_SLOTS = 64  # routed experts: the grouped kernel (ops.moe_grouped) from this many T*k slots
 
@@ -41,13 +41,12 @@ class Products:
 
   tiled_rows: int = 0
   stage_rows: int = 0
-  stage_rows_host: int = 0
   stage_max_bytes: int = 0  # 0: no limit
   grouped_slots: int = 0
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
-    stage = self.stage_rows_host if meta.any_host else self.stage_rows
+    stage = self.stage_rows
     staged_bytes = 2 * meta.rows * meta.cols * max(meta.experts, 1)
     if stage and n >= stage and not (self.stage_max_bytes and staged_bytes > self.stage_max_bytes):
       return "staged"
@@ -60,8 +59,7 @@ class Products:
     return "grouped" if self.grouped_slots and slots >= self.grouped_slots else "matvec"
 
 
-GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS,
-                        stage_rows_host=STAGE_ROWS_HOST, stage_max_bytes=STAGE_MAX_BYTES,
+GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
                         grouped_slots=GROUPED_SLOTS)
 
 
@@ -131,13 +129,13 @@ def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
 
 
 def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:
-  """[linear(x, w, layer, ex) for w in ws] for matrices that share their input: with kernels and
-  rows below ex.stage_rows, one launch on a GPU (ops.qmatmul_multi; the same bits)."""
+  """[linear(x, w, layer, ex) for w in ws] for matrices that share their input: where every one
+  takes the matvec kernels, one launch on a GPU (ops.qmatmul_multi; the same bits)."""
   from jaxvt.ffi import ops
   ws = list(ws)
   rows = x.size // x.shape[-1]
-  if (not ex.kernels or ex.stage_rows and rows >= ex.stage_rows
-      or any(w.meta.staged for w in ws)):
+  if (not ex.kernels or any(w.meta.staged for w in ws)
+      or any(ex.products.dense(rows, w.meta) != "matvec" for w in ws)):
     return [linear(x, w, layer, ex) for w in ws]
   return ops.qmatmul_multi(x.astype(jnp.float32), ws, layer, ex.numerics)
 
