@@ -19,15 +19,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt import ffi, loader
 from jaxvt.errors import JaxvtError
+from jaxvt.gguf.default_model import default_model_path
+from jaxvt.gguf.names import gguf_name
+from jaxvt.gguf.reader import open_gguf
+from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.model import decoder
-from jaxvt.model.config import ModelConfig
+from jaxvt.model.config import ModelConfig, from_gguf_metadata
+from jaxvt.model.declare import declare
 from jaxvt.model.layers import Exec
+from jaxvt.offload import placement as placement_mod
+from jaxvt.offload.plan import Policy, parse_overrides
+from jaxvt.parallel import load as pload
+from jaxvt.parallel import mesh as mesh_mod
+from jaxvt.parallel import shard
 from jaxvt.sampling import SamplingParams, sample
 
 # GPU prefill: products over at least this many rows stage the layer as bf16 and use XLA's GEMM
-# (Exec.stage_rows). H200, `python -m jaxvt.bench tier` 2026-11-29: a host-tier Q4_K 4096 x 4096
-# layer read in place took 0.220 ms at 1 row and 0.248 at 8; staged 0.233 and 0.232.
+# (Exec.stage_rows): where reading in place and staging cross over, as `python -m jaxvt.bench
+# tier` measures it (docs/BENCHMARKS.md, GPU notes).
 STAGE_ROWS = 8
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
@@ -47,7 +58,6 @@ def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_l
   if ex.par is None:
     return decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
                            logits_at=logits_at)
-  from jaxvt.parallel import shard
   return shard.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
                        logits_at=logits_at)
 
@@ -121,7 +131,6 @@ class Engine:
     # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
     kv = jnp.float16 if self.ex.ggml else jnp.float32
     if self.ex.par is not None:  # each device holds its own heads' KV cache and state
-      from jaxvt.parallel import shard
       return shard.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
     return decoder.init_cache(self.cfg, batch, self.max_context, kv_dtype=kv)
 
@@ -184,9 +193,8 @@ class Engine:
     stopped_by = "max_tokens"
     pos = len(ids)
     t1 = time.perf_counter()
-    # Each step's token is read before the next is dispatched. (Queueing step n+1 on step n's
-    # token while it was still on the device measured slower on the H200, 42 vs 74 tok/s on the
-    # 35B-shaped model, 2026-11-29; the cause was not established.)
+    # Each step's token is read before the next is dispatched (queueing step n+1 on step n's
+    # token still on the device measured slower: docs/BENCHMARKS.md, GPU notes).
     while True:
       if nxt in stops:
         stopped_by = "eos"
@@ -266,20 +274,12 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   memory kind, copied to the device at each use: a benchmark arm); `mesh`: "tp=N", "ep=N" or
   "tp=N,ep=M" shards the model over that many local devices (jaxvt.parallel); then `offload_gb`
   and `device_gb` are per device, and every device plans its own shards the same way."""
-  from jaxvt import ffi, loader
-  from jaxvt.gguf.default_model import default_model_path
-  from jaxvt.gguf.reader import open_gguf
-  from jaxvt.gguf.tokenizer import Tokenizer
-  from jaxvt.model.config import from_gguf_metadata
-  from jaxvt.model.declare import declare
-  from jaxvt.offload import placement as placement_mod
 
   t0 = time.perf_counter()
   path = model or default_model_path()
   gf = open_gguf(path)
   cfg = from_gguf_metadata(gf.metadata)
   decls = declare(cfg)
-  from jaxvt.gguf.names import gguf_name
   cfg = dataclasses.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
   loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
   if max_context < 1 or max_context > cfg.context_length:
@@ -292,11 +292,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   units = loader.unit_bytes(gf, cfg.arch, decls)  # checks every tensor's shape and format
   plan_cfg, copies = cfg, None
   if par:  # per-device shard bytes, KV cache and state: one plan serves every device
-    from jaxvt.parallel import shard
     units, copies = shard.device_units(units, decls, cfg, par)
     plan_cfg = shard.local_config(cfg, par)
   tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
-  from jaxvt.offload.plan import Policy, parse_overrides
   policy = Policy(overrides=parse_overrides(offload_pattern))
   placed = placement_mod.plan_for_engine(plan_cfg, decls, units, offload_gb=offload_gb,
                                          device_gb=device_gb, force=force, device=device,
@@ -313,7 +311,6 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   host_tier = placed.make_host_tier() if placed.host_bytes and host_kind == "host" else None
   try:
     if par:
-      from jaxvt.parallel import load as pload
       weights = pload.load_weights(gf, cfg.arch, decls, cfg, par, where, host_tier, progress)
     else:
       weights = loader.load_weights(gf, cfg.arch, decls, where, host_tier, device, progress)
@@ -342,13 +339,11 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
 
 def _par(mesh: str | None, cfg: ModelConfig, device, host_kind: str):
   """The parallel layout for `mesh` ("tp=2", ...), or None for one device."""
-  from jaxvt.parallel import mesh as mesh_mod
   spec = mesh_mod.parse(mesh)
   if spec is None:
     return None
   if device is not None or host_kind != "host":
     raise JaxvtError("--mesh runs on the mesh's devices with jaxvt's host tier; drop the explicit "
                      "device / host_kind")
-  from jaxvt.parallel import shard
   shard.check(cfg, spec)
   return mesh_mod.Par(mesh_mod.build(spec), head_sharded=shard.head_sharded(cfg, spec))

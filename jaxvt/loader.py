@@ -24,7 +24,7 @@ from jaxvt.gguf import names as gguf_names
 from jaxvt.gguf import quants
 from jaxvt.gguf.reader import GGUFFile, TensorInfo
 from jaxvt.model.declare import WeightDecl
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight, split_u64
 
 Placement = Callable[[str, "int | None"], str]  # (canonical name, layer) -> "device" | "host"
 Progress = Callable[[int], None]  # called with the bytes of each tensor placed
@@ -56,21 +56,14 @@ def _tensor(gf: GGUFFile, arch: str, d: WeightDecl, layer: int | None) -> Tensor
     raise JaxvtError(f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)} from "
                      f"the file's metadata; the file is inconsistent")
   if t.type_id not in quants.FORMATS:
-    raise JaxvtError(f"tensor '{name}' is in unsupported format {_type_name(t.type_id)}; jaxvt "
-                     f"reads {', '.join(f.name for f in quants.FORMATS.values())}: "
+    raise JaxvtError(f"tensor '{name}' is in unsupported format "
+                     f"{quants.format_name(t.type_id)}; jaxvt reads "
+                     f"{', '.join(f.name for f in quants.FORMATS.values())}: "
                      "re-quantize the model to one of them")
-  if not d.matrix and t.type_id not in (0, 1, 30):
-    raise JaxvtError(f"vector tensor '{name}' is quantized ({_type_name(t.type_id)}); "
+  if not d.matrix and t.type_id not in (quants.F32, quants.F16, quants.BF16):
+    raise JaxvtError(f"vector tensor '{name}' is quantized ({quants.format_name(t.type_id)}); "
                      "jaxvt expects F32/F16/BF16 vectors")
   return t
-
-
-def _type_name(type_id: int) -> str:
-  import gguf
-  try:
-    return gguf.GGMLQuantizationType(type_id).name
-  except ValueError:
-    return f"type {type_id}"
 
 
 def _layers(d: WeightDecl) -> tuple[int | None, ...]:
@@ -112,8 +105,8 @@ def _set_rows(buf, i, rows):
 COPY_CHUNK = 32 << 20  # bytes per thread task when copying a tensor
 
 
-def _stage_max() -> int:
-  """Host bytes a device stack may be staged in at once: a quarter of free RAM, >= 1 GiB."""
+def _upload_max() -> int:
+  """Host bytes of a device stack packed for one upload: a quarter of free RAM, >= 1 GiB."""
   try:
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError):
@@ -159,7 +152,7 @@ def _host_copy(host_tier, t: TensorInfo):
   return buf
 
 
-def _stage(tensors: list[TensorInfo], stride: int) -> np.ndarray:
+def _pack(tensors: list[TensorInfo], stride: int) -> np.ndarray:
   """uint8 [len(tensors), stride]: each tensor's raw bytes in one row, zero-padded."""
   out = np.empty((len(tensors), stride), np.uint8)
   for row, t in zip(out, tensors):
@@ -169,14 +162,14 @@ def _stage(tensors: list[TensorInfo], stride: int) -> np.ndarray:
 
 
 def _device_stack(tensors: list[TensorInfo], stride: int, device) -> jax.Array:
-  """The device-tier rows of a stack: staged on the host and uploaded in one transfer, or in
-  pieces of _stage_max() bytes written into one donated device array (device memory stays 1x)."""
-  per = max(1, _stage_max() // stride)
+  """The device-tier rows of a stack: packed on the host and uploaded in one transfer, or in
+  pieces of _upload_max() bytes written into one donated device array (device memory stays 1x)."""
+  per = max(1, _upload_max() // stride)
   if len(tensors) <= per:
-    return jax.device_put(_stage(tensors, stride), device)
+    return jax.device_put(_pack(tensors, stride), device)
   data = jnp.zeros((len(tensors), stride), jnp.uint8, device=device)
   for i in range(0, len(tensors), per):
-    rows = jax.device_put(_stage(tensors[i:i + per], stride), device)
+    rows = jax.device_put(_pack(tensors[i:i + per], stride), device)
     data = _set_rows(data, jnp.int32(i), rows)
   return data
 
@@ -228,7 +221,7 @@ def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, devic
   for slot, i in enumerate(dev_pos):
     table[i] = slot
   meta = QMeta(rows=rows, cols=cols, experts=experts,
-               formats=tuple(sorted(set(int(f) & 0xFFFF for f in fmts))),
+               formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))),
                n_layers=len(tensors), host_layers=tuple(host_pos))
   return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device),
                  meta)
@@ -239,7 +232,7 @@ def _load_jax_pinned(d: WeightDecl, tensors, kinds, device, progress) -> QWeight
   if kinds != {"jax_pinned"}:
     raise JaxvtError(f"'{d.name}': the jax_pinned kind places whole stacks only")
   stride = max(t.n_bytes for t in tensors)
-  data = _stage(tensors, stride)
+  data = _pack(tensors, stride)
   if progress:
     for t in tensors:
       progress(t.n_bytes)

@@ -10,7 +10,7 @@ import pytest
 
 import jaxvt
 from jaxvt import ffi
-from jaxvt.gguf import synth
+from jaxvt import synth
 from jaxvt.model.declare import Role
 from jaxvt.qweight import HOST_BIT
 

@@ -11,7 +11,7 @@ if [ -d .llama/llama.cpp ] && [ ! -x /tmp/llama-build/bin/llama-bench ]; then
   setsid bash -c "LLAMA_JOBS=12 nice -n 19 bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1; rm -f /tmp/llama-build/.building" < /dev/null > /dev/null 2>&1 &
 fi
 M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf
-python3 -c "from jaxvt.gguf import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)" &
+python3 -c "from jaxvt import synth; from jaxvt.model.presets import qwen36_35b_a3b_config as q; synth.write_model('$M', q(n_nextn=1), 'q4_k_m', seed=0)" &
 synth_pid=$!
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 wait $synth_pid

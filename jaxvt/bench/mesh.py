@@ -2,7 +2,7 @@
 
 Issue #7's benchmark. The offload sweep's model (jaxvt.bench.offload.MODEL: Qwen3.6-35B-A3B's
 architecture and tensor layout, valid random Q4_K_M-like weights, ~19 GiB, written by
-jaxvt.gguf.synth when missing) is placed by `jaxvt.load(model, mesh=M, offload_gb=B, force=True)`
+jaxvt.synth when missing) is placed by `jaxvt.load(model, mesh=M, offload_gb=B, force=True)`
 for every mesh M of `--meshes` ("1": one device, no mesh; "tp=2": both GPUs of a 2-GPU host; a
 mesh of two axes is written with "+": "tp=2+ep=2") and every per-device budget B of `--budgets`
 (GiB, "auto": the planner's pick, "all": every offloadable weight, i.e. a budget above what the
@@ -315,7 +315,7 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
   default = os.path.abspath(args.model) == os.path.abspath(MODEL)
   name = "Qwen3.6-35B-A3B-shaped model" if default else f"`{os.path.basename(args.model)}`"
   size = os.path.getsize(args.model) / GiB if os.path.exists(args.model) else 0.0
-  synth = " (jaxvt.gguf.synth: Q4_K_M-like random weights, MTP block)" if default else ""
+  synth = " (jaxvt.synth: Q4_K_M-like random weights, MTP block)" if default else ""
   cmd = (f"python -m jaxvt.bench mesh --meshes {args.meshes} --budgets {args.budgets} "
          f"--prompt {args.prompt} --gen {args.gen} --time-limit {args.time_limit}")
   cmd += f" --device-gb {args.device_gb:g}" if args.device_gb is not None else ""

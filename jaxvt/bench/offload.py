@@ -1,7 +1,7 @@
-"""python -m jaxvt.bench offload: the origin's experiment on a GPU, with jaxvt's design.
+"""python -m jaxvt.bench offload: a 35B MoE model in an emulated 16 GiB GPU, offload budget by budget.
 
 A model with Qwen3.6-35B-A3B's exact architecture and tensor layout and valid random weights
-(Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.gguf.synth) and loaded through
+(Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.synth) and loaded through
 the normal GGUF path. Arms (jaxvt's own each in a child process: the device cap is set before
 JAX starts):
 
@@ -369,16 +369,17 @@ def _offload_child(arm: str, args, env_extra: dict, deadline: float, log, points
 
 
 def ensure_model(path: str, log) -> None:
-  """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.gguf.synth: Q4_K_M-like formats, MTP block,
+  """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.synth: Q4_K_M-like formats, MTP block,
   seed 0) at `path` unless it exists; under another name first, so a cut-off write never
   stays behind as the model."""
   if os.path.exists(path):
     return
-  from jaxvt.gguf import synth
+  from jaxvt import synth
+  from jaxvt.model.presets import qwen36_35b_a3b_config
   t = time.time()
   part = f"{path}.part{os.getpid()}"
   try:
-    synth.write_model(part, synth.qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
+    synth.write_model(part, qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
     os.replace(part, path)
   finally:
     with contextlib.suppress(FileNotFoundError):

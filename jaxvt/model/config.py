@@ -81,6 +81,26 @@ class ModelConfig:
   def kv_dim(self) -> int:
     return self.n_kv_heads * self.head_dim
 
+  @property
+  def q_rows(self) -> int:
+    """Rows of the query projection: the heads' queries, then (qwen35) their output gates."""
+    return self.q_dim * (2 if self.attn_output_gate else 1)
+
+  @property
+  def ssm_qk_dim(self) -> int:
+    """DeltaNet: channels of q (and of k), key heads x key dim."""
+    return self.ssm_k_heads * self.ssm_k_dim
+
+  @property
+  def ssm_inner_dim(self) -> int:
+    """DeltaNet: channels of v (and of z and the output), value heads x value dim."""
+    return self.ssm_v_heads * self.ssm_v_dim
+
+  @property
+  def conv_dim(self) -> int:
+    """DeltaNet: channels of the causal convolution, [q | k | v]."""
+    return 2 * self.ssm_qk_dim + self.ssm_inner_dim
+
 
 def _req(md: Mapping[str, Any], key: str):
   if key not in md:

@@ -68,9 +68,8 @@ def declare(cfg: ModelConfig) -> list[WeightDecl]:
       WeightDecl(name, layers, tuple(shape), role, matrix)) if layers else None
 
   # Attention layers (all layers for llama/qwen3; every interval-th for qwen35).
-  q_rows = cfg.n_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
   add("attn_norm", every, (d,), Role.NORM, V)
-  add("attn.wq", attn, (q_rows, d), Role.ATTENTION, M)
+  add("attn.wq", attn, (cfg.q_rows, d), Role.ATTENTION, M)
   add("attn.wk", attn, (cfg.n_kv_heads * cfg.head_dim, d), Role.ATTENTION, M)
   add("attn.wv", attn, (cfg.n_kv_heads * cfg.v_head_dim, d), Role.ATTENTION, M)
   add("attn.wo", attn, (d, cfg.n_heads * cfg.v_head_dim), Role.ATTENTION, M)
@@ -80,17 +79,16 @@ def declare(cfg: ModelConfig) -> list[WeightDecl]:
 
   # Gated DeltaNet layers.
   if gdn:
-    nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
-    conv_dim = 2 * nk * dk + nv * dv
-    add("gdn.w_qkv", gdn, (conv_dim, d), Role.DELTANET, M)
-    add("gdn.w_z", gdn, (nv * dv, d), Role.DELTANET, M)
+    nv, dv = cfg.ssm_v_heads, cfg.ssm_v_dim
+    add("gdn.w_qkv", gdn, (cfg.conv_dim, d), Role.DELTANET, M)
+    add("gdn.w_z", gdn, (cfg.ssm_inner_dim, d), Role.DELTANET, M)
     add("gdn.w_beta", gdn, (nv, d), Role.DELTANET, M)
     add("gdn.w_alpha", gdn, (nv, d), Role.DELTANET, M)
-    add("gdn.conv", gdn, (conv_dim, cfg.ssm_conv_kernel), Role.SMALL, V)
+    add("gdn.conv", gdn, (cfg.conv_dim, cfg.ssm_conv_kernel), Role.SMALL, V)
     add("gdn.dt_bias", gdn, (nv,), Role.SMALL, V)
     add("gdn.a", gdn, (nv,), Role.SMALL, V)
     add("gdn.norm", gdn, (dv,), Role.NORM, V)
-    add("gdn.w_out", gdn, (d, nv * dv), Role.DELTANET, M)
+    add("gdn.w_out", gdn, (d, cfg.ssm_inner_dim), Role.DELTANET, M)
 
   # FFN: dense or mixture of experts (+ optional shared expert).
   add("ffn_norm", every, (d,), Role.NORM, V)

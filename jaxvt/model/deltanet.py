@@ -155,7 +155,7 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
   b, t, _ = h.shape
   nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
   with jax.named_scope("gdn_in"):
-    mixed = layers.linear(h, w["gdn.w_qkv"], gi, ex)  # [b, t, 2 nk dk + nv dv]
+    mixed = layers.linear(h, w["gdn.w_qkv"], gi, ex)  # [b, t, conv_dim] = [q | k | v]
     z = layers.linear(h, w["gdn.w_z"], gi, ex).reshape(b, t, nv, dv)
     beta = jax.nn.sigmoid(layers.linear(h, w["gdn.w_beta"], gi, ex))  # [b, t, nv]
     alpha = layers.linear(h, w["gdn.w_alpha"], gi, ex)
@@ -166,9 +166,10 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
   with jax.named_scope("gdn_conv"):
     mixed, conv_state = causal_conv(mixed, conv_state, w["gdn.conv"][gi], valid)
     mixed = jax.nn.silu(mixed)
-  q = mixed[..., :nk * dk].reshape(b, t, nk, dk)
-  k = mixed[..., nk * dk:2 * nk * dk].reshape(b, t, nk, dk)
-  v = mixed[..., 2 * nk * dk:].reshape(b, t, nv, dv)
+  qk = cfg.ssm_qk_dim
+  q = mixed[..., :qk].reshape(b, t, nk, dk)
+  k = mixed[..., qk:2 * qk].reshape(b, t, nk, dk)
+  v = mixed[..., 2 * qk:].reshape(b, t, nv, dv)
   q = _l2norm(q) * (dk ** -0.5)
   k = _l2norm(k)
   q = _expand_heads(q, nv, cfg.ssm_value_order)
@@ -180,5 +181,5 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
 
   with jax.named_scope("gdn_out"):
     y = layers.rms_norm(o, w["gdn.norm"][gi], cfg.rms_eps) * jax.nn.silu(z)  # ssm_norm: no +1
-    out = layers.linear(y.reshape(b, t, nv * dv), w["gdn.w_out"], gi, ex)
+    out = layers.linear(y.reshape(b, t, cfg.ssm_inner_dim), w["gdn.w_out"], gi, ex)
   return out, conv_state, ssm_state

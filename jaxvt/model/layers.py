@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt.ffi import ops  # importing it registers the kernels' custom calls with JAX
 from jaxvt.model.config import ModelConfig
+from jaxvt.model.axes import AXES, TP
 from jaxvt.qweight import QWeight
 
 
@@ -68,7 +70,6 @@ def stage(w: QWeight, layer):
 
 def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
-  from jaxvt.ffi import ops  # the ops module registers the custom calls on first import
   w, layer = stage(w, layer)
   if ex.kernels and ex.stage_rows and x.size // x.shape[-1] >= ex.stage_rows:
     return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, layer).T,
@@ -83,13 +84,11 @@ def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
   ("ep", "tp") for routed experts (jaxvt.parallel). The identity on one device."""
   if ex.par is None:
     return x
-  from jaxvt.parallel.mesh import AXES, TP
   return jax.lax.psum(x, AXES if experts else TP)
 
 
 def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
   """ids int32 [...] -> float32 [..., cols]: rows of a (quantized) embedding table."""
-  from jaxvt.ffi import ops
   fn = ops.qembed if ex.kernels else ops.qembed_ref
   return fn(ids, w, jnp.int32(0))
 
@@ -98,7 +97,6 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = No
   """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
   With a ggml-numerics `ex`, ggml's rounding (jaxvt.ffi.ops.rms_norm)."""
   if ex is not None and ex.ggml:
-    from jaxvt.ffi import ops
     return ops.rms_norm(x, w, eps, kernels=ex.kernels)
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -114,7 +112,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
   ggml-numerics `ex`, ggml_rope_ext's angles and rounding (jaxvt.ffi.ops.rope).
   """
   if ex is not None and ex.ggml:
-    from jaxvt.ffi import ops
     return ops.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
   half = rope_dim // 2
   inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dim)
@@ -165,7 +162,6 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   v_cache = v_cache.at[ai, bidx, positions].set(v.astype(v_cache.dtype), mode="drop")
 
   if ex.ggml:
-    from jaxvt.ffi import ops
     nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
     o = ops.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
@@ -194,7 +190,6 @@ def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
   """Dense SwiGLU FFN: down(silu(gate x) * up x)."""
   g, u = linear(x, w_gate, li, ex), linear(x, w_up, li, ex)
   if ex.ggml:
-    from jaxvt.ffi import ops
     h = ops.swiglu(g, u, kernels=ex.kernels)
   else:
     h = jax.nn.silu(g) * u

@@ -34,10 +34,10 @@ import weakref
 import numpy as np
 
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import extension
 
 
 def _ext():
-  from jaxvt.ffi import extension
   ext = extension()
   if ext is None:
     raise JaxvtError("the host tier needs jaxvt's compiled extension; reinstall jaxvt "

@@ -11,10 +11,21 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+
+from jaxvt import loader
 from jaxvt.errors import JaxvtError
-from jaxvt.model.config import ModelConfig
+from jaxvt.gguf.names import gguf_name
+from jaxvt.gguf.reader import open_gguf
+from jaxvt.model.config import ModelConfig, from_gguf_metadata
+from jaxvt.model.declare import declare
+from jaxvt.model.presets import PRESETS
 from jaxvt.offload import cost, memory, probe, report
-from jaxvt.offload.plan import DEVICE, GiB, HOST, Plan, Policy, ceil_gib, plan
+from jaxvt.offload.host_tier import HostTier
+from jaxvt.offload.plan import (DEVICE, GiB, HOST, Q4_K_S_LIKE, Plan, Policy, ceil_gib,
+                                estimate_bytes, parse_overrides, plan)
+from jaxvt.parallel import mesh as mesh_mod
+from jaxvt.parallel import shard
 
 
 @dataclasses.dataclass
@@ -46,7 +57,6 @@ class Placed:
     return self.plan.host_bytes
 
   def make_host_tier(self):
-    from jaxvt.offload.host_tier import HostTier
     return HostTier()
 
   def report(self) -> str:
@@ -75,7 +85,7 @@ class Placed:
 
 
 def _facts(device, device_gb: float | None) -> memory.DeviceFacts:
-  platform = probe._platform_of(device)  # pylint: disable=protected-access
+  platform = probe.platform_of(device)
   if device_gb is None and platform == "cpu":
     avail = memory.read_mem_available()
     if avail is None:
@@ -94,7 +104,6 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   KV heads; jaxvt.parallel.shard): the same plan holds for every device. `host_copies` maps a
   unit to the pinned copies the host needs (one per distinct shard; a replicated weight is one
   buffer every device reads), so the host-RAM check counts the whole host tier."""
-  import jax
   device = device or jax.devices()[0]
   sizes = {(u.name, u.layer): u.nbytes for u in units}
   facts = _facts(device, device_gb)
@@ -123,26 +132,16 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   return Placed(placed, facts, bd, rates, pred, safe, reason, devices, cfg, shape)
 
 
-# Weightless model descriptions `--plan --model NAME` accepts: (config builder, format recipe).
-PRESETS = {"qwen3.6-35b-a3b": "a Qwen3.6-35B-A3B-shaped model, Q4_K_S-like formats"}
-
-
 def _weightless(name: str):
-  from jaxvt.gguf import synth
-  from jaxvt.model.declare import declare
-  from jaxvt.offload.plan import Q4_K_S_LIKE, estimate_bytes
-  from jaxvt.loader import UnitBytes
-  cfg = synth.qwen36_35b_a3b_config(n_nextn=0)
+  cfg = PRESETS[name][1]()
   decls = declare(cfg)
   sizes = estimate_bytes(decls, Q4_K_S_LIKE)
-  units = [UnitBytes(n, l, b, -1) for (n, l), b in sizes.items()]
+  units = [loader.UnitBytes(n, l, b, -1) for (n, l), b in sizes.items()]
   return cfg, decls, units
 
 
 def _per_device(cfg: ModelConfig, decls, units, mesh: str | None):
   """(cfg, units, host copies, devices) as one device of `mesh` plans them (jaxvt.parallel)."""
-  from jaxvt.parallel import mesh as mesh_mod
-  from jaxvt.parallel import shard
   spec = mesh_mod.parse(mesh)
   if spec is None:
     return cfg, units, None, 1
@@ -158,32 +157,30 @@ def _plan_text(placed: Placed, mesh: str | None) -> str:
 
 
 def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
-                max_context: int = 2048, mesh: str | None = None) -> str:
+                max_context: int = 2048, mesh: str | None = None,
+                offload_pattern: tuple[str, ...] = ()) -> str:
   """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without loading
   any weights; with `mesh`, one device's plan (its shards, its budget)."""
+  policy = Policy(overrides=parse_overrides(offload_pattern))
   if path.lower() in PRESETS and not os.path.exists(path):
     cfg, decls, units = _weightless(path.lower())
     pcfg, units, copies, n = _per_device(cfg, decls, units, mesh)
     placed = plan_for_engine(pcfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
-                             force=True, max_context=max_context, host_copies=copies, devices=n)
-    return (f"model: {PRESETS[path.lower()]} (weightless; {cfg.n_layers} layers)\n"
+                             force=True, max_context=max_context, host_copies=copies, devices=n,
+                             policy=policy)
+    return (f"model: {PRESETS[path.lower()][0]} (weightless; {cfg.n_layers} layers)\n"
             + _plan_text(placed, mesh))
-  import dataclasses as dc
 
-  from jaxvt import loader
-  from jaxvt.gguf.names import gguf_name
-  from jaxvt.gguf.reader import open_gguf
-  from jaxvt.model.config import from_gguf_metadata
-  from jaxvt.model.declare import declare
   gf = open_gguf(path)
   cfg = from_gguf_metadata(gf.metadata)
-  cfg = dc.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
+  cfg = dataclasses.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
   decls = declare(cfg)
   loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
   units = loader.unit_bytes(gf, cfg.arch, decls)
   pcfg, units, copies, n = _per_device(cfg, decls, units, mesh)
   placed = plan_for_engine(pcfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
-                           force=True, max_context=max_context, host_copies=copies, devices=n)
+                           force=True, max_context=max_context, host_copies=copies, devices=n,
+                             policy=policy)
   return f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n" + _plan_text(placed, mesh)
 
 

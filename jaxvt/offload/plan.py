@@ -46,6 +46,8 @@ import types
 from typing import Iterable, Mapping, Sequence
 
 from jaxvt.errors import JaxvtError
+from jaxvt.gguf.formats import F16, F32, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, row_bytes
+from jaxvt.gguf.names import gguf_name
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import OFFLOADABLE, Role, WeightDecl
 
@@ -57,36 +59,10 @@ GiB = 1 << 30
 Unit = tuple[str, "int | None"]  # (canonical name, layer); layer None for a global tensor
 TensorBytes = Mapping[Unit, int]  # unit -> bytes of that unit in its GGUF format
 
-# ggml type ids (gguf.GGMLQuantizationType).
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
-
 # Ranks of the default policy; equal ranks interleave by layer (see the module docstring).
 DEFAULT_ORDER: tuple[tuple[Role, ...], ...] = (
     (Role.EMBEDDING,), (Role.ROUTED_EXPERTS,), (Role.DENSE_FFN,),
     (Role.SHARED_EXPERT, Role.DELTANET), (Role.ATTENTION,), (Role.OUTPUT,))
-
-
-# (elements, bytes) per block of the nine formats jaxvt runs, for when jaxvt.gguf.quants (which
-# needs the gguf package) cannot be imported, e.g. on a device machine running the probe.
-_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20),
-           Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-
-
-def row_bytes(type_id: int, cols: int) -> int:
-  """Bytes of one row of `cols` elements in ggml format `type_id` (jaxvt.gguf.quants.row_bytes
-  when importable); JaxvtError for an unsupported format or a partial block."""
-  try:
-    from jaxvt.gguf.quants import row_bytes as _rb  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    _rb = None
-  if _rb is not None:
-    return int(_rb(type_id, cols))
-  if type_id not in _BLOCKS:
-    raise JaxvtError(f"ggml type {type_id} is not a format jaxvt runs")
-  elems, nbytes = _BLOCKS[type_id]
-  if cols <= 0 or cols % elems:
-    raise JaxvtError(f"{cols} columns are not whole blocks of {elems} for ggml type {type_id}")
-  return cols // elems * nbytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,10 +226,10 @@ def read_fraction(role: Role, cfg: ModelConfig, batch: int, tied: bool = False) 
 
 
 def _gguf_name(arch: str, name: str, layer: int | None) -> str:
+  """The unit's GGUF tensor name, or "" where the name table has none."""
   try:
-    from jaxvt.gguf.names import gguf_name  # pylint: disable=import-outside-toplevel
     return gguf_name(arch, name, layer)
-  except (JaxvtError, ValueError, ImportError):
+  except (JaxvtError, ValueError):
     return ""
 
 

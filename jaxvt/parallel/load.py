@@ -33,7 +33,7 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import WeightDecl
 from jaxvt.parallel import shard
 from jaxvt.parallel.mesh import Par
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight, split_u64
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -108,7 +108,7 @@ def _matrix(gf, arch: str, d: WeightDecl, r: shard.Rule, par: Par, placement, ho
     arrays.append(_device_rows(tensors, dev_pos, d, r, s, stride, device))
   data = jax.make_array_from_single_device_arrays(gshape, sharding, arrays)
   meta = QMeta(rows=lshape[-2], cols=lshape[-1], experts=lshape[0] if experts else 0,
-               formats=tuple(sorted(set(int(f) & 0xFFFF for f in fmts))), n_layers=L,
+               formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))), n_layers=L,
                host_layers=tuple(host_pos))
   table = split_u64(table.reshape(-1)).reshape(S, L, 2)
   return QWeight(data, jax.device_put(table, sharding),
