@@ -7,6 +7,7 @@ one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags
@@ -135,8 +136,8 @@ def main(argv: list[str]) -> int:
   try:
     _validate(F)
     offload = parse_offload(F.offload_gb)
-    import os
-
+    # jaxvt's modules are imported here, not at the top: a bad flag or path is reported before
+    # JAX starts
     from jaxvt.gguf.default_model import default_model_path
     from jaxvt.model.presets import PRESETS
 
@@ -144,17 +145,16 @@ def main(argv: list[str]) -> int:
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
       from jaxvt.gguf.reader import check_path
       check_path(path)  # before JAX starts: a bad path is reported at once
-    if F.plan:
-      from jaxvt.offload import placement
-      print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                                  max_context=F.max_context, mesh=F.mesh,
-                                  offload_pattern=tuple(F.offload_pattern)))
-      return 0
-    if F.coordinator is not None:
+    if F.coordinator is not None and not F.plan:
       from jaxvt.parallel import mesh
       mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
+    if F.plan:
+      print(engine_mod.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
+                                   max_context=F.max_context, mesh=F.mesh,
+                                   offload_pattern=tuple(F.offload_pattern)))
+      return 0
     bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
 
     def show_plan(placed):

@@ -182,7 +182,7 @@ def test_device_stack_uploaded_in_pieces_matches_one_transfer(monkeypatch):
   monkeypatch.setattr(loader, "COPY_CHUNK", 1000)  # threaded copy in many pieces
   src = rng.integers(0, 255, 10_007, dtype=np.uint8)
   dst = np.zeros_like(src)
-  loader._copy(dst, src)
+  loader.copy_bytes(dst, src)
   np.testing.assert_array_equal(dst, src)
 
 

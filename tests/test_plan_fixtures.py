@@ -30,7 +30,7 @@ CONFIGS = {"qwen36_35b": qwen36_35b, "smollm2_135m": smollm2_135m}
 def model(name):
   cfg = CONFIGS[name]()
   decls = declare(cfg)
-  sizes = P.estimate_bytes(decls, tied_embeddings=cfg.tied_embeddings)
+  sizes = P.estimate_bytes(decls)
   return cfg, decls, sizes
 
 

@@ -59,8 +59,9 @@ def kernel_modes() -> list:
 
 def device_weights(path: str, cfg) -> dict:
   from jaxvt import loader
-  gf = open_gguf(path)
-  return loader.load_weights(gf, cfg.arch, declare(cfg))
+  m = loader.open_model(path)
+  assert m.cfg == cfg
+  return loader.place(m)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from jaxvt import ffi
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import BF16, FORMATS, Q4_1, Q4_K, Q6_K, Q8_0
-from jaxvt.offload.host_tier import HostTier
+from jaxvt.bench.arms import KindTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 # The formats measured, with the byte offsets of each block's f16 scales (random bytes there
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
       raw = random_matrix(rng, fmt, rows, cols)
       layers = max(2, min(512, -(-n // raw.size)))
       for tier_name in tiers:
-        with HostTier(coherent=args.coherent) as tier:
+        with KindTier("pinned", coherent=args.coherent) as tier:
           w = stack(raw, fmt, rows, cols, layers, tier if tier_name == "host" else None, device)
           cells = []
           for b in batches:

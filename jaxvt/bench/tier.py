@@ -16,6 +16,9 @@ import numpy as np
 
 from jaxvt import ffi
 from jaxvt.bench import kernels as kb
+from jaxvt.bench import report
+from jaxvt.bench.arms import KINDS
+from jaxvt.bench.profile import device_seconds
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import FORMATS
@@ -47,7 +50,6 @@ def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[flo
   mode = default_mode(device.platform)
   best, once = kb.best_scan_time(lambda x, l: ops.qmatmul_experts(x, w, l, ids[l], mode),
                                  w.meta.n_layers, x, reps)
-  from jaxvt.bench.profile import device_seconds
   return best, device_seconds(once, "experts")
 
 
@@ -108,7 +110,6 @@ def kinds_probe(ext) -> str:
   """Each way of allocating host-tier memory (HostTier kind): copy and streaming-read rates, at
   256 MiB and at a small matrix's size, and the matvec kernel alone on the shapes that read
   slowest (GPU only). % is of the best 256 MiB cudaMemcpy of any kind."""
-  from jaxvt.offload.host_tier import KINDS
   small = 2048 * 512 // 256 * 144  # a Q4_K 2048 x 512 matrix's bytes
   shapes = [(12, 4096, 14336), (14, 4096, 4096), (12, 14336, 4096), (12, 2048, 512)]
   rows = {}
@@ -138,7 +139,6 @@ def kinds_probe(ext) -> str:
 
 
 def main(args) -> str:
-  from jaxvt.bench import report
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
   if getattr(args, "kinds", False):

@@ -54,23 +54,9 @@ class Exec:
     return self.numerics == "ggml"
 
 
-def stage(w: QWeight, layer):
-  """For a QWeight in JAX's pinned_host memory (meta.staged): copy layer `layer` to the device
-  (a DMA of the whole layer, as jax.device_put inside the scan does) and return (that one-layer
-  device QWeight, 0). Any other QWeight is returned as is."""
-  if not w.meta.staged:
-    return w, layer
-  row = jax.device_put(jax.lax.dynamic_index_in_dim(w.data, layer, 0, keepdims=True),
-                       jax.memory.Space.Device)
-  meta = dataclasses.replace(w.meta, n_layers=1, staged=False, host_layers=())
-  one = QWeight(row, jnp.zeros((1, 2), jnp.uint32), jax.lax.dynamic_slice_in_dim(w.fmts, layer, 1),
-                meta)
-  return one, jnp.int32(0)
-
-
 def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
-  w, layer = stage(w, layer)
+  w, layer = w.layer_view(layer)
   if ex.kernels and ex.stage_rows and x.size // x.shape[-1] >= ex.stage_rows:
     return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, layer).T,
                    preferred_element_type=jnp.float32)

@@ -118,7 +118,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
-    (wg, lg), (wu, _), (wd, _) = (layers.stage(w[n], li) for n in
+    (wg, lg), (wu, _), (wd, _) = (w[n].layer_view(li) for n in
                                   ("moe.w_gate", "moe.w_up", "moe.w_down"))
     y = routed(x, wg, wu, wd, lg, ids, wts)  # sharded: this device's experts' partial sum
   if cfg.shared_ffn_dim:

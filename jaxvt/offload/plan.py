@@ -111,13 +111,10 @@ def decl_units(decl: WeightDecl) -> list[Unit]:
   return [(decl.name, None)] if decl.layers is None else [(decl.name, l) for l in decl.layers]
 
 
-def estimate_bytes(decls: Sequence[WeightDecl], recipe: Recipe = Q4_K_S_LIKE, *,
-                   tied_embeddings: bool = False) -> dict[Unit, int]:
-  """Unit -> bytes for a model without its file; `lm_head` is omitted when embeddings are tied."""
+def estimate_bytes(decls: Sequence[WeightDecl], recipe: Recipe = Q4_K_S_LIKE) -> dict[Unit, int]:
+  """Unit -> bytes for a model without its file."""
   out: dict[Unit, int] = {}
   for d in decls:
-    if d.name == "lm_head" and tied_embeddings:
-      continue
     t = recipe.type_of(d)
     rows = d.numel // d.shape[-1]
     nbytes = rows * row_bytes(t, d.shape[-1])
@@ -235,15 +232,13 @@ def _gguf_name(arch: str, name: str, layer: int | None) -> str:
 
 def unit_infos(cfg: ModelConfig, decls: Sequence[WeightDecl], sizes: TensorBytes,
                batch: int = 1) -> tuple[UnitInfo, ...]:
-  """One UnitInfo per unit present in `sizes`, in declaration order."""
-  tied = ("lm_head", None) not in sizes
+  """One UnitInfo per unit of the declarations, in declaration order."""
+  tied = cfg.tied_embeddings
   seen = set()
   out = []
   for d in decls:
     for u in decl_units(d):
       if u not in sizes:
-        if d.optional:
-          continue
         raise ValueError(f"no byte size for {u}")
       seen.add(u)
       nbytes = int(sizes[u])

@@ -37,12 +37,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxvt import loader
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf import names, quants
 from jaxvt.model import decoder
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.declare import Role, WeightDecl, declare
+from jaxvt.model.declare import Role, UnitBytes, WeightDecl, declare
 from jaxvt.model.axes import AXES, TP
 from jaxvt.parallel.mesh import MeshSpec, Par
 from jaxvt.qweight import QWeight
@@ -220,7 +219,7 @@ def shard_bytes(raw: np.ndarray, type_id: int, d: WeightDecl, r: Rule, s: int,
 
 
 def device_units(units, decls: list[WeightDecl], cfg: ModelConfig, par: Par | MeshSpec):
-  """The file's units (jaxvt.loader.UnitBytes) -> (one device's units for the planner,
+  """The file's units (jaxvt.model.declare.UnitBytes) -> (one device's units for the planner,
   {unit: distinct shards}, the pinned host copies a host-tier unit needs).
 
   A shard's bytes are its share of the elements (every split is whole rows, experts or blocks).
@@ -236,7 +235,7 @@ def device_units(units, decls: list[WeightDecl], cfg: ModelConfig, par: Par | Me
       label = names.gguf_name(cfg.arch, d.name, u.layer)
       _col_blocks(r.index(0), f.block_elems, f"tensor '{label}' ({f.name})")
     share = int(np.prod(local_shape(d, r)))
-    out.append(loader.UnitBytes(u.name, u.layer, u.nbytes * share // d.numel, u.type_id))
+    out.append(UnitBytes(u.name, u.layer, u.nbytes * share // d.numel, u.type_id))
     copies[(u.name, u.layer)] = n_shards(r, par) if d.matrix else 1
   return out, copies
 
