@@ -1,8 +1,15 @@
-"""load → plan → place → jitted prefill / decode_step → generate: the notebook API.
+"""open → plan → place → Engine: jitted prefill / decode and generate (the notebook API).
 
     engine = jaxvt.load()                       # the embedded default model
     out = engine.generate("The capital of France is", max_tokens=16)
-    logits, cache = engine.prefill_fn(engine.weights, cache, tokens, positions, valid, last)
+    logits, cache = prefill_fn(engine.weights, cache, tokens, positions, valid, last, ...)
+
+`load` is the public steps with defaults, which a benchmark or a notebook may also compose:
+
+    model = open_model(path)                    # jaxvt.loader: config, declarations, bytes
+    placed = plan(model, offload_gb=4)          # jaxvt.offload: where each weight goes, checked
+    weights = place(model, placed, host=HostTier())   # jaxvt.loader: the weights pytree
+    engine = Engine(model.cfg, exec_for(platform, kernels), weights, tokenizer, max_context)
 
 `prefill_fn` and `decode_fn` are pure jitted functions of (weights, cache, tokens, ...); the
 Engine only holds what they need and does the bookkeeping (buckets, positions, sampling keys).
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, Iterable
 
@@ -19,11 +27,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt import ffi, loader
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import numerics
+from jaxvt.gguf.tokenizer import Tokenizer
+from jaxvt.loader import Model, open_model
 from jaxvt.model import decoder
 from jaxvt.model.config import ModelConfig
+from jaxvt.model.declare import UnitBytes, declare
 from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
+from jaxvt.model.presets import PRESETS
+from jaxvt.offload import placement as placement_mod
+from jaxvt.offload.host_tier import HostTier
+from jaxvt.offload.placement import Placed
+from jaxvt.offload.plan import Q4_K_S_LIKE, Policy, estimate_bytes, parse_overrides
+from jaxvt.parallel import load as pload
+from jaxvt.parallel import mesh as mesh_mod
+from jaxvt.parallel import shard
+from jaxvt.parallel.mesh import MeshSpec
 from jaxvt.sampling import SamplingParams, sample
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -61,7 +82,6 @@ def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_l
   if ex.par is None:
     return decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
                            logits_at=logits_at)
-  from jaxvt.parallel import shard
   return shard.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
                        logits_at=logits_at)
 
@@ -162,7 +182,6 @@ class Engine:
     # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
     kv = jnp.float16 if self.ex.ggml else jnp.float32
     if self.ex.par is not None:  # each device holds its own heads' KV cache and state
-      from jaxvt.parallel import shard
       return shard.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
     return decoder.init_cache(self.cfg, batch, self.max_context, kv_dtype=kv)
 
@@ -205,10 +224,9 @@ class Engine:
   # ---- generation ----------------------------------------------------------------------
   def generate(self, prompt: str | list[int], max_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), seed: int = 0, chat: bool = False,
-               on_text: Callable[[str], None] | None = None,
-               stop_at_eos: bool = True) -> Generation:
-    """Generates up to `max_tokens` after `prompt` (text, or token ids); streams via on_text.
-    stop_at_eos=False keeps going past end-of-generation tokens (benchmarks)."""
+               on_text: Callable[[str], None] | None = None) -> Generation:
+    """Generates up to `max_tokens` after `prompt` (text, or token ids), stopping early at the
+    tokenizer's end-of-generation tokens; streams via on_text."""
     tok = self.tokenizer
     if isinstance(prompt, str):
       if chat:
@@ -219,7 +237,7 @@ class Engine:
     if not ids:
       raise JaxvtError("the prompt is empty; pass --prompt TEXT")
     stats = GenerationStats(prompt_tokens=len(ids))
-    stops = set(tok.stop_ids) if stop_at_eos else set()
+    stops = set(tok.stop_ids)
     key = jax.random.key(seed)
     stream = tok.stream_decoder()
 
@@ -308,83 +326,89 @@ def exec_for(platform: str, kernels: bool, par=None) -> Exec:
               products=GPU_PRODUCTS if gpu and kernels else Products())
 
 
+def open_preset(name: str) -> Model:
+  """A weightless model of jaxvt.model.presets.PRESETS: its configuration and declarations, and
+  each unit's bytes estimated for Q4_K_S-like formats (what `--plan --model NAME` plans)."""
+  cfg = PRESETS[name][1]()
+  decls = declare(cfg)
+  units = [UnitBytes(n, l, b, -1) for (n, l), b in estimate_bytes(decls, Q4_K_S_LIKE).items()]
+  return Model(name, cfg, decls, units)
+
+
+def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
+         force: bool = False, device=None, max_context: int = 2048, kernels: bool | None = None,
+         offload_pattern: tuple[str, ...] = (), mesh: MeshSpec | None = None,
+         prefill_chunk: int = PREFILL_CHUNK) -> Placed:
+  """Where each of `model`'s weights goes, checked against the device's memory (JaxvtError for
+  a plan that does not fit, unless `force`). `offload_gb`: GiB of weights for the host tier, or
+  "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
+  (`REGEX[=host|device]`) forcing matching weights' tier, counted against the budget; `kernels`:
+  whether the FFI kernels run (default: whether they exist for `device`). With `mesh` the plan
+  is one device's (its shards of every weight, its KV heads), the budgets are per device, and
+  the same plan holds for every device of the mesh. `prefill_chunk`: tokens per prefill call
+  (capped at max_context): the workspace planned for is a chunk this long's."""
+  if prefill_chunk < 1:
+    raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
+  device = device or jax.devices()[0]
+  kernels = ffi.available(device.platform) if kernels is None else kernels
+  cfg, units, copies, n = model.cfg, model.units, None, 1
+  if mesh is not None:
+    shard.check(model.cfg, mesh)
+    units, copies = shard.device_units(units, model.decls, model.cfg, mesh)
+    cfg, n = shard.local_config(model.cfg, mesh), mesh.size
+  return placement_mod.plan_for_engine(
+      cfg, model.decls, units, offload_gb=offload_gb, device_gb=device_gb, force=force,
+      device=device, max_context=max_context, kernels=kernels,
+      policy=Policy(overrides=parse_overrides(offload_pattern)), host_copies=copies, devices=n,
+      prefill_chunk=prefill_chunk)
+
+
+def place(model: Model, placed: Placed, *, par=None, device=None, host=None,
+          progress: Callable[[int], None] | None = None) -> dict:
+  """`model`'s weights where `placed` puts them: on `device` (or over the mesh of `par`) and in
+  the host tier `host` (needed when the plan offloads). Returns the weights pytree."""
+  if par is not None:
+    return pload.load_weights(model, par, placed.placement, host, progress)
+  return loader.place(model, placed.placement, host=host, device=device, progress=progress)
+
+
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
-         on_plan: Callable[[object], None] | None = None, offload_pattern: tuple[str, ...] = (),
-         host_kind: str = "host", mesh: str | None = None,
-         prefill_chunk: int = PREFILL_CHUNK) -> Engine:
+         on_plan: Callable[[Placed], None] | None = None, offload_pattern: tuple[str, ...] = (),
+         mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
-  places the weights and returns an Engine. `offload_gb`: GiB of weights for the host tier, or
-  "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
-  (`REGEX[=host|device]`) forcing matching weights' tier, counted against the budget;
-  `host_kind`: "host" (jaxvt's host tier, read in place) or "jax_pinned" (JAX's pinned_host
-  memory kind, copied to the device at each use: a benchmark arm); `mesh`: "tp=N", "ep=N" or
-  "tp=N,ep=M" shards the model over that many local devices (jaxvt.parallel); then `offload_gb`
-  and `device_gb` are per device, and every device plans its own shards the same way;
-  `prefill_chunk`: tokens per prefill call (capped at max_context): the planner budgets the
-  workspace of a chunk this long, and longer prompts run in chunks of it."""
-  from jaxvt import ffi, loader
-  from jaxvt.gguf.default_model import default_model_path
-  from jaxvt.gguf.reader import open_gguf
-  from jaxvt.gguf.tokenizer import Tokenizer
-  from jaxvt.model.config import from_gguf_metadata
-  from jaxvt.model.declare import declare
-  from jaxvt.offload import placement as placement_mod
-
+  places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
+  `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
+  `mesh`: "tp=N", "ep=N" or "tp=N,ep=M" shards the model over that many local devices
+  (jaxvt.parallel), and then `offload_gb` and `device_gb` are per device; `on_plan` sees the plan
+  before anything is placed."""
   t0 = time.perf_counter()
-  path = model or default_model_path()
-  gf = open_gguf(path)
-  cfg = from_gguf_metadata(gf.metadata)
-  decls = declare(cfg)
-  from jaxvt.gguf.names import gguf_name
-  cfg = dataclasses.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
-  loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
+  m = open_model(model)
+  cfg = m.cfg
   if max_context < 1 or max_context > cfg.context_length:
     raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
                      "model's trained context); pick a value in that range")
-  if prefill_chunk < 1:
-    raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
-  par = _par(mesh, cfg, device, host_kind)
+  par = _par(mesh, cfg, device)
   device = par.mesh.devices.flat[0] if par else device or jax.devices()[0]
   if kernels is None:
     kernels = ffi.available(device.platform)
-  units = loader.unit_bytes(gf, cfg.arch, decls)  # checks every tensor's shape and format
-  plan_cfg, copies = cfg, None
-  if par:  # per-device shard bytes, KV cache and state: one plan serves every device
-    from jaxvt.parallel import shard
-    units, copies = shard.device_units(units, decls, cfg, par)
-    plan_cfg = shard.local_config(cfg, par)
-  tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
-  from jaxvt.offload.plan import Policy, parse_overrides
-  policy = Policy(overrides=parse_overrides(offload_pattern))
-  placed = placement_mod.plan_for_engine(plan_cfg, decls, units, offload_gb=offload_gb,
-                                         device_gb=device_gb, force=force, device=device,
-                                         max_context=max_context, kernels=kernels,
-                                         policy=policy, host_copies=copies,
-                                         devices=par.size if par else 1,
-                                         prefill_chunk=prefill_chunk)
+  tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata)
+  placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
+                max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
+                mesh=par.spec if par else None, prefill_chunk=prefill_chunk)
   if on_plan:
     on_plan(placed)
-  where = placed.placement
-  if host_kind == "jax_pinned":
-    where = lambda n, l: "jax_pinned" if placed.placement(n, l) == "host" else "device"
-  elif host_kind != "host":
-    raise ValueError(f"host_kind must be 'host' or 'jax_pinned', not {host_kind!r}")
-  host_tier = placed.make_host_tier() if placed.host_bytes and host_kind == "host" else None
+  host_tier = HostTier() if placed.host_bytes else None
   try:
-    if par:
-      from jaxvt.parallel import load as pload
-      weights = pload.load_weights(gf, cfg.arch, decls, cfg, par, where, host_tier, progress)
-    else:
-      weights = loader.load_weights(gf, cfg.arch, decls, where, host_tier, device, progress)
+    weights = place(m, placed, par=par, device=device, host=host_tier, progress=progress)
   except BaseException:
     if host_tier is not None:
       host_tier.close()
     raise
   ex = exec_for(device.platform, kernels, par)
   eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
-               path=path, load_seconds=time.perf_counter() - t0, plan=placed,
+               path=m.path, load_seconds=time.perf_counter() - t0, plan=placed,
                host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk)
   # Where memory is planned tight (weights offloaded, or --device-gb), the estimate of the
   # program's workspace is replaced by XLA's own analysis of the largest prefill, and the plan
@@ -401,15 +425,27 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   return eng
 
 
-def _par(mesh: str | None, cfg: ModelConfig, device, host_kind: str):
+def _par(mesh: str | None, cfg: ModelConfig, device):
   """The parallel layout for `mesh` ("tp=2", ...), or None for one device."""
-  from jaxvt.parallel import mesh as mesh_mod
   spec = mesh_mod.parse(mesh)
   if spec is None:
     return None
-  if device is not None or host_kind != "host":
-    raise JaxvtError("--mesh runs on the mesh's devices with jaxvt's host tier; drop the explicit "
-                     "device / host_kind")
-  from jaxvt.parallel import shard
+  if device is not None:
+    raise JaxvtError("--mesh runs on the mesh's devices; drop the explicit device")
   shard.check(cfg, spec)
   return mesh_mod.Par(mesh_mod.build(spec), head_sharded=shard.head_sharded(cfg, spec))
+
+
+def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
+                max_context: int = 2048, mesh: str | None = None,
+                offload_pattern: tuple[str, ...] = ()) -> str:
+  """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without placing
+  any weights; with `mesh`, one device's plan (its shards, its budget)."""
+  weightless = path.lower() in PRESETS and not os.path.exists(path)
+  m = open_preset(path.lower()) if weightless else open_model(path)
+  placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=True,
+                max_context=max_context, kernels=True, offload_pattern=offload_pattern,
+                mesh=mesh_mod.parse(mesh))
+  head = (f"{PRESETS[m.path][0]} (weightless; {m.cfg.n_layers} layers)" if weightless else
+          f"{path} ({m.cfg.arch}, {m.cfg.n_layers} layers)")
+  return f"model: {head}\n" + placed.plan_text(mesh)

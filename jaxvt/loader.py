@@ -1,9 +1,21 @@
-"""Placing a GGUF file's tensors, once each, as the declarations and the placement say.
+"""Opening a GGUF model, and placing its tensors once each as the declarations and a plan say.
 
-Matrices become QWeights (raw GGUF blocks; device-tier layers in one device array, host-tier
-layers copied once into pinned buffers of a HostTier); vectors become float32 arrays stacked
-over their layers. Every declared tensor must be present with its declared shape and a supported
-format; every tensor of the file must be declared (an appended MTP block excepted).
+  open_model(path) -> Model   the one way a file becomes a model: read the GGUF, build the
+                              config (tied embeddings from the tensor names), declare the
+                              weights, check the file against the declarations and measure the
+                              bytes of every placement unit
+  place(model, where, ...)    every declared weight where `where` (a plan) puts it: matrices
+                              become QWeights (raw GGUF blocks; device-tier layers in one device
+                              array, host-tier layers copied once into buffers of a host tier),
+                              vectors float32 arrays stacked over their layers
+
+Every declared tensor must be present with its declared shape, its bytes and a supported format;
+every tensor of the file must be declared (an appended MTP block excepted).
+
+The host tier is reached through one method, `host.copy(key, nbytes, fill) -> buffer` (a buffer
+has `.device_address`): jaxvt.offload.host_tier.HostTier allocates a pinned buffer and lets
+`fill` write it; `key` names the bytes (tensor and shard), so a provider may hand back copies it
+keeps across loads.
 """
 
 from __future__ import annotations
@@ -22,9 +34,11 @@ import numpy as np
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf import names as gguf_names
 from jaxvt.gguf import quants
-from jaxvt.gguf.reader import GGUFFile, TensorInfo
-from jaxvt.model.declare import WeightDecl
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.gguf.default_model import default_model_path
+from jaxvt.gguf.reader import GGUFFile, TensorInfo, open_gguf
+from jaxvt.model.config import ModelConfig, from_gguf_metadata
+from jaxvt.model.declare import UnitBytes, WeightDecl, declare
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight, split_u64
 
 Placement = Callable[[str, "int | None"], str]  # (canonical name, layer) -> "device" | "host"
 Progress = Callable[[int], None]  # called with the bytes of each tensor placed
@@ -34,21 +48,41 @@ def all_device(name: str, layer: int | None) -> str:
   return "device"
 
 
+def layers_of(d: WeightDecl) -> tuple[int | None, ...]:
+  """The layers of d's stack; (None,) for a global tensor."""
+  return (None,) if d.layers is None else d.layers
+
+
 @dataclasses.dataclass(frozen=True)
-class UnitBytes:
-  """One placement unit: a weight in one layer (layer None for global tensors)."""
-  name: str
-  layer: int | None
-  nbytes: int
-  type_id: int
+class Model:
+  """An opened model: its configuration, its weights' declarations and the bytes of each
+  placement unit; `gguf` is the file (None for a weightless model, whose units are estimates)."""
+  path: str
+  cfg: ModelConfig
+  decls: list[WeightDecl]
+  units: list[UnitBytes]
+  gguf: GGUFFile | None = None
+
+  def tensors(self, d: WeightDecl) -> list[TensorInfo]:
+    """d's tensors in the file, one per layer of its stack (checked when the model was opened)."""
+    return [_tensor(self.gguf, self.cfg.arch, d, l) for l in layers_of(d)]
 
 
-def _tensor(gf: GGUFFile, arch: str, d: WeightDecl, layer: int | None) -> TensorInfo | None:
+def open_model(path: str | None = None) -> Model:
+  """Opens the GGUF file at `path` (default: the embedded SmolLM2-135M-Instruct Q4_1). Raises
+  JaxvtError, naming the tensor, for a file that does not hold the model its metadata describes."""
+  path = path or default_model_path()
+  gf = open_gguf(path)
+  cfg = from_gguf_metadata(gf.metadata, gf.tensors)
+  decls = declare(cfg)
+  check_file(gf, cfg.arch, decls, cfg.n_layers)
+  return Model(path, cfg, decls, unit_bytes(gf, cfg.arch, decls), gf)
+
+
+def _tensor(gf: GGUFFile, arch: str, d: WeightDecl, layer: int | None) -> TensorInfo:
   name = gguf_names.gguf_name(arch, d.name, layer)
   t = gf.tensors.get(name)
   if t is None:
-    if d.optional:
-      return None
     raise JaxvtError(f"{gf.path} lacks tensor '{name}' that a {arch} model needs; "
                      "the file is incomplete or of another architecture")
   shape = tuple(d.shape)
@@ -56,32 +90,24 @@ def _tensor(gf: GGUFFile, arch: str, d: WeightDecl, layer: int | None) -> Tensor
     raise JaxvtError(f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)} from "
                      f"the file's metadata; the file is inconsistent")
   if t.type_id not in quants.FORMATS:
-    raise JaxvtError(f"tensor '{name}' is in unsupported format {_type_name(t.type_id)}; jaxvt "
-                     f"reads {', '.join(f.name for f in quants.FORMATS.values())}: "
+    raise JaxvtError(f"tensor '{name}' is in unsupported format "
+                     f"{quants.format_name(t.type_id)}; jaxvt reads "
+                     f"{', '.join(f.name for f in quants.FORMATS.values())}: "
                      "re-quantize the model to one of them")
-  if not d.matrix and t.type_id not in (0, 1, 30):
-    raise JaxvtError(f"vector tensor '{name}' is quantized ({_type_name(t.type_id)}); "
+  if not d.matrix and t.type_id not in (quants.F32, quants.F16, quants.BF16):
+    raise JaxvtError(f"vector tensor '{name}' is quantized ({quants.format_name(t.type_id)}); "
                      "jaxvt expects F32/F16/BF16 vectors")
+  if d.matrix and quants.row_bytes(t.type_id, shape[-1]) * d.numel // shape[-1] != t.n_bytes:
+    raise JaxvtError(f"tensor '{name}' holds {t.n_bytes} bytes, not what its shape and format "
+                     "need; the file is corrupt")
   return t
-
-
-def _type_name(type_id: int) -> str:
-  import gguf
-  try:
-    return gguf.GGMLQuantizationType(type_id).name
-  except ValueError:
-    return f"type {type_id}"
-
-
-def _layers(d: WeightDecl) -> tuple[int | None, ...]:
-  return (None,) if d.layers is None else d.layers
 
 
 def check_file(gf: GGUFFile, arch: str, decls: list[WeightDecl], n_layers: int) -> None:
   """Raises JaxvtError for any tensor in the file that no declaration accounts for."""
   expected = set()
   for d in decls:
-    for l in _layers(d):
+    for l in layers_of(d):
       expected.add(gguf_names.gguf_name(arch, d.name, l))
   for name in gf.tensors:
     if name in expected:
@@ -94,14 +120,14 @@ def check_file(gf: GGUFFile, arch: str, decls: list[WeightDecl], n_layers: int) 
 
 
 def unit_bytes(gf: GGUFFile, arch: str, decls: list[WeightDecl]) -> list[UnitBytes]:
-  """Bytes of every placement unit as stored in the file (what the planner budgets)."""
-  out = []
-  for d in decls:
-    for l in _layers(d):
-      t = _tensor(gf, arch, d, l)
-      if t is not None:
-        out.append(UnitBytes(d.name, l, t.n_bytes, t.type_id))
-  return out
+  """Bytes of every placement unit as stored in the file (what the planner budgets); checks
+  every declared tensor's presence, shape, format and size."""
+  return [UnitBytes(d.name, l, t.n_bytes, t.type_id) for d in decls for l in layers_of(d)
+          for t in (_tensor(gf, arch, d, l),)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -112,8 +138,8 @@ def _set_rows(buf, i, rows):
 COPY_CHUNK = 32 << 20  # bytes per thread task when copying a tensor
 
 
-def _stage_max() -> int:
-  """Host bytes a device stack may be staged in at once: a quarter of free RAM, >= 1 GiB."""
+def _upload_max() -> int:
+  """Host bytes of a device stack packed for one upload: a quarter of free RAM, >= 1 GiB."""
   try:
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError):
@@ -127,7 +153,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
                                                thread_name_prefix="jaxvt-copy")
 
 
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
   """dst[:] = src for flat uint8 arrays, in COPY_CHUNK pieces on threads (numpy drops the GIL
   while copying; the source is usually the file's memory map, so this also spreads its page
   faults over cores)."""
@@ -141,130 +167,91 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     f.result()
 
 
-def need_host_tier(host_tier) -> None:
+def need_host_tier(host) -> None:
   """Raises the one-line error for a host-tier placement without a host tier."""
-  if host_tier is None:
+  if host is None:
     raise JaxvtError("a host-tier placement needs the jaxvt extension's host tier; "
                      "reinstall jaxvt (pip install .) so its FFI extension is built")
 
 
-def _host_copy(host_tier, t: TensorInfo):
-  """t's bytes in a host-tier buffer. A tier with `buffer_for(tensor)` hands back buffers it
-  filled itself (jaxvt.bench.offload keeps one tier across the budgets of a sweep)."""
-  buffer_for = getattr(host_tier, "buffer_for", None)
-  if buffer_for is not None:
-    return buffer_for(t)
-  buf = host_tier.alloc(t.n_bytes)
-  _copy(buf.array, t.raw().reshape(-1))
-  return buf
-
-
-def _stage(tensors: list[TensorInfo], stride: int) -> np.ndarray:
+def pack_rows(tensors: list[TensorInfo], stride: int) -> np.ndarray:
   """uint8 [len(tensors), stride]: each tensor's raw bytes in one row, zero-padded."""
   out = np.empty((len(tensors), stride), np.uint8)
   for row, t in zip(out, tensors):
-    _copy(row[:t.n_bytes], t.raw().reshape(-1))
+    copy_bytes(row[:t.n_bytes], t.raw().reshape(-1))
     row[t.n_bytes:] = 0
   return out
 
 
 def _device_stack(tensors: list[TensorInfo], stride: int, device) -> jax.Array:
-  """The device-tier rows of a stack: staged on the host and uploaded in one transfer, or in
-  pieces of _stage_max() bytes written into one donated device array (device memory stays 1x)."""
-  per = max(1, _stage_max() // stride)
+  """The device-tier rows of a stack: packed on the host and uploaded in one transfer, or in
+  pieces of _upload_max() bytes written into one donated device array (device memory stays 1x)."""
+  per = max(1, _upload_max() // stride)
   if len(tensors) <= per:
-    return jax.device_put(_stage(tensors, stride), device)
+    return jax.device_put(pack_rows(tensors, stride), device)
   data = jnp.zeros((len(tensors), stride), jnp.uint8, device=device)
   for i in range(0, len(tensors), per):
-    rows = jax.device_put(_stage(tensors[i:i + per], stride), device)
+    rows = jax.device_put(pack_rows(tensors[i:i + per], stride), device)
     data = _set_rows(data, jnp.int32(i), rows)
   return data
 
 
-def _load_vector(gf, arch, d: WeightDecl, device) -> jax.Array:
-  rows = []
-  for l in _layers(d):
-    t = _tensor(gf, arch, d, l)
-    rows.append(np.asarray(t.data, dtype=np.float32).reshape(d.shape))
+# ---------------------------------------------------------------------------------------------
+# Placing
+
+
+def _vector(model: Model, d: WeightDecl, device) -> jax.Array:
+  rows = [np.asarray(t.data, dtype=np.float32).reshape(d.shape) for t in model.tensors(d)]
   arr = rows[0] if d.layers is None else np.stack(rows)
   return jax.device_put(arr, device)
 
 
-def _load_matrix(gf, arch, d: WeightDecl, placement: Placement, host_tier, device,
-                 progress) -> QWeight:
-  tensors = [_tensor(gf, arch, d, l) for l in _layers(d)]
+def _matrix(model: Model, d: WeightDecl, where: Placement, host, device) -> QWeight:
+  tensors = model.tensors(d)
   experts = d.shape[0] if len(d.shape) == 3 else 0
-  kinds = {placement(d.name, l) for l in _layers(d)}
-  if "jax_pinned" in kinds:
-    return _load_jax_pinned(d, tensors, kinds, device, progress)
-  rows, cols = d.shape[-2], d.shape[-1]
-  fmts = np.zeros(len(tensors), np.int32)
+  fmts = np.array([t.type_id for t in tensors], np.int32)
   table = np.zeros(len(tensors), np.uint64)
   host_pos, dev_pos = [], []
-  for i, (l, t) in enumerate(zip(_layers(d), tensors)):
-    if quants.row_bytes(t.type_id, cols) * rows * max(experts, 1) != t.n_bytes:
-      raise JaxvtError(f"tensor '{t.name}' holds {t.n_bytes} bytes, not what its shape and "
-                       f"format need; the file is corrupt")
-    fmts[i] = t.type_id
-    kind = placement(d.name, l)
-    if kind == "host":
-      need_host_tier(host_tier)
-      buf = _host_copy(host_tier, t)
+  for i, (l, t) in enumerate(zip(layers_of(d), tensors)):
+    if where(d.name, l) == "host":
+      need_host_tier(host)
+      src = t.raw().reshape(-1)
+      buf = host.copy(t.name, t.n_bytes, lambda a, src=src: copy_bytes(a, src))
       table[i] = buf.device_address
       fmts[i] |= HOST_BIT
       host_pos.append(i)
     else:
       dev_pos.append(i)
-    if progress:
-      progress(t.n_bytes)
   stride = max((tensors[i].n_bytes for i in dev_pos), default=1)
-  if dev_pos and len(dev_pos) == 1:
-    t = tensors[dev_pos[0]]
-    data = jax.device_put(t.raw().reshape(1, -1), device)
+  if len(dev_pos) == 1:
+    data = jax.device_put(tensors[dev_pos[0]].raw().reshape(1, -1), device)
   elif dev_pos:
     data = _device_stack([tensors[i] for i in dev_pos], stride, device)
   else:
     data = jnp.zeros((1, 1), jnp.uint8, device=device)
   for slot, i in enumerate(dev_pos):
     table[i] = slot
-  meta = QMeta(rows=rows, cols=cols, experts=experts,
-               formats=tuple(sorted(set(int(f) & 0xFFFF for f in fmts))),
+  meta = QMeta(rows=d.shape[-2], cols=d.shape[-1], experts=experts,
+               formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))),
                n_layers=len(tensors), host_layers=tuple(host_pos))
   return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device),
                  meta)
 
 
-def _load_jax_pinned(d: WeightDecl, tensors, kinds, device, progress) -> QWeight:
-  """A whole stack in JAX's pinned_host memory kind (QMeta.staged; see layers.stage)."""
-  if kinds != {"jax_pinned"}:
-    raise JaxvtError(f"'{d.name}': the jax_pinned kind places whole stacks only")
-  stride = max(t.n_bytes for t in tensors)
-  data = _stage(tensors, stride)
-  if progress:
-    for t in tensors:
-      progress(t.n_bytes)
-  pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-  fmts = np.array([t.type_id for t in tensors], np.int32)
-  meta = QMeta(rows=d.shape[-2], cols=d.shape[-1], experts=d.shape[0] if len(d.shape) == 3 else 0,
-               formats=tuple(sorted(set(int(f) for f in fmts))), n_layers=len(tensors),
-               staged=True)
-  return QWeight(jax.device_put(data, pinned),
-                 jax.device_put(split_u64(np.arange(len(tensors))), device),
-                 jax.device_put(fmts, device), meta)
-
-
-def load_weights(gf: GGUFFile, arch: str, decls: list[WeightDecl], placement: Placement = all_device,
-                 host_tier=None, device=None, progress: Progress | None = None) -> dict:
-  """Places every declared weight; returns {canonical name: QWeight | float32 array}."""
+def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, host=None,
+                 device=None, progress: Progress | None = None):
+  """Declaration `d` placed as `where` says: a QWeight (matrices) or a float32 array."""
   device = device or jax.devices()[0]
-  weights = {}
-  for d in decls:
-    if d.matrix:
-      if _tensor(gf, arch, d, _layers(d)[0]) is None:  # optional and absent (tied lm_head)
-        continue
-      weights[d.name] = _load_matrix(gf, arch, d, placement, host_tier, device, progress)
-    else:
-      weights[d.name] = _load_vector(gf, arch, d, device)
-      if progress:
-        progress(sum(int(_tensor(gf, arch, d, l).n_bytes) for l in _layers(d)))
-  return weights
+  w = _matrix(model, d, where, host, device) if d.matrix else _vector(model, d, device)
+  if progress:
+    for t in model.tensors(d):
+      progress(t.n_bytes)
+  return w
+
+
+def place(model: Model, where: Placement = all_device, *, host=None, device=None,
+          progress: Progress | None = None) -> dict:
+  """Places every declared weight on `device` (default: JAX's first) and in the host tier
+  `host`; returns {canonical name: QWeight | float32 array}."""
+  return {d.name: place_weight(model, d, where, host=host, device=device, progress=progress)
+          for d in model.decls}

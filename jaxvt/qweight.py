@@ -38,9 +38,6 @@ class QMeta:
   formats: tuple[int, ...]  # sorted ggml type ids that occur in this stack
   n_layers: int
   host_layers: tuple[int, ...] = ()  # stack positions (0..L-1) that live in the host tier
-  # JAX's own pinned_host memory kind, used the documented way (a benchmark arm): `data` lives in
-  # pinned_host and every use copies the layer's bytes to the device first (jaxvt.model.layers).
-  staged: bool = False
 
   @property
   def any_host(self) -> bool:
@@ -63,6 +60,14 @@ class QWeight:
   def shape(self) -> tuple[int, ...]:
     m = self.meta
     return (m.experts, m.rows, m.cols) if m.experts else (m.rows, m.cols)
+
+  def layer_view(self, layer) -> tuple["QWeight", jax.Array]:
+    """The stack and the index the kernels read layer `layer` (int32, may be traced) from.
+
+    Every use of a stacked weight in the model goes through here. A QWeight's layers are read
+    where they live (either tier), so this is (self, layer); a weight type whose layers must be
+    moved before a kernel can read them overrides it (jaxvt.bench.arms.PinnedQWeight)."""
+    return self, layer
 
 
 def split_u64(values) -> np.ndarray:

@@ -7,6 +7,7 @@ one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags
@@ -33,6 +34,11 @@ flags.DEFINE_integer("max_context", 2048, "Context length to allocate (prompt + 
 flags.DEFINE_string("offload_gb", "0", "GiB of weights to keep in the pinned host tier, read in "
                     "place by the kernels; 'auto' picks the best safe budget. With --mesh, per "
                     "device (as vLLM's --cpu-offload-gb).", flag_values=FLAGS)
+flags.DEFINE_multi_string("offload_pattern", [], "REGEX[=host|device]: put the weights whose "
+                          "label ('blk.3.moe.w_up') or GGUF name ('blk.3.ffn_up_exps.weight') "
+                          "matches in that tier (host when no kind is given); repeat the flag for "
+                          "several patterns. Forced host bytes count against --offload-gb.",
+                          flag_values=FLAGS)
 flags.DEFINE_float("device_gb", None, "Behave as if the device (each device of --mesh) had this "
                    "many GiB.", flag_values=FLAGS)
 flags.DEFINE_string("mesh", None, "Shard the model over local devices: 'tp=N' (attention heads, "
@@ -130,25 +136,25 @@ def main(argv: list[str]) -> int:
   try:
     _validate(F)
     offload = parse_offload(F.offload_gb)
-    import os
-
+    # jaxvt's modules are imported here, not at the top: a bad flag or path is reported before
+    # JAX starts
     from jaxvt.gguf.default_model import default_model_path
-    from jaxvt.offload.placement import PRESETS
+    from jaxvt.model.presets import PRESETS
 
     path = F.model or default_model_path()
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
       from jaxvt.gguf.reader import check_path
       check_path(path)  # before JAX starts: a bad path is reported at once
-    if F.plan:
-      from jaxvt.offload import placement
-      print(placement.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                                  max_context=F.max_context, mesh=F.mesh))
-      return 0
-    if F.coordinator is not None:
+    if F.coordinator is not None and not F.plan:
       from jaxvt.parallel import mesh
       mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
+    if F.plan:
+      print(engine_mod.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
+                                   max_context=F.max_context, mesh=F.mesh,
+                                   offload_pattern=tuple(F.offload_pattern)))
+      return 0
     bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
 
     def show_plan(placed):
@@ -156,7 +162,7 @@ def main(argv: list[str]) -> int:
 
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
-                          mesh=F.mesh)
+                          mesh=F.mesh, offload_pattern=tuple(F.offload_pattern))
     if bar:
       bar.finish()
     with eng:

@@ -21,7 +21,7 @@ import pytest
 from jaxvt import ffi
 from jaxvt.bench import mesh
 from jaxvt.errors import JaxvtError
-from jaxvt.gguf import synth
+from jaxvt import synth
 from test_parallel import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """python -m jaxvt.bench offload on CPU: budget points, goal verdicts, the table and plot, the
-llama-bench arm's JSON, the loader's staged uploads, and one sweep point end to end."""
+llama-bench arm's JSON, the loader's uploads in pieces, and one sweep point end to end."""
 
 import dataclasses
 import json
@@ -141,7 +141,7 @@ def test_parse_recorded_llama_bench_json():
 
 @pytest.mark.skipif(not os.access(LLAMA_CPU, os.X_OK), reason="no CPU llama-bench built here")
 def test_live_llama_bench_json(tmp_path):
-  from jaxvt.gguf import synth
+  from jaxvt import synth
   path = str(tmp_path / "tiny.gguf")
   synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
   cmd = offload_llama.command(LLAMA_CPU, path, 16, 4, ["-ngl", "0", "-t", "2"])
@@ -164,7 +164,7 @@ def test_parse_failures_and_configs():
 
 # ---- the loader's uploads and copies -------------------------------------------------------------
 
-def test_staged_device_stack_in_pieces_matches_one_transfer(monkeypatch):
+def test_device_stack_uploaded_in_pieces_matches_one_transfer(monkeypatch):
   import jax
 
   from jaxvt import loader
@@ -173,7 +173,7 @@ def test_staged_device_stack_in_pieces_matches_one_transfer(monkeypatch):
   ts = [types.SimpleNamespace(n_bytes=r.size, raw=lambda r=r: r) for r in raws]
   stride = max(r.size for r in raws)
   whole = np.asarray(loader._device_stack(ts, stride, jax.devices()[0]))
-  monkeypatch.setattr(loader, "_stage_max", lambda: 2 * stride)  # 2 rows per piece
+  monkeypatch.setattr(loader, "_upload_max", lambda: 2 * stride)  # 2 rows per piece
   pieces = np.asarray(loader._device_stack(ts, stride, jax.devices()[0]))
   np.testing.assert_array_equal(whole, pieces)
   for row, r in zip(whole, raws):
@@ -182,7 +182,7 @@ def test_staged_device_stack_in_pieces_matches_one_transfer(monkeypatch):
   monkeypatch.setattr(loader, "COPY_CHUNK", 1000)  # threaded copy in many pieces
   src = rng.integers(0, 255, 10_007, dtype=np.uint8)
   dst = np.zeros_like(src)
-  loader._copy(dst, src)
+  loader.copy_bytes(dst, src)
   np.testing.assert_array_equal(dst, src)
 
 
@@ -194,7 +194,7 @@ def test_sweep_child_end_to_end(tmp_path, capsys, monkeypatch):
   if not ffi.available("cpu"):
     pytest.skip("needs the jaxvt extension")
   from jaxvt.bench import offload
-  from jaxvt.gguf import synth
+  from jaxvt import synth
   path = str(tmp_path / "tiny.gguf")
   synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
   monkeypatch.setattr(offload, "LOCK", str(tmp_path / "lock"))

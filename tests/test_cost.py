@@ -50,7 +50,7 @@ def test_default_rates_use_gemv_not_streaming():
     r = C.default_rates(plat)
     assert r.host_read_gbps < r.zero_copy_gbps
     assert r.source.startswith("default")
-  assert C.default_rates("rocm").host_read_gbps == 8.0  # the origin's GEMM, not its 23 GB/s
+  assert C.default_rates("rocm").host_read_gbps == 8.0  # the GEMM rate, not the 23 GB/s stream
   assert C.default_rates("rocm").managed_migrates is False
   assert C.default_rates("gpu") == C.default_rates("cuda")
   with pytest.raises(JaxvtError, match="no default rates"):

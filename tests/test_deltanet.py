@@ -29,7 +29,7 @@ RULES_NPZ = os.path.join(HERE, "reference", "gdn_rules.npz")
 # float64 references
 
 def np_rule(q, k, v, g, beta, S):
-  """The gated delta rule token by token in float64 (FACTS.md section 4)."""
+  """The gated delta rule token by token in float64 (jaxvt.model.deltanet's docstring)."""
   q, k, v, g, beta, S = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, S))
   o = np.zeros(v.shape)
   S = S.copy()

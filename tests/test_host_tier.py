@@ -108,13 +108,15 @@ def test_measurement_primitives_on_cpu():
 
 
 def test_host_kinds_on_the_cpu_backend():
-  with HostTier(backend="cpu", kind="huge_pages") as tier:
+  """The benchmarks' allocation kinds (jaxvt.bench.arms.KindTier) through the same tier."""
+  from jaxvt.bench.arms import KindTier
+  with KindTier("huge_pages", backend="cpu") as tier:
     assert tier.kind == "huge_pages"
     buf = tier.alloc(3 << 20)
     assert buf.host_address % (2 << 20) == 0 and buf.device_address == buf.host_address
     buf.array[:] = 5
     assert int(buf.array[::4096].sum()) == 5 * len(buf.array[::4096])
   with pytest.raises(JaxvtError, match="write-combined host memory exists only for a GPU"):
-    HostTier(backend="cpu", kind="write_combined")
+    KindTier("write_combined", backend="cpu")
   with pytest.raises(JaxvtError, match="kind must be one of pinned, write_combined, huge_pages"):
-    HostTier(backend="cpu", kind="mapped")
+    KindTier("mapped", backend="cpu")

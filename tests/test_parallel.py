@@ -20,7 +20,7 @@ import pytest
 
 from jaxvt import ffi
 from jaxvt.errors import JaxvtError
-from jaxvt.gguf import synth
+from jaxvt import synth
 from jaxvt.model.declare import declare
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel import shard

@@ -10,8 +10,8 @@ from jaxvt.offload.plan import HOST
 
 
 def qwen36_35b() -> ModelConfig:
-  """Qwen3.6-35B-A3B as FACTS.md section 4 gives it."""
-  from jaxvt.gguf.synth import qwen36_35b_a3b_config
+  """Qwen3.6-35B-A3B's shape (jaxvt.model.presets), with its MTP block."""
+  from jaxvt.model.presets import qwen36_35b_a3b_config
   return qwen36_35b_a3b_config(n_nextn=1)
 
 
@@ -30,7 +30,7 @@ CONFIGS = {"qwen36_35b": qwen36_35b, "smollm2_135m": smollm2_135m}
 def model(name):
   cfg = CONFIGS[name]()
   decls = declare(cfg)
-  sizes = P.estimate_bytes(decls, tied_embeddings=cfg.tied_embeddings)
+  sizes = P.estimate_bytes(decls)
   return cfg, decls, sizes
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import jaxvt
 from jaxvt import engine, ffi
-from jaxvt.gguf import synth
+from jaxvt import synth
 from jaxvt.model.layers import GPU_PRODUCTS, Products
 from jaxvt.qweight import QMeta
 

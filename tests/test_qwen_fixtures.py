@@ -1,4 +1,4 @@
-"""Synthetic GGUF fixtures (jaxvt.gguf.synth) and helpers shared by the Qwen block tests.
+"""Synthetic GGUF fixtures (jaxvt.synth) and helpers shared by the Qwen block tests.
 
 Tests here: the synthetic files round-trip through the reader, config and loader; they are
 deterministic; their metadata and tensor list look like llama.cpp-converted files.
@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxvt.gguf import synth
+from jaxvt import synth
 from jaxvt.gguf.names import gguf_name
 from jaxvt.gguf.reader import open_gguf
 from jaxvt.model.config import from_gguf_metadata
@@ -59,8 +59,9 @@ def kernel_modes() -> list:
 
 def device_weights(path: str, cfg) -> dict:
   from jaxvt import loader
-  gf = open_gguf(path)
-  return loader.load_weights(gf, cfg.arch, declare(cfg))
+  m = loader.open_model(path)
+  assert m.cfg == cfg
+  return loader.place(m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +170,8 @@ def test_vocab_is_valid_bpe():
 def test_plan_of_real_size_model():
   """The Qwen3.6-35B-A3B plan: 41 blocks (40 + MTP) of Q4_K routed experts, 17.3 GiB; file ~19 GiB."""
   from jaxvt.gguf.quants import FORMATS
-  cfg = synth.qwen36_35b_a3b_config()
+  from jaxvt.model.presets import qwen36_35b_a3b_config
+  cfg = qwen36_35b_a3b_config()
   specs = synth.plan(cfg, "q4_k_m")
   size = lambda s: math.prod(s.shape) // FORMATS[s.type_id].block_elems * FORMATS[
       s.type_id].block_bytes

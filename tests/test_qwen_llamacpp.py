@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxvt.gguf import synth
+from jaxvt import synth
 from jaxvt.gguf.reader import open_gguf
 from jaxvt.model.config import from_gguf_metadata
 from test_qwen_fixtures import device_weights

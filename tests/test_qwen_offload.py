@@ -10,7 +10,7 @@ import pytest
 
 import jaxvt
 from jaxvt import ffi
-from jaxvt.gguf import synth
+from jaxvt import synth
 from jaxvt.model.declare import Role
 from jaxvt.qweight import HOST_BIT
 
@@ -89,15 +89,17 @@ def test_weightless_plan_of_the_real_size_model():
 
 
 def test_jax_pinned_host_arm_same_tokens(model_file):
-  """The benchmark's JAX pinned_host arm (copy each layer's experts to the device per use)
-  computes the same function."""
+  """The offload benchmark's JAX pinned_host arm (jaxvt.bench.arms: each layer's experts copied
+  to the device per use), composed from the public steps, computes the same function."""
+  from jaxvt.bench import arms
+  from jaxvt.bench.offload import Session
   arch, path = model_file
   prompt = [5, 17, 42, 99]
-  with jaxvt.load(path, max_context=64) as dev:
+  s = Session(path, len(prompt), 6, None)
+  with arms.no_stops(jaxvt.load(path, max_context=s.max_context)) as dev:
     want = dev.generate(prompt, max_tokens=6).tokens
-  with jaxvt.load(path, max_context=64, offload_gb=64, offload_pattern=("exps",),
-                  host_kind="jax_pinned") as arm:
-    w = arm.weights["moe.w_up"]
-    assert w.meta.staged and w.data.sharding.memory_kind == "pinned_host"
-    assert arm.host_tier is None
-    assert arm.generate(prompt, max_tokens=6).tokens == want
+  arm = s.engine(64.0, host_kind="jax_pinned", pattern=("exps",))
+  w = arm.weights["moe.w_up"]
+  assert isinstance(w, arms.PinnedQWeight) and w.data.sharding.memory_kind == "pinned_host"
+  assert arm.host_tier is None and arm.plan.plan.host_bytes > 0
+  assert arm.generate(prompt, max_tokens=6).tokens == want

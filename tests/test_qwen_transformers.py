@@ -96,7 +96,7 @@ def test_decoder_matches_transformers_recording(name, ex, tmp_path_factory):
   z = _recording(name)
   cfg, path, sha = _fixture(name, str(tmp_path_factory.getbasetemp()))
   if sha != str(z["file_sha256"]):
-    pytest.fail(f"the regenerated {name} fixture differs from the recorded one (jaxvt.gguf.synth "
+    pytest.fail(f"the regenerated {name} fixture differs from the recorded one (jaxvt.synth "
                 "changed?): re-run tests/reference/record_transformers.py")
   weights = device_weights(path, cfg)
   prompt = z["prompt"].tolist()

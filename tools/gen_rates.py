@@ -7,17 +7,18 @@ import time
 import numpy as np
 
 import jaxvt
+from jaxvt.bench.arms import no_stops
 
 
 def main(path: str) -> None:
-  eng = jaxvt.load(path, max_context=1024)
+  eng = no_stops(jaxvt.load(path, max_context=1024))  # generate exactly max_tokens
   rng = np.random.default_rng(0)
   for n in (512, 16):
     ids = rng.integers(10, eng.cfg.vocab_size - 10, n).tolist()
     t = time.perf_counter()
-    eng.generate(ids, max_tokens=128, stop_at_eos=False)  # compiles
+    eng.generate(ids, max_tokens=128)  # compiles
     first = time.perf_counter() - t
-    g = eng.generate(ids, max_tokens=128, stop_at_eos=False)
+    g = eng.generate(ids, max_tokens=128)
     s = g.stats
     print(f"prompt {n}: first generate {first:.1f} s; warm prefill {s.prefill_seconds * 1e3:.1f} ms "
           f"({s.prefill_tok_s:.1f} tok/s), decode {s.decode_tok_s:.1f} tok/s "

@@ -21,7 +21,7 @@ if [ "$what" = dense ] || [ "$what" = experts ]; then
   timeout 570 python3 -m jaxvt.bench tier --products "$what" 2>&1 | tee "$OUT/products_$what.txt" | tail -40
 fi
 if [ "$what" = prefill ]; then
-  [ -f "$M" ] || python3 -c "from jaxvt.gguf import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)"
+  [ -f "$M" ] || python3 -c "from jaxvt import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)"
   for n in 512 12; do
     timeout 150 python3 -m jaxvt.bench profile --model "$M" --prefill --prompt $n --top 15 2>&1 \
       | tail -20 | tee "$OUT/profile_prefill_$n.txt"
@@ -42,16 +42,17 @@ with jaxvt.load(m, max_context=1024) as e:
 EOF
 fi
 if [ "$what" = long ]; then
-  [ -f "$M" ] || python3 -c "from jaxvt.gguf import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)"
+  [ -f "$M" ] || python3 -c "from jaxvt import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.1167 timeout 500 python3 - "$M" <<'EOF' 2>&1 | tail -8 | tee "$OUT/prefill_8k.txt"
 import sys
 import numpy as np
 import jaxvt
 ids = np.random.default_rng(0).integers(10, 240000, 8192).tolist()
-with jaxvt.load(sys.argv[1], max_context=8448, offload_gb="auto", device_gb=16) as e:
+from jaxvt.bench.arms import no_stops
+with no_stops(jaxvt.load(sys.argv[1], max_context=8448, offload_gb="auto", device_gb=16)) as e:
   print(e.plan.report())
   print(f"prefill chunk {e.prefill_chunk} tokens; XLA workspace {e.memory.workspace / 2**30:.2f} GiB")
-  g = e.generate(ids, max_tokens=4, stop_at_eos=False)
+  g = e.generate(ids, max_tokens=4)
   print(f"8192-token prompt: prefill {g.stats.prefill_seconds:.1f} s "
         f"({g.stats.prefill_tok_s:.0f} tok/s, compile included), tokens {g.tokens}")
 EOF

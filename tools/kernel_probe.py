@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.bench import profile
-from jaxvt.ffi import kernel_bench as kb
+from jaxvt.bench import kernels as kb
 from jaxvt.ffi import ops
 from jaxvt.qweight import QMeta, QWeight, split_u64
 

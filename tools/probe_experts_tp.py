@@ -7,7 +7,8 @@ the old scheme) or routed nowhere (id -1: jaxvt.model.moe.local_experts).
 """
 import time
 import numpy as np, jax
-from jaxvt.ffi import kernel_bench as kb, ops
+from jaxvt.bench import kernels as kb
+from jaxvt.ffi import ops
 from jaxvt.qweight import QMeta, QWeight, split_u64
 
 def run(rows, cols, ids_np, E, reps=5):

@@ -1,9 +1,15 @@
-"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile} [options]: benchmarks that write docs/BENCHMARKS.md."""
+"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile} [options]: benchmarks that write docs/BENCHMARKS.md.
+
+Each subcommand's module is imported once it is chosen, so a bad option is reported before JAX
+starts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from jaxvt.errors import JaxvtError
 
 
 def main(argv=None) -> int:
@@ -67,7 +73,6 @@ def main(argv=None) -> int:
       print(offload.main(args))
   elif args.which == "mesh":
     from jaxvt.bench import mesh
-    from jaxvt.errors import JaxvtError
     try:
       if args.child is not None:
         mesh.child(args)

@@ -11,6 +11,11 @@ import time
 
 import numpy as np
 
+import jaxvt
+from jaxvt.bench import report
+from jaxvt.gguf.default_model import default_model_path
+from jaxvt.sampling import SamplingParams
+
 SHORT = "The capital of France is"
 LONG = ("Write a detailed history of the city of Paris, from its founding as a Roman town on "
         "the Seine through the Middle Ages, the Revolution, the Haussmann renovation and the "
@@ -18,8 +23,6 @@ LONG = ("Write a detailed history of the city of Paris, from its founding as a R
 
 
 def bench_jaxvt(n_decode: int, repeats: int) -> dict:
-  import jaxvt
-  from jaxvt.sampling import SamplingParams
   t0 = time.perf_counter()
   eng = jaxvt.load()
   load_s = time.perf_counter() - t0
@@ -41,11 +44,10 @@ def bench_jaxvt(n_decode: int, repeats: int) -> dict:
 
 
 def bench_llamacpp(n_decode: int, repeats: int, threads: int) -> dict | None:
-  try:
+  try:  # an optional reference (pip install llama-cpp-python==0.3.36)
     import llama_cpp
   except ImportError:
     return None
-  from jaxvt.gguf.default_model import default_model_path
   llm = llama_cpp.Llama(default_model_path(), n_ctx=1024, n_threads=threads,
                         n_threads_batch=threads, n_batch=512, verbose=False)
   short = llm.tokenize(SHORT.encode(), add_bos=False, special=True)
@@ -81,7 +83,6 @@ def bench_llamacpp(n_decode: int, repeats: int, threads: int) -> dict | None:
 
 
 def main(args) -> str:
-  from jaxvt.bench import report
   n, reps = args.decode_tokens, args.repeats
   j = bench_jaxvt(n, reps)
   l = bench_llamacpp(n, reps, args.threads)

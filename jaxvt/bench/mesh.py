@@ -2,7 +2,7 @@
 
 Issue #7's benchmark. The offload sweep's model (jaxvt.bench.offload.MODEL: Qwen3.6-35B-A3B's
 architecture and tensor layout, valid random Q4_K_M-like weights, ~19 GiB, written by
-jaxvt.gguf.synth when missing) is placed by `jaxvt.load(model, mesh=M, offload_gb=B, force=True)`
+jaxvt.synth when missing) is placed by `jaxvt.load(model, mesh=M, offload_gb=B, force=True)`
 for every mesh M of `--meshes` ("1": one device, no mesh; "tp=2": both GPUs of a 2-GPU host; a
 mesh of two axes is written with "+": "tp=2+ep=2") and every per-device budget B of `--budgets`
 (GiB, "auto": the planner's pick, "all": every offloadable weight, i.e. a budget above what the
@@ -35,9 +35,15 @@ import os
 import sys
 import time
 
+import jax
+import numpy as np
+
+from jaxvt import engine as engine_mod
+from jaxvt.bench import arms, report
 from jaxvt.bench.offload import (MODEL, Child, GiB, ensure_model, gpu_lock, pool_fraction,
                                  print_row, warm_up)
 from jaxvt.errors import JaxvtError
+from jaxvt.parallel import mesh as mesh_mod
 
 ALL_GIB = 1024.0  # "all": a per-device budget above any plan's max_useful_budget
 
@@ -72,7 +78,6 @@ class _Repeat(Exception):
 
 def parse_meshes(text: str) -> list[str]:
   """'1,tp=2,tp=2+ep=2' -> ['1', 'tp=2', 'tp=2,ep=2'] (each as jaxvt.parallel.mesh names it)."""
-  from jaxvt.parallel import mesh as mesh_mod
   out = []
   for item in text.split(","):
     if not item.strip():
@@ -118,7 +123,6 @@ def points(args) -> list[tuple[str, str]]:
 
 
 def mesh_size(label: str) -> int:
-  from jaxvt.parallel import mesh as mesh_mod
   return 1 if label == "1" else mesh_mod.parse(label).size
 
 
@@ -135,10 +139,7 @@ def placement_key(plan) -> str:
 def measure(args, mesh: str, budget: str, known: dict) -> Point:
   """Loads, warms up and times one point in this process; `known`: {placement: budget label}
   of this mesh's points measured before (a repeated placement is not loaded)."""
-  import jax
-  import numpy as np
 
-  from jaxvt import engine as engine_mod
   r = Point(mesh, budget, devices=mesh_size(mesh))
 
   def on_plan(placed):
@@ -155,6 +156,7 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
     eng = engine_mod.load(args.model, max_context=args.prompt + args.gen + 8,
                           offload_gb=budget_gib(budget), device_gb=args.device_gb, force=True,
                           mesh=None if mesh == "1" else mesh, on_plan=on_plan)
+    arms.no_stops(eng)  # timed runs generate exactly their token counts
     r.load_s = time.perf_counter() - t0
     r.safe = eng.memory.headroom >= eng.memory.slack  # after XLA's own analysis (one device)
     ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
@@ -162,9 +164,9 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
     if eng.ex.par is None:
       warm_up(eng, ids, overlap=r.safe)  # the offload sweep's: prefill and decode compile at once
     else:  # one program at a time: two programs' collectives never interleave on the devices
-      eng.generate(ids, max_tokens=2, stop_at_eos=False)
+      eng.generate(ids, max_tokens=2)
     t2 = time.perf_counter()
-    g = eng.generate(ids, max_tokens=args.gen, stop_at_eos=False)
+    g = eng.generate(ids, max_tokens=args.gen)
     r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
     r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
     r.tokens, r.gen_tokens = list(g.tokens), len(g.tokens)
@@ -187,11 +189,8 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
 def child(args) -> None:
   """`--child -1`: a META line (the devices JAX sees), or an ERROR line when a mesh of --meshes
   needs more of them; `--child I`: point I of `points(args)` in this process, its RUN line."""
-  import jax
   pts = points(args)
   if args.child < 0:
-    from jaxvt.bench import report
-    from jaxvt.parallel import mesh as mesh_mod
     try:
       for m in dict.fromkeys(m for m, _ in pts):
         if m != "1":
@@ -233,7 +232,6 @@ def _failed(c: Child, mesh: str, budget: str) -> Point:
 
 
 def main(args) -> str:
-  from jaxvt.bench import report
   t_start = time.time()
   log = lambda s: print(s, flush=True)
   pts = points(args)
@@ -315,7 +313,7 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
   default = os.path.abspath(args.model) == os.path.abspath(MODEL)
   name = "Qwen3.6-35B-A3B-shaped model" if default else f"`{os.path.basename(args.model)}`"
   size = os.path.getsize(args.model) / GiB if os.path.exists(args.model) else 0.0
-  synth = " (jaxvt.gguf.synth: Q4_K_M-like random weights, MTP block)" if default else ""
+  synth = " (jaxvt.synth: Q4_K_M-like random weights, MTP block)" if default else ""
   cmd = (f"python -m jaxvt.bench mesh --meshes {args.meshes} --budgets {args.budgets} "
          f"--prompt {args.prompt} --gen {args.gen} --time-limit {args.time_limit}")
   cmd += f" --device-gb {args.device_gb:g}" if args.device_gb is not None else ""

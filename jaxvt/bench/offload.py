@@ -1,7 +1,7 @@
-"""python -m jaxvt.bench offload: the origin's experiment on a GPU, with jaxvt's design.
+"""python -m jaxvt.bench offload: a 35B MoE model in an emulated 16 GiB GPU, offload budget by budget.
 
 A model with Qwen3.6-35B-A3B's exact architecture and tensor layout and valid random weights
-(Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.gguf.synth) and loaded through
+(Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.synth) and loaded through
 the normal GGUF path. Arms (jaxvt's own each in a child process: the device cap is set before
 JAX starts):
 
@@ -14,9 +14,10 @@ JAX starts):
   llama.cpp   llama-bench on the same file (--llama-bench PATH, or /tmp/llama-build's): all
               layers on the GPU, `-ot exps=CPU`, and `--n-cpu-moe N` near jaxvt's auto budget
 
-One sweep process serves every budget: it opens the file once and keeps one pinned host copy
-of each tensor it ever offloads (jaxvt.loader's `buffer_for` hook), so a budget point costs the
-device upload, the compile and the measurement. Each point is a warm-up generate (compiles)
+One sweep process serves every budget: it opens the file once (jaxvt.engine's public steps:
+open_model once, then plan and place per budget) and keeps one pinned host copy of each tensor it
+ever offloads (jaxvt.bench.arms.KeptTier), so a budget point costs the device upload, the
+compile and the measurement. Each point is a warm-up generate (compiles)
 then a timed one: a 512-token prompt (prefill tok/s), 128 greedy tokens (decode tok/s).
 Children hold a file lock from their first use of the GPU to their end, so one child's setup
 overlaps the other's measurement but no two ever use the GPU at once. Points run in an order
@@ -37,7 +38,18 @@ import sys
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvt import engine, ffi, loader, synth
+from jaxvt.bench import arms, offload_llama, offload_report, report
 from jaxvt.bench.offload_report import Run, plan_points
+from jaxvt.errors import JaxvtError
+from jaxvt.gguf.tokenizer import Tokenizer
+from jaxvt.model.declare import Role
+from jaxvt.model.presets import qwen36_35b_a3b_config
+from jaxvt.sampling import SamplingParams
 
 GiB = 1 << 30
 MODEL = "/tmp/jaxvt-qwen36-35b-a3b-shape.gguf"
@@ -58,107 +70,62 @@ def gpu_lock(path: str = LOCK):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-class KeptTier:
-  """A host tier for many placements of one file: each tensor is copied into a pinned buffer
-  the first time a placement offloads it, and later placements get that buffer back."""
-
-  def __init__(self):
-    from jaxvt.offload.host_tier import HostTier
-    self.tier = HostTier()
-    self.bufs = {}
-
-  def buffer_for(self, t):
-    buf = self.bufs.get(t.name)
-    if buf is None:
-      from jaxvt import loader
-      buf = self.bufs[t.name] = loader._host_copy(self.tier, t)  # pylint: disable=protected-access
-    return buf
-
-  def close(self):
-    self.bufs.clear()
-    self.tier.close()
-
-
 class Session:
   """One opened model file; `measure` places it at a budget and times it."""
 
   def __init__(self, path: str, prompt: int, gen: int, device_gb: float | None):
-    import dataclasses as dc
-
-    import numpy as np
-
-    from jaxvt import loader
-    from jaxvt.gguf.names import gguf_name
-    from jaxvt.gguf.reader import open_gguf
-    from jaxvt.gguf.tokenizer import Tokenizer
-    from jaxvt.model.config import from_gguf_metadata
-    from jaxvt.model.declare import declare
     t = time.perf_counter()
     self.path, self.prompt, self.gen, self.device_gb = path, prompt, gen, device_gb
-    self.gf = open_gguf(path)
-    cfg = from_gguf_metadata(self.gf.metadata)
-    tied = gguf_name(cfg.arch, "lm_head") not in self.gf.tensors
-    self.cfg = dc.replace(cfg, tied_embeddings=tied)
-    self.decls = declare(self.cfg)
-    loader.check_file(self.gf, self.cfg.arch, self.decls, self.cfg.n_layers)
-    self.units = loader.unit_bytes(self.gf, self.cfg.arch, self.decls)
-    self.tokenizer = Tokenizer.from_gguf_metadata(self.gf.metadata)
+    self.model = engine.open_model(path)
+    self.cfg = self.model.cfg
+    self.tokenizer = arms.NoStops(Tokenizer.from_gguf_metadata(self.model.gguf.metadata))
     self.ids = np.random.default_rng(0).integers(10, self.cfg.vocab_size - 10, prompt).tolist()
     self.max_context = prompt + gen + 8
     self.tier = None
     self.open_s = time.perf_counter() - t
 
   def plan(self, budget, pattern=()):
-    import jax
-
-    from jaxvt import ffi
-    from jaxvt.offload import placement
-    from jaxvt.offload.plan import Policy, parse_overrides
-    dev = jax.devices()[0]
-    return placement.plan_for_engine(
-        self.cfg, self.decls, self.units, offload_gb=budget, device_gb=self.device_gb,
-        force=True, device=dev, max_context=self.max_context, kernels=ffi.available(dev.platform),
-        policy=Policy(overrides=parse_overrides(pattern)))
+    return engine.plan(self.model, offload_gb=budget, device_gb=self.device_gb, force=True,
+                       max_context=self.max_context, offload_pattern=pattern)
 
   def facts(self) -> dict:
     """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts."""
-    from jaxvt.model.declare import Role
     base = self.plan(0.0)
-    routed = {d.name for d in self.decls if d.role == Role.ROUTED_EXPERTS}
-    exps = [u for u in self.units if u.name in routed and u.layer is not None]
+    routed = {d.name for d in self.model.decls if d.role == Role.ROUTED_EXPERTS}
+    exps = [u for u in self.model.units if u.name in routed and u.layer is not None]
     n = len({u.layer for u in exps}) or 1
     return dict(safe=(base.safe_budget or 0) / GiB, top=base.plan.max_useful_budget / GiB,
                 auto=self.plan("auto").plan.host_bytes / GiB,
                 expert_layer_bytes=sum(u.nbytes for u in exps) / n, n_layers=self.cfg.n_layers)
 
+  def weights(self, placed, pinned: bool = False) -> dict:
+    """The weights as `placed` puts them: jaxvt's host tier (this session's KeptTier), or with
+    `pinned` JAX's pinned_host memory kind for the stacks the plan offloads."""
+    dev = jax.devices()[0]
+    if not pinned:
+      if placed.host_bytes:
+        self.tier = self.tier or arms.KeptTier()
+      return engine.place(self.model, placed, device=dev, host=self.tier)
+    stacks = arms.pinned_stacks(self.model, placed.placement)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    return {d.name: arms.place_pinned(self.model, d, sharding) if d.name in stacks
+            else loader.place_weight(self.model, d, device=dev) for d in self.model.decls}
+
   def engine(self, budget, host_kind: str = "host", pattern=()):
     """An Engine placed as jaxvt.load(offload_gb=budget, force=True) places it, from the file
-    opened once and this session's kept host tier."""
-    import jax
-
-    from jaxvt import ffi, loader
-    from jaxvt.engine import Engine, exec_for
+    opened once and this session's kept host tier; host_kind "jax_pinned": the pinned_host arm."""
     t = time.perf_counter()
     placed = self.plan(budget, pattern)
-    where = placed.placement
-    if host_kind == "jax_pinned":
-      where = lambda n, l: "jax_pinned" if placed.placement(n, l) == "host" else "device"
-    tier = None
-    if placed.host_bytes and host_kind == "host":
-      self.tier = tier = self.tier or KeptTier()
-    dev = jax.devices()[0]
-    weights = loader.load_weights(self.gf, self.cfg.arch, self.decls, where, tier, dev)
+    weights = self.weights(placed, pinned=host_kind == "jax_pinned")
     jax.block_until_ready(weights)
-    ex = exec_for(dev.platform, ffi.available(dev.platform))
-    return Engine(cfg=self.cfg, ex=ex, weights=weights, tokenizer=self.tokenizer,
-                  max_context=self.max_context, path=self.path,
-                  load_seconds=time.perf_counter() - t, plan=placed)
+    dev = jax.devices()[0]
+    ex = engine.exec_for(dev.platform, ffi.available(dev.platform))
+    return engine.Engine(cfg=self.cfg, ex=ex, weights=weights, tokenizer=self.tokenizer,
+                         max_context=self.max_context, path=self.path,
+                         load_seconds=time.perf_counter() - t, plan=placed)
 
   def measure(self, arm: str, budget, *, forced: bool = False, host_kind: str = "host",
               pattern=(), gen: int | None = None) -> Run:
-    import jax
-
-    from jaxvt.errors import JaxvtError
     gen = min(gen or self.gen, self.gen)
     r = Run(arm, 0.0, False, gen_tokens=gen, auto=budget == "auto", forced=forced)
     t0 = time.perf_counter()
@@ -178,7 +145,7 @@ class Session:
       t1 = time.perf_counter()
       warm_up(eng, self.ids, overlap=not forced)
       t2 = time.perf_counter()
-      g = eng.generate(self.ids, max_tokens=gen, stop_at_eos=False)
+      g = eng.generate(self.ids, max_tokens=gen)
       r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
       r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
       st = jax.devices()[0].memory_stats() or {}
@@ -200,22 +167,18 @@ def warm_up(eng, ids: list[int], overlap: bool) -> None:
   """Compiles and runs once what a timed `eng.generate(ids, ...)` runs (one device): a generate
   of one token (prefill, first sample) and one decode step. With `overlap` the two run on two
   threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
-  run them one after the other, so that the warm-up's device memory is what a plain run needs."""
-  import jax
-  import jax.numpy as jnp
-
-  from jaxvt.engine import decode_sample_fn
-  from jaxvt.sampling import SamplingParams
+  run them one after the other, so that the warm-up's device memory is what a plain run needs.
+  `eng` generates to max_tokens (arms.NoStops)."""
   n = len(ids)
   errors = []
 
   def first():
-    eng.generate(ids, max_tokens=1, stop_at_eos=False)
+    eng.generate(ids, max_tokens=1)
 
   def step():  # the decode call generate makes: a committed cache, as prefill returns it
     cache = jax.device_put(eng.new_cache(1), jax.devices()[0])
     key = jax.random.split(jax.random.key(0))[1]
-    toks, _ = decode_sample_fn(eng.weights, cache, jnp.asarray([[1]], jnp.int32),
+    toks, _ = engine.decode_sample_fn(eng.weights, cache, jnp.asarray([[1]], jnp.int32),
                                jnp.asarray([[n]], jnp.int32), key, cfg=eng.cfg, ex=eng.ex,
                                kv_len=eng.kv_len(n + 1), params=SamplingParams())
     int(toks[0])
@@ -246,10 +209,6 @@ def print_row(r) -> None:
 
 def _rates() -> dict:
   """Same-run rates: DMA host->device (the extension's probe) and a 1 GiB device copy."""
-  import jax
-  import jax.numpy as jnp
-
-  from jaxvt import ffi
   ext = ffi.extension()
   x = jnp.ones((1 << 28,), jnp.float32)
   f = jax.jit(lambda x: x + 1)
@@ -369,16 +328,15 @@ def _offload_child(arm: str, args, env_extra: dict, deadline: float, log, points
 
 
 def ensure_model(path: str, log) -> None:
-  """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.gguf.synth: Q4_K_M-like formats, MTP block,
+  """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.synth: Q4_K_M-like formats, MTP block,
   seed 0) at `path` unless it exists; under another name first, so a cut-off write never
   stays behind as the model."""
   if os.path.exists(path):
     return
-  from jaxvt.gguf import synth
   t = time.time()
   part = f"{path}.part{os.getpid()}"
   try:
-    synth.write_model(part, synth.qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
+    synth.write_model(part, qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
     os.replace(part, path)
   finally:
     with contextlib.suppress(FileNotFoundError):
@@ -398,7 +356,6 @@ def pool_fraction(device_gb: float) -> str:
 
 
 def main(args) -> str:
-  from jaxvt.bench import offload_llama, offload_report, report
   t_start = time.time()
   log = lambda s: print(s, flush=True)
   ensure_model(args.model, log)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.ffi import kernel_bench as kb
+from jaxvt.bench import kernels as kb
 from jaxvt.ffi import ops
 from jaxvt.model import layers
 from jaxvt.model.layers import Exec, Products

@@ -17,6 +17,14 @@ import os
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxvt
+from jaxvt import engine as eng_mod
+from jaxvt.sampling import SamplingParams
+
 
 def device_events(trace: dict, host_fallback: bool = True) -> list[dict]:
   """Complete ('X') events of device processes (names like '/device:GPU:0'); with none and
@@ -35,7 +43,6 @@ def device_events(trace: dict, host_fallback: bool = True) -> list[dict]:
 def trace(fn, log_dir: str) -> dict:
   """Runs fn() under jax.profiler and returns the Perfetto trace (a dict); raises OSError,
   RuntimeError or ValueError when no trace could be made."""
-  import jax
   with jax.profiler.trace(log_dir, create_perfetto_trace=True):
     fn()
   files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
@@ -106,13 +113,7 @@ def _prefill(eng, ids, args, mesh) -> str:
 
 
 def main(args) -> str:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
 
-  import jaxvt
-  from jaxvt import engine as eng_mod
-  from jaxvt.sampling import SamplingParams
 
   mesh = getattr(args, "mesh", None)
   eng = jaxvt.load(args.model, max_context=args.prompt + args.steps * 3 + 16,

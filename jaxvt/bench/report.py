@@ -8,12 +8,13 @@ import platform
 import re
 import sys
 
+import jax
+
 HEADER = ("# jaxvt benchmarks\n\nEach section is written by `python -m jaxvt.bench <name>`; it "
           "names its command, machine and date. Ratios are measured side by side in one run.\n")
 
 
 def machine() -> str:
-  import jax
   d = jax.devices()[0]
   cpu = platform.processor() or platform.machine()
   try:

@@ -15,9 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt import ffi
-from jaxvt.ffi import kernel_bench as kb
+from jaxvt.bench import kernels as kb
+from jaxvt.bench import products
+from jaxvt.bench import report
+from jaxvt.bench.arms import KINDS
+from jaxvt.bench.profile import device_seconds
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
+from jaxvt.gguf.formats import FORMATS
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
@@ -46,7 +51,6 @@ def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[flo
   mode = default_mode(device.platform)
   best, once = kb.best_scan_time(lambda x, l: ops.qmatmul_experts(x, w, l, ids[l], mode),
                                  w.meta.n_layers, x, reps)
-  from jaxvt.bench.profile import device_seconds
   return best, device_seconds(once, "experts")
 
 
@@ -84,7 +88,7 @@ def grid_sweep(ext, dma: float) -> str:
   for fmt, rows, cols, batch in [(12, 14336, 4096, 1), (12, 4096, 4096, 1), (14, 4096, 4096, 1),
                                  (3, 4096, 4096, 1), (8, 4096, 4096, 1), (30, 4096, 4096, 1),
                                  (12, 2048, 512, 1), (12, 14336, 4096, 4), (12, 14336, 4096, 16)]:
-    name = kb.FORMATS[fmt][0]
+    name = FORMATS[fmt].name
     cells = []
     for c in caps:
       gbs = ext.measure_host_gemv(fmt, rows, cols, batch, copies=8, iters=24, grid_cap=c)
@@ -94,7 +98,7 @@ def grid_sweep(ext, dma: float) -> str:
             "| matrix | MiB | GB/s | us per call |", "|---|---|---|---|"]
   for fmt, rows, cols in [(12, 8192, 2048), (12, 2048, 4096), (12, 512, 2048), (12, 2048, 512),
                           (14, 2048, 2048), (14, 248320, 2048)]:
-    name, be, bb, _ = kb.FORMATS[fmt]
+    name, be, bb = FORMATS[fmt].name, FORMATS[fmt].block_elems, FORMATS[fmt].block_bytes
     mib = rows * cols // be * bb / MIB
     copies = max(2, min(16, int(1024 // mib)))
     gbs = ext.measure_host_gemv(fmt, rows, cols, 1, copies=copies, iters=4 * copies,
@@ -107,7 +111,6 @@ def kinds_probe(ext) -> str:
   """Each way of allocating host-tier memory (HostTier kind): copy and streaming-read rates, at
   256 MiB and at a small matrix's size, and the matvec kernel alone on the shapes that read
   slowest (GPU only). % is of the best 256 MiB cudaMemcpy of any kind."""
-  from jaxvt.offload.host_tier import KINDS
   small = 2048 * 512 // 256 * 144  # a Q4_K 2048 x 512 matrix's bytes
   shapes = [(12, 4096, 14336), (14, 4096, 4096), (12, 14336, 4096), (12, 2048, 512)]
   rows = {}
@@ -126,7 +129,7 @@ def kinds_probe(ext) -> str:
   names = ["cudaMemcpy 256 MiB", "stream read 256 MiB", f"cudaMemcpy {small / MIB:.2f} MiB",
            f"stream read {small / MIB:.2f} MiB", "bulk-copy read 256 MiB",
            f"bulk-copy read {small / MIB:.2f} MiB"]
-  names += [f"{kb.FORMATS[f][0]} {rr}x{c} b1" for f, rr, c in shapes]
+  names += [f"{FORMATS[f].name} {rr}x{c} b1" for f, rr, c in shapes]
   names += [f"Q4_K 4096x14336 b{b}" for b in (4, 16)]
   lines = [f"### Host memory kinds (kernel alone; GB/s, % of the best cudaMemcpy, {ref:.1f})\n",
            "| read | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
@@ -137,9 +140,7 @@ def kinds_probe(ext) -> str:
 
 
 def main(args) -> str:
-  from jaxvt.bench import report
   if getattr(args, "products", None):
-    from jaxvt.bench import products
     return products.main(args)
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
@@ -172,7 +173,8 @@ def main(args) -> str:
          "| format | rows x cols | MiB | " + " | ".join(f"batch {b} GB/s (%)" for b in batches)
          + (" | kernel alone, " + ", ".join(f"b{b}" for b in batches) + " GB/s (%)" if gpu else "")
          + " |", "|---|---|---|" + "---|" * (len(batches) + gpu)]
-  for fmt, (name, *_r) in kb.FORMATS.items():
+  for fmt in kb.SCALES:
+    name = FORMATS[fmt].name
     for rows, cols in kb.SHAPES:
       raw = kb.random_matrix(rng, fmt, rows, cols)
       layers = max(2, min(512, -(-n // raw.size)))

@@ -12,6 +12,8 @@ import functools
 import threading
 from types import ModuleType
 
+import jax
+
 TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
            "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_qmatmul_grouped")
 # The targets a GPU build registers for its platform ("CUDA" or "ROCM").
@@ -24,7 +26,7 @@ _registered: set[str] = set()
 @functools.cache
 def extension() -> ModuleType | None:
   """The compiled extension module, or None when jaxvt was installed without it."""
-  try:
+  try:  # built by pip install; a source checkout without a build runs the jnp references
     from jaxvt.ffi import _jaxvt_ffi
   except ImportError:
     return None
@@ -48,8 +50,6 @@ def available(platform: str = "cpu") -> bool:
 
 def register() -> tuple[str, ...]:
   """Registers every handler the extension has with JAX (once); returns the platforms done."""
-  import jax
-
   ext = extension()
   if ext is None:
     return ()

@@ -43,31 +43,27 @@ import numpy as np
 from jaxvt import ffi as _ffi
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import numerics
+from jaxvt.gguf.formats import FORMATS
+from jaxvt.gguf.quants import dequantize
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
 
 _ffi.register()
 
-# ggml type id -> (elements, bytes) of the block the kernels step by (32 elements for floats).
-_KBLOCK = {0: (32, 128), 1: (32, 64), 30: (32, 64), 2: (32, 18), 3: (32, 20), 8: (32, 34),
-           12: (256, 144), 13: (256, 176), 14: (256, 210)}
-_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K",
-          13: "Q5_K", 14: "Q6_K"}
-
-
 def _row_bytes(fmt: int, cols: int) -> int:
-  elems, nbytes = _KBLOCK[fmt]
-  return cols // elems * nbytes
+  """Bytes of a row as the kernels step through it (whole k-blocks; `_check` has run)."""
+  f = FORMATS[fmt]
+  return cols // f.kblock_elems * f.kblock_bytes
 
 
 def _check(w: QWeight, op: str, experts: bool | None = None) -> None:
   m = w.meta
   for f in m.formats:
-    if f not in _KBLOCK:
+    if f not in FORMATS:
       raise JaxvtError(f"{op}: weight format ggml type {f} has no jaxvt kernel; use a GGUF whose "
-                       f"matrices are {', '.join(_NAMES.values())}")
-    if m.cols % _KBLOCK[f][0]:
-      raise JaxvtError(f"{op}: {m.cols} columns are not whole {_NAMES[f]} blocks of "
-                       f"{_KBLOCK[f][0]}; the tensor is mis-shaped")
+                       f"matrices are {', '.join(x.name for x in FORMATS.values())}")
+    if m.cols % FORMATS[f].kblock_elems:
+      raise JaxvtError(f"{op}: {m.cols} columns are not whole {FORMATS[f].name} blocks of "
+                       f"{FORMATS[f].kblock_elems}; the tensor is mis-shaped")
   if experts is True and not m.experts:
     raise JaxvtError(f"{op} needs a stacked-experts weight (experts > 0); use qmatmul for a matrix")
   if experts is False and m.experts:
@@ -250,11 +246,6 @@ def _switch_formats(w: QWeight, layer, fn):
 
   out = jax.lax.switch(index, [branch(f) for f in m.formats], raw)
   return jnp.where(is_host, jnp.nan, out)
-
-
-def _dequant(raw, fmt, cols):
-  from jaxvt.gguf.quants import dequantize
-  return dequantize(raw, fmt, cols)
 
 
 def qmatmul_ref(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
@@ -549,7 +540,7 @@ def qembed_ref(ids: jax.Array, w: QWeight, layer=0) -> jax.Array:
   _check(w, "qembed_ref", experts=False)
   m = w.meta
   ids = jnp.clip(_ids(ids), 0, m.rows - 1)
-  return _switch_formats(w, layer, lambda raw, f: _dequant(raw[ids], f, m.cols))
+  return _switch_formats(w, layer, lambda raw, f: dequantize(raw[ids], f, m.cols))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,7 +572,7 @@ def qdequant_ref(w: QWeight, layer) -> jax.Array:
   _check(w, "qdequant_ref")
   m = w.meta
   return _switch_formats(
-      w, layer, lambda raw, f: _dequant(raw, f, m.cols).reshape(w.shape)).astype(jnp.bfloat16)
+      w, layer, lambda raw, f: dequantize(raw, f, m.cols).reshape(w.shape)).astype(jnp.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ convert to float32 is fused by XLA with the scale multiply, so no int32 intermed
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import gguf
@@ -39,31 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.errors import JaxvtError
+from jaxvt.gguf import formats
+from jaxvt.gguf.formats import (BF16, F16, F32, FORMATS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,
+                                QuantFormat)
 
 _T = gguf.GGMLQuantizationType
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantFormat:
-  """One GGUF tensor format: `block_elems` elements stored in `block_bytes` bytes."""
-  name: str
-  type_id: int
-  block_elems: int
-  block_bytes: int
-
-
-def _fmt(t: gguf.GGMLQuantizationType) -> QuantFormat:
-  elems, nbytes = gguf.GGML_QUANT_SIZES[t]
-  return QuantFormat(name=t.name, type_id=int(t), block_elems=elems, block_bytes=nbytes)
-
-
-FORMATS: dict[int, QuantFormat] = {
-    int(t): _fmt(t)
-    for t in (_T.F32, _T.F16, _T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.BF16)
-}
-
-F32, F16, Q4_0, Q4_1, Q8_0 = int(_T.F32), int(_T.F16), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0)
-Q4_K, Q5_K, Q6_K, BF16 = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K), int(_T.BF16)
 
 
 def format_name(type_id: int) -> str:
@@ -78,26 +57,13 @@ def format_name(type_id: int) -> str:
 
 def get_format(type_id: int) -> QuantFormat:
   """The `QuantFormat` of a supported type id; JaxvtError otherwise."""
-  fmt = FORMATS.get(int(type_id))
-  if fmt is None:
-    supported = ", ".join(f.name for f in FORMATS.values())
-    raise JaxvtError(
-        f"tensor format {format_name(type_id)} (ggml type {int(type_id)}) is not supported; "
-        f"use a GGUF file whose tensors are {supported} (e.g. re-quantize to Q4_K_M)")
-  return fmt
+  return formats.get_format(type_id, format_name(type_id))
 
 
 def row_bytes(type_id: int, cols: int) -> int:
-  """Bytes of one row of `cols` elements in format `type_id`.
-
-  Raises JaxvtError for an unsupported format or `cols` not a positive multiple of the block size.
-  """
-  fmt = get_format(type_id)
-  if cols <= 0 or cols % fmt.block_elems:
-    raise JaxvtError(
-        f"a {fmt.name} row of {cols} elements is not a whole number of {fmt.block_elems}-element "
-        f"blocks; use a row length that is a positive multiple of {fmt.block_elems}")
-  return cols // fmt.block_elems * fmt.block_bytes
+  """Bytes of one row of `cols` elements in format `type_id` (jaxvt.gguf.formats.row_bytes, with
+  ggml's names for unsupported types in the message)."""
+  return formats.row_bytes(type_id, cols, format_name(type_id))
 
 
 # ---------------------------------------------------------------------------------------------

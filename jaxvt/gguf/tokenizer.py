@@ -120,7 +120,7 @@ _BPE_DEFAULT_SPECIAL = 11  # llama.cpp's BOS/EOS id for gpt2 vocabularies that n
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
   """GPT-2's reversible byte -> printable character table."""
   keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
   table, extra = {}, 0
@@ -133,7 +133,7 @@ def _bytes_to_unicode() -> dict[int, str]:
   return table
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _md_int(md: Mapping[str, Any], key: str) -> int | None:

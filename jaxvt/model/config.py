@@ -8,9 +8,10 @@ configurations) and passed explicitly. Layer heterogeneity is data: `layer_types
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from jaxvt.errors import JaxvtError
+from jaxvt.gguf.names import gguf_name
 
 ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 
@@ -81,6 +82,26 @@ class ModelConfig:
   def kv_dim(self) -> int:
     return self.n_kv_heads * self.head_dim
 
+  @property
+  def q_rows(self) -> int:
+    """Rows of the query projection: the heads' queries, then (qwen35) their output gates."""
+    return self.q_dim * (2 if self.attn_output_gate else 1)
+
+  @property
+  def ssm_qk_dim(self) -> int:
+    """DeltaNet: channels of q (and of k), key heads x key dim."""
+    return self.ssm_k_heads * self.ssm_k_dim
+
+  @property
+  def ssm_inner_dim(self) -> int:
+    """DeltaNet: channels of v (and of z and the output), value heads x value dim."""
+    return self.ssm_v_heads * self.ssm_v_dim
+
+  @property
+  def conv_dim(self) -> int:
+    """DeltaNet: channels of the causal convolution, [q | k | v]."""
+    return 2 * self.ssm_qk_dim + self.ssm_inner_dim
+
 
 def _req(md: Mapping[str, Any], key: str):
   if key not in md:
@@ -89,8 +110,11 @@ def _req(md: Mapping[str, Any], key: str):
   return md[key]
 
 
-def from_gguf_metadata(md: Mapping[str, Any]) -> ModelConfig:
-  """Builds a ModelConfig from GGUF key/value metadata (values already decoded to Python)."""
+def from_gguf_metadata(md: Mapping[str, Any],
+                       tensor_names: Collection[str] | None = None) -> ModelConfig:
+  """Builds a ModelConfig from GGUF key/value metadata (values already decoded to Python) and
+  the file's tensor names: the output head is the token embedding (`tied_embeddings`) when the
+  file has no output head tensor. Without `tensor_names` the head is taken as untied."""
   arch = md.get("general.architecture")
   if arch not in ARCHITECTURES:
     raise JaxvtError(f"unsupported architecture '{arch}': jaxvt runs {', '.join(ARCHITECTURES)}")
@@ -129,7 +153,8 @@ def from_gguf_metadata(md: Mapping[str, Any]) -> ModelConfig:
       rope_theta=float(g("rope.freq_base", 10000.0)),
       rope_dim=int(g("rope.dimension_count", head_dim)),
       context_length=int(g("context_length", 4096)),
-      tied_embeddings=False,  # set by the loader from the tensor list
+      tied_embeddings=(tensor_names is not None
+                       and gguf_name(arch, "lm_head") not in tensor_names),
       rope_interleaved=not qwen,
       qk_norm=arch in ("qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"),
       attn_output_gate=arch in ("qwen35", "qwen35moe", "qwen3next"),

@@ -3,8 +3,10 @@
 `declare(cfg)` lists the model's weights as `WeightDecl`s: canonical name, the trunk layers the
 weight is stacked over (None for global tensors), the per-layer logical shape in numpy order
 (rows = output features, cols = input features, experts first), its role and whether it is a
-matrix (kept in its GGUF block format as a QWeight) or a small vector (a float32 array).
-Loading, placement and byte accounting all derive from this list.
+matrix (kept in its GGUF block format as a QWeight) or a small vector (a float32 array). A model
+with tied embeddings declares no output head (the embedding serves). Loading, placement and byte
+accounting all derive from this list; a placement unit is one weight in one layer, and
+`UnitBytes` is what it holds in the file.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ class WeightDecl:
   shape: tuple[int, ...]  # per layer: (rows, cols) | (experts, rows, cols) | (n,) | (rows, cols) small
   role: Role
   matrix: bool  # True: QWeight in GGUF block format; False: float32 array
-  optional: bool = False  # may be absent from the file (e.g. lm_head when embeddings are tied)
 
   @property
   def n_stack(self) -> int:
@@ -50,6 +51,16 @@ class WeightDecl:
   @property
   def numel(self) -> int:
     return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitBytes:
+  """One placement unit: a weight in one layer (layer None for global tensors), its bytes as
+  stored and its ggml type (-1 where estimated without a file)."""
+  name: str
+  layer: int | None
+  nbytes: int
+  type_id: int
 
 
 def declare(cfg: ModelConfig) -> list[WeightDecl]:
@@ -62,15 +73,15 @@ def declare(cfg: ModelConfig) -> list[WeightDecl]:
   out: list[WeightDecl] = [
       WeightDecl("embed", None, (cfg.vocab_size, d), Role.EMBEDDING, M),
       WeightDecl("final_norm", None, (d,), Role.NORM, V),
-      WeightDecl("lm_head", None, (cfg.vocab_size, d), Role.OUTPUT, M, optional=True),
   ]
+  if not cfg.tied_embeddings:
+    out.append(WeightDecl("lm_head", None, (cfg.vocab_size, d), Role.OUTPUT, M))
   add = lambda name, layers, shape, role, matrix: out.append(
       WeightDecl(name, layers, tuple(shape), role, matrix)) if layers else None
 
   # Attention layers (all layers for llama/qwen3; every interval-th for qwen35).
-  q_rows = cfg.n_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
   add("attn_norm", every, (d,), Role.NORM, V)
-  add("attn.wq", attn, (q_rows, d), Role.ATTENTION, M)
+  add("attn.wq", attn, (cfg.q_rows, d), Role.ATTENTION, M)
   add("attn.wk", attn, (cfg.n_kv_heads * cfg.head_dim, d), Role.ATTENTION, M)
   add("attn.wv", attn, (cfg.n_kv_heads * cfg.v_head_dim, d), Role.ATTENTION, M)
   add("attn.wo", attn, (d, cfg.n_heads * cfg.v_head_dim), Role.ATTENTION, M)
@@ -80,17 +91,16 @@ def declare(cfg: ModelConfig) -> list[WeightDecl]:
 
   # Gated DeltaNet layers.
   if gdn:
-    nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
-    conv_dim = 2 * nk * dk + nv * dv
-    add("gdn.w_qkv", gdn, (conv_dim, d), Role.DELTANET, M)
-    add("gdn.w_z", gdn, (nv * dv, d), Role.DELTANET, M)
+    nv, dv = cfg.ssm_v_heads, cfg.ssm_v_dim
+    add("gdn.w_qkv", gdn, (cfg.conv_dim, d), Role.DELTANET, M)
+    add("gdn.w_z", gdn, (cfg.ssm_inner_dim, d), Role.DELTANET, M)
     add("gdn.w_beta", gdn, (nv, d), Role.DELTANET, M)
     add("gdn.w_alpha", gdn, (nv, d), Role.DELTANET, M)
-    add("gdn.conv", gdn, (conv_dim, cfg.ssm_conv_kernel), Role.SMALL, V)
+    add("gdn.conv", gdn, (cfg.conv_dim, cfg.ssm_conv_kernel), Role.SMALL, V)
     add("gdn.dt_bias", gdn, (nv,), Role.SMALL, V)
     add("gdn.a", gdn, (nv,), Role.SMALL, V)
     add("gdn.norm", gdn, (dv,), Role.NORM, V)
-    add("gdn.w_out", gdn, (d, nv * dv), Role.DELTANET, M)
+    add("gdn.w_out", gdn, (d, cfg.ssm_inner_dim), Role.DELTANET, M)
 
   # FFN: dense or mixture of experts (+ optional shared expert).
   add("ffn_norm", every, (d,), Role.NORM, V)

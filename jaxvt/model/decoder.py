@@ -14,9 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxvt.model import layers
+from jaxvt.model import deltanet, layers, moe
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
+from jaxvt.model.axes import TP
 
 
 def layer_period(cfg: ModelConfig) -> tuple[str, ...]:
@@ -26,10 +27,6 @@ def layer_period(cfg: ModelConfig) -> tuple[str, ...]:
     if len(lt) % p == 0 and lt == lt[:p] * (len(lt) // p):
       return lt[:p]
   return lt
-
-
-def conv_dim(cfg: ModelConfig) -> int:
-  return 2 * cfg.ssm_k_heads * cfg.ssm_k_dim + cfg.ssm_v_heads * cfg.ssm_v_dim
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype=jnp.float32) -> dict:
@@ -44,7 +41,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype=jnp.float32)
       "v": jnp.zeros((na, batch, max_len, cfg.n_kv_heads, cfg.v_head_dim), kv_dtype),
   }
   if ng:
-    cache["conv"] = jnp.zeros((ng, batch, cfg.ssm_conv_kernel - 1, conv_dim(cfg)), jnp.float32)
+    cache["conv"] = jnp.zeros((ng, batch, cfg.ssm_conv_kernel - 1, cfg.conv_dim), jnp.float32)
     cache["ssm"] = jnp.zeros((ng, batch, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim),
                              jnp.float32)
   return cache
@@ -54,14 +51,13 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
   """Bytes of `init_cache(cfg, batch, max_len)` without allocating it."""
   na, ng = len(cfg.attention_layers), len(cfg.deltanet_layers)
   kv = na * batch * max_len * cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) * kv_bytes
-  st = ng * batch * 4 * ((cfg.ssm_conv_kernel - 1) * conv_dim(cfg)
+  st = ng * batch * 4 * ((cfg.ssm_conv_kernel - 1) * cfg.conv_dim
                          + cfg.ssm_v_heads * cfg.ssm_k_dim * cfg.ssm_v_dim) if ng else 0
   return kv + st
 
 
 def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
   if cfg.is_moe:
-    from jaxvt.model import moe
     return moe.moe_block(h, w, li, cfg, ex)
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
                        ex)
@@ -102,7 +98,6 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
           o, cache["k"], cache["v"] = layers.attention(
               h, w, ai, cache["k"], cache["v"], positions, cfg, ex, kv_len, n_query)
         else:
-          from jaxvt.model import deltanet
           gi = p * n_gdn + g_j
           g_j += 1
           o, conv, ssm = deltanet.deltanet_block(
@@ -122,6 +117,5 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   head = w["lm_head"] if "lm_head" in w else w["embed"]
   logits = layers.linear(x, head, jnp.int32(0), ex)
   if ex.par is not None and ex.par.head_sharded and "lm_head" in w:  # this device's vocab rows
-    from jaxvt.parallel.mesh import TP
     logits = jax.lax.all_gather(logits, TP, axis=logits.ndim - 1, tiled=True)
   return logits, cache

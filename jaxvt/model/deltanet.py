@@ -157,7 +157,7 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
   with jax.named_scope("gdn_in"):
     mixed, z, beta, alpha = layers.linear_many(
         h, [w["gdn.w_qkv"], w["gdn.w_z"], w["gdn.w_beta"], w["gdn.w_alpha"]], gi, ex)
-    # mixed [b, t, 2 nk dk + nv dv]; beta, alpha [b, t, nv]
+    # mixed [b, t, conv_dim] = [q | k | v]; beta, alpha [b, t, nv]
     z = z.reshape(b, t, nv, dv)
     beta = jax.nn.sigmoid(beta)
     g = w["gdn.a"][gi] * jax.nn.softplus(alpha + w["gdn.dt_bias"][gi])  # ssm_a = -exp(A_log)
@@ -167,9 +167,10 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
   with jax.named_scope("gdn_conv"):
     mixed, conv_state = causal_conv(mixed, conv_state, w["gdn.conv"][gi], valid)
     mixed = jax.nn.silu(mixed)
-  q = mixed[..., :nk * dk].reshape(b, t, nk, dk)
-  k = mixed[..., nk * dk:2 * nk * dk].reshape(b, t, nk, dk)
-  v = mixed[..., 2 * nk * dk:].reshape(b, t, nv, dv)
+  qk = cfg.ssm_qk_dim
+  q = mixed[..., :qk].reshape(b, t, nk, dk)
+  k = mixed[..., qk:2 * qk].reshape(b, t, nk, dk)
+  v = mixed[..., 2 * qk:].reshape(b, t, nv, dv)
   q = _l2norm(q) * (dk ** -0.5)
   k = _l2norm(k)
   q = _expand_heads(q, nv, cfg.ssm_value_order)
@@ -181,5 +182,5 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
 
   with jax.named_scope("gdn_out"):
     y = layers.rms_norm(o, w["gdn.norm"][gi], cfg.rms_eps) * jax.nn.silu(z)  # ssm_norm: no +1
-    out = layers.linear(y.reshape(b, t, nv * dv), w["gdn.w_out"], gi, ex)
+    out = layers.linear(y.reshape(b, t, cfg.ssm_inner_dim), w["gdn.w_out"], gi, ex)
   return out, conv_state, ssm_state

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt.ffi import ops  # importing it registers the kernels' custom calls with JAX
 from jaxvt.model.config import ModelConfig
+from jaxvt.model.axes import AXES, TP
 from jaxvt.qweight import QMeta, QWeight
 
 # Which kernel multiplies a quantized weight by n activation rows on a GPU (prefill): crossovers in
@@ -99,24 +101,9 @@ class Exec:
     return self.numerics == "ggml"
 
 
-def stage(w: QWeight, layer):
-  """For a QWeight in JAX's pinned_host memory (meta.staged): copy layer `layer` to the device
-  (a DMA of the whole layer, as jax.device_put inside the scan does) and return (that one-layer
-  device QWeight, 0). Any other QWeight is returned as is."""
-  if not w.meta.staged:
-    return w, layer
-  row = jax.device_put(jax.lax.dynamic_index_in_dim(w.data, layer, 0, keepdims=True),
-                       jax.memory.Space.Device)
-  meta = dataclasses.replace(w.meta, n_layers=1, staged=False, host_layers=())
-  one = QWeight(row, jnp.zeros((1, 2), jnp.uint32), jax.lax.dynamic_slice_in_dim(w.fmts, layer, 1),
-                meta)
-  return one, jnp.int32(0)
-
-
 def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
-  from jaxvt.ffi import ops  # the ops module registers the custom calls on first import
-  w, layer = stage(w, layer)
+  w, layer = w.layer_view(layer)
   if not ex.kernels:
     return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
   path = ex.products.dense(x.size // x.shape[-1], w.meta)
@@ -131,13 +118,13 @@ def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
 def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:
   """[linear(x, w, layer, ex) for w in ws] for matrices that share their input: where every one
   takes the matvec kernels, one launch on a GPU (ops.qmatmul_multi; the same bits)."""
-  from jaxvt.ffi import ops
   ws = list(ws)
   rows = x.size // x.shape[-1]
-  if (not ex.kernels or any(w.meta.staged for w in ws)
+  views = [w.layer_view(layer) for w in ws]  # a weight read where it lives returns (w, layer)
+  if (not ex.kernels or any(l is not layer for _, l in views)
       or any(ex.products.dense(rows, w.meta) != "matvec" for w in ws)):
     return [linear(x, w, layer, ex) for w in ws]
-  return ops.qmatmul_multi(x.astype(jnp.float32), ws, layer, ex.numerics)
+  return ops.qmatmul_multi(x.astype(jnp.float32), [v for v, _ in views], layer, ex.numerics)
 
 
 def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
@@ -145,13 +132,11 @@ def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
   ("ep", "tp") for routed experts (jaxvt.parallel). The identity on one device."""
   if ex.par is None:
     return x
-  from jaxvt.parallel.mesh import AXES, TP
   return jax.lax.psum(x, AXES if experts else TP)
 
 
 def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
   """ids int32 [...] -> float32 [..., cols]: rows of a (quantized) embedding table."""
-  from jaxvt.ffi import ops
   fn = ops.qembed if ex.kernels else ops.qembed_ref
   return fn(ids, w, jnp.int32(0))
 
@@ -160,7 +145,6 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = No
   """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
   With a ggml-numerics `ex`, ggml's rounding (jaxvt.ffi.ops.rms_norm)."""
   if ex is not None and ex.ggml:
-    from jaxvt.ffi import ops
     return ops.rms_norm(x, w, eps, kernels=ex.kernels)
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -176,7 +160,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
   ggml-numerics `ex`, ggml_rope_ext's angles and rounding (jaxvt.ffi.ops.rope).
   """
   if ex is not None and ex.ggml:
-    from jaxvt.ffi import ops
     return ops.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
   half = rope_dim // 2
   inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dim)
@@ -227,7 +210,6 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   v_cache = v_cache.at[ai, bidx, positions].set(v.astype(v_cache.dtype), mode="drop")
 
   if ex.ggml:
-    from jaxvt.ffi import ops
     nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
     o = ops.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
@@ -261,7 +243,6 @@ def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
 def swiglu_down(g: jax.Array, u: jax.Array, w_down: QWeight, li, ex: Exec) -> jax.Array:
   """The second half of swiglu: down(silu(g) * u) from the gate and up products."""
   if ex.ggml:
-    from jaxvt.ffi import ops
     h = ops.swiglu(g, u, kernels=ex.kernels)
   else:
     h = jax.nn.silu(g) * u

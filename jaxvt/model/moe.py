@@ -20,9 +20,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxvt.ffi import numerics, ops
+from jaxvt.gguf import quants
 from jaxvt.model import layers
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
+from jaxvt.model.axes import AXES
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
 
 
@@ -46,7 +49,6 @@ def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.
 def _layer_expert(w: QWeight, layer, e, fmt: int, raw_bytes: bool = False) -> jax.Array:
   """Expert `e` of layer `layer` (device tier) of an expert stack, dequantized: f32 [rows, cols]
   (raw_bytes: its blocks, uint8 [rows, row_bytes])."""
-  from jaxvt.gguf import quants
   m = w.meta
   nbytes = m.rows * quants.row_bytes(fmt, m.cols)
   slot = w.table[layer, 0].astype(jnp.int32)
@@ -59,7 +61,6 @@ def _layer_expert(w: QWeight, layer, e, fmt: int, raw_bytes: bool = False) -> ja
 
 def _expert_product(x: jax.Array, w: QWeight, layer, e, mode: str) -> jax.Array:
   """x f32 [T, cols] times expert e of layer `layer`: f32 [T, rows] (jaxvt.ffi.numerics.qdot)."""
-  from jaxvt.ffi import numerics
   formats = w.meta.formats
   f = (w.fmts[layer] & FMT_MASK).astype(jnp.int32)
   branch = sum(jnp.where(f == t, i, 0) for i, t in enumerate(formats))
@@ -72,7 +73,6 @@ def experts_per_expert_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, l
                            weights, mode: str = "ggml"):
   """Same contract as ops.moe_experts_ref, one pass per expert (for many tokens). Device-tier
   layers only (NaN for a host-tier layer, like the ops references)."""
-  from jaxvt.ffi import ops
   x = x.astype(jnp.float32)
   E = w_gate.meta.experts
   comb = jnp.sum(jnp.where(ids[..., None] == jnp.arange(E), weights[..., None], 0.0), axis=1)
@@ -91,7 +91,6 @@ def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
   """fn(x, w_gate, w_up, w_down, layer, ids, weights) for the routed experts of n_tokens tokens:
   with kernels, the grouped kernel (many slots on a GPU, Exec.products) or the matvec kernels;
   without, the gathered reference (few slots) or one pass per expert."""
-  from jaxvt.ffi import ops
   if ex.kernels and ex.products.experts(n_tokens * k) == "grouped":
     return ops.moe_grouped
   if ex.kernels:
@@ -106,9 +105,8 @@ def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Arr
   device's index over ("ep", "tp")): global expert ids -> local ids. A slot routed to another
   device's experts gets id -1 (routed nowhere: the experts kernels read nothing for it and give
   0) and weight 0; the psum over the mesh adds the other devices' slots. (Routing those slots to
-  a local expert instead made that expert serve half of a prefill's slots on one device, 16 at a
-  time: tp=2 prefill on two H200s ran 12x slower.)"""
-  from jaxvt.parallel.mesh import AXES
+  a local expert with weight 0 would be correct too, but that expert would then serve half of a
+  prefill's slots on each device, 16 at a time.)"""
   local = ids - jax.lax.axis_index(AXES) * n_local
   mine = (local >= 0) & (local < n_local)
   return jnp.where(mine, local, -1), jnp.where(mine, wts, 0.0)
@@ -128,7 +126,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
-    (wg, lg), (wu, _), (wd, _) = (layers.stage(w[n], li) for n in
+    (wg, lg), (wu, _), (wd, _) = (w[n].layer_view(li) for n in
                                   ("moe.w_gate", "moe.w_up", "moe.w_down"))
     y = routed(x, wg, wu, wd, lg, ids, wts)  # sharded: this device's experts' partial sum
   if cfg.shared_ffn_dim:

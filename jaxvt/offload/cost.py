@@ -7,8 +7,9 @@
           + step_ms                                          (the host's part of a token)
 
 The host rate is the rate our matrix kernels reach reading weights from the host tier, never the
-streaming or DMA number: on the origin's gfx1200 streaming gave 23 GB/s and the real GEMM 8, so a
-budget sized from streaming was ~3x optimistic (ORIGIN.md 2). Rates come from the probe's cache
+streaming or DMA number: a streaming read of host memory can run ~3x faster than a matrix product
+reading it (docs/BENCHMARKS.md, "Measurements behind the defaults"), and a budget sized from it
+would be that much too optimistic. Rates come from the probe's cache
 (jaxvt.offload.probe.load_rates) or the platform defaults below, and say which in `source`.
 """
 
@@ -23,10 +24,9 @@ from jaxvt.offload import memory
 from jaxvt.offload.plan import GiB, HOST, Plan, ceil_gib
 
 # Device work per layer that is not a weight read: XLA's kernels after fusion (norms, RoPE,
-# attention core or the DeltaNet recurrence, routing's sort and softmax, residual adds). Counted
-# in a jax.profiler trace of a Qwen3.6-35B-A3B-shaped decode step on the H200 (2026-11-29,
-# `python -m jaxvt.bench profile`): 1454 device events per step, 471 of them jaxvt matrix
-# calls, the other 983 over 40 layers, 1.65 us each on average.
+# attention core or the DeltaNet recurrence, routing's sort and softmax, residual adds), counted
+# with `python -m jaxvt.bench profile` in a Qwen3.6-35B-A3B-shaped decode step (docs/BENCHMARKS.md,
+# GPU notes: the XLA kernels besides jaxvt's matrix calls, per layer).
 XLA_OPS_PER_LAYER = 25
 # `auto_budget` takes a budget above the smallest safe one only for at least this predicted gain.
 AUTO_MIN_GAIN = 0.01
@@ -43,7 +43,7 @@ class Rates:
   zero_copy_gbps: float | None = None  # informational: streaming read of host memory
   managed_migrates: bool | None = None  # None: not measured; placement never relies on it
   source: str = ""
-  op_us: float = 1.65  # one of XLA's small fused kernels (the H200 trace above)
+  op_us: float = 1.65  # one of XLA's small fused kernels (the same profile, on average)
   step_ms: float = 0.0  # host work per generated token not overlapped with the device
 
   def __post_init__(self):
@@ -53,17 +53,16 @@ class Rates:
 
 
 # Platform defaults, used until the probe has measured the device (and said so in `source`).
+# Where each number was measured: docs/BENCHMARKS.md, "Measurements behind the defaults".
 DEFAULT_RATES: dict[str, Rates] = {
-    # H200, measured 2026-11-29 by this module's probe: jaxvt's Q4_K qmatmul at batch 1 read
-    # 451 GB/s from HBM and 49.7 from the host tier (DMA 54.9, zero-copy 50.6, managed 7.2 then
-    # 3551: it migrates); FACTS.md 1: scattered routed-expert slices 47.5, the MoE host rate.
-    # step_ms: generate's 12.8 ms/token against the 9.76 ms/step of back-to-back decode steps
-    # (device busy 99%) on the Qwen3.6-35B-A3B-shaped model (docs/BENCHMARKS.md, GPU notes).
+    # An H200: the Q4_K matrix kernel reading HBM; the host tier's rate on scattered routed-expert
+    # slices (the MoE case); the DMA and streaming reads; managed memory migrates. step_ms:
+    # generate's host work per token (its ms/token less that of back-to-back decode steps).
     "cuda": Rates("cuda", 451.0, 47.5, 4.0, 54.9, 50.6, True,
-                  "default for cuda: H200 figures of 2026-11-29, not this device", step_ms=3.0),
-    # RX 9060 XT (ORIGIN.md): GEMM from host 8 GB/s (streaming 23); ~320 GB/s GDDR6 at ~80%.
+                  "default for cuda: an H200's figures, not this device", step_ms=3.0),
+    # An RX 9060 XT (gfx1200): a GEMM from host memory, the streaming read, GDDR6 at ~80%.
     "rocm": Rates("rocm", 250.0, 8.0, 8.0, None, 23.0, False,
-                  "default for rocm: the origin's gfx1200 figures, not this device"),
+                  "default for rocm: an RX 9060 XT's figures, not this device"),
     # CPU: both tiers are host DRAM; a conservative two-core rate.
     "cpu": Rates("cpu", 10.0, 10.0, 2.0, None, None, None,
                  "default for cpu: both tiers in host DRAM, not measured"),

@@ -3,23 +3,16 @@
 `HostTier` owns every buffer it allocates and frees them on `close()`, on leaving a `with` block,
 when it is garbage-collected, or at interpreter exit (a `weakref.finalize` per tier), whichever
 comes first. A `HostBuffer` gives a writable numpy uint8 view (`.array`) for the loader to fill
-once, and `.device_address`, the value that goes into `QWeight.table`.
+once, and `.device_address`, the value that goes into `QWeight.table`. The loader reaches the
+tier through `copy(key, nbytes, fill)` (jaxvt.loader).
 
 Backends (chosen once per tier):
-  gpu  `cudaHostAlloc` / `hipHostMalloc` with Mapped | Portable and, on HIP, an explicit
-       coherence flag: `coherent=True` is fine-grained memory (device reads bypass the GPU L2),
-       `coherent=False` (the default) coarse-grained memory (cached in L2). Weights are written
-       once before any kernel reads them, so both are correct; which reads faster is a
-       measurement (e.g. jaxvt.ffi._jaxvt_ffi.measure_zero_copy_read(..., coherent=...)). CUDA
-       pinned memory is coherent either way and ignores the flag. `kind` picks the allocation:
-       "pinned" (the above), "write_combined" (| WriteCombined: device reads are not snooped;
-       CPU reads of it are very slow, and the CPU only writes weights into it once) or
-       "huge_pages" (2 MiB-aligned anonymous memory with MADV_HUGEPAGE, pinned and mapped with
-       cudaHostRegister / hipHostRegister). Which one the device reads fastest is a measurement:
-       `python -m jaxvt.bench tier --kinds` (docs/BENCHMARKS.md).
+  gpu  `cudaHostAlloc` / `hipHostMalloc` with Mapped | Portable (on HIP coarse-grained: cached
+       in the GPU's L2; weights are written once before any kernel reads them).
   cpu  page-aligned plain memory (the CPU kernels read it in place as well); used when the
        extension has no GPU support or sees no GPU, or when asked for with backend="cpu".
-       "huge_pages" asks for transparent huge pages there too; "write_combined" is GPU-only.
+Other allocation kinds (fine-grained, write-combined, huge pages) are measured by the benchmarks
+(jaxvt.bench.arms.KindTier), not used here.
 
 Freeing a buffer invalidates its numpy view and any QWeight whose table holds its address:
 close a tier only after the arrays and compiled functions that use it are gone.
@@ -30,14 +23,15 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from typing import Callable
 
 import numpy as np
 
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import extension
 
 
 def _ext():
-  from jaxvt.ffi import extension
   ext = extension()
   if ext is None:
     raise JaxvtError("the host tier needs jaxvt's compiled extension; reinstall jaxvt "
@@ -84,18 +78,12 @@ def _free_all(records: list, gpu: bool, lock: threading.Lock) -> None:
         ext.host_free(buf.host_address, gpu)
 
 
-KINDS = {"pinned": 0, "write_combined": 1, "huge_pages": 2}  # memory.h HostKind
-
-
 class HostTier:
   """Owner of pinned host buffers. Use as a context manager or call `close()`."""
 
-  def __init__(self, coherent: bool = False, backend: str | None = None, kind: str = "pinned"):
-    """backend: "gpu", "cpu" or None (gpu when the extension has GPU support and sees a GPU);
-    kind: "pinned", "write_combined" or "huge_pages" (module docstring)."""
+  def __init__(self, backend: str | None = None):
+    """backend: "gpu", "cpu" or None (gpu when the extension has GPU support and sees a GPU)."""
     ext = _ext()
-    if kind not in KINDS:
-      raise JaxvtError(f"HostTier kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if backend is None:
       backend = "gpu" if ext.gpu_platform() and ext.gpu_device_count() > 0 else "cpu"
     if backend not in ("gpu", "cpu"):
@@ -103,12 +91,7 @@ class HostTier:
     if backend == "gpu" and not (ext.gpu_platform() and ext.gpu_device_count() > 0):
       raise JaxvtError("HostTier(backend='gpu') needs a GPU build of jaxvt and a visible GPU; "
                        "rebuild with JAXVT_GPU=CUDA (or HIP) or use backend='cpu'")
-    if backend == "cpu" and kind == "write_combined":
-      raise JaxvtError("write-combined host memory exists only for a GPU; use kind='pinned' or "
-                       "'huge_pages' with backend='cpu'")
     self.backend = backend
-    self.kind = kind
-    self.coherent = bool(coherent)
     self._buffers: list[HostBuffer] = []
     self._lock = threading.Lock()
     self._closed = False
@@ -134,7 +117,7 @@ class HostTier:
       raise JaxvtError(f"a host-tier buffer needs a positive size, got {nbytes} bytes")
     ext = _ext()
     try:
-      host, device = ext.host_alloc(nbytes, self.coherent, self.backend == "gpu", KINDS[self.kind])
+      host, device = self.allocate(nbytes)
     except (RuntimeError, MemoryError, ValueError, OverflowError) as e:
       msg = str(e).splitlines()[0] if str(e) else type(e).__name__
       raise JaxvtError(f"could not allocate {_gib(nbytes)} of {'pinned ' if self.backend == 'gpu' else ''}"
@@ -149,6 +132,18 @@ class HostTier:
       self._buffers.append(buf)
     return buf
 
+  def allocate(self, nbytes: int) -> tuple[int, int]:
+    """(host address, device address) of `nbytes` of new memory, as `alloc` obtains it: pinned
+    and device-mapped (gpu) or page-aligned (cpu). Raises what the extension raises."""
+    return _ext().host_alloc(nbytes, False, self.backend == "gpu")
+
+  def copy(self, key: str, nbytes: int, fill: Callable[[np.ndarray], None]) -> HostBuffer:
+    """A new buffer of `nbytes` that `fill(array)` writes: how the loader puts a weight in the
+    tier. `key` names the bytes (tensor and shard); this tier copies every time."""
+    buf = self.alloc(nbytes)
+    fill(buf.array)
+    return buf
+
   def close(self) -> None:
     """Frees every buffer (idempotent)."""
     self._closed = True
@@ -161,8 +156,8 @@ class HostTier:
     self.close()
 
   def __repr__(self) -> str:
-    return (f"HostTier(backend={self.backend!r}, kind={self.kind!r}, coherent={self.coherent}, "
-            f"buffers={len(self._buffers)}, {'closed' if self._closed else _gib(self.nbytes)})")
+    return (f"HostTier(backend={self.backend!r}, buffers={len(self._buffers)}, "
+            f"{'closed' if self._closed else _gib(self.nbytes)})")
 
 
 class ManagedBuffer:

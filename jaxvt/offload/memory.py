@@ -6,13 +6,12 @@ workspace (XLA temporaries), allocator slack, and what is left free. A plan is s
 headroom (capacity minus weights, KV/state and workspace) is at least the slack; `check` refuses
 any other plan unless forced.
 
-Slack default: max(0.5 GiB, 3% of capacity). FACTS.md section 1 (H200, a 16 GiB XLA pool): a
-program XLA analysed at 0.75 GiB (temporaries + output) ran flat down to 1.2 GiB of headroom and
-stalled ~30 s then failed with RESOURCE_EXHAUSTED at 0.95 GiB, so the allocator needs 0.2-0.45 GiB
-beyond the analysis for fragmentation at that size; 0.5 GiB covers the upper end. Fragmentation
-grows with the pool and its buffers, so large devices keep 3% (4.2 GiB of a 141 GiB H200; on
-16 GiB the two agree, 0.48 vs 0.5). llama.cpp's `--fit` keeps a flat 1 GiB per device. On ROCm
-the same shortage may show as the origin's 2.4x slowdown rather than a crash (ORIGIN.md 3).
+Slack default: max(0.5 GiB, 3% of capacity). The allocator needs memory beyond XLA's analysis of
+a program for fragmentation: 0.2-0.45 GiB for a 0.75 GiB program in a 16 GiB pool (docs/
+BENCHMARKS.md, "Measurements behind the defaults"); 0.5 GiB covers the upper end. Fragmentation
+grows with the pool and its buffers, so large devices keep 3% (on 16 GiB the two agree, 0.48 vs
+0.5). llama.cpp's `--fit` keeps a flat 1 GiB per device. Short of it, a GPU may fail with
+RESOURCE_EXHAUSTED or, on ROCm, run several times slower instead of failing.
 
 Pure functions; the only side-effecting edge is `read_mem_available` (reads /proc/meminfo).
 Device facts from a live JAX device come from jaxvt.offload.probe.device_facts.
@@ -30,7 +29,7 @@ from jaxvt.offload.plan import GiB, Plan, ceil_gib
 SLACK_MIN_BYTES = GiB // 2
 SLACK_FRACTION = 0.03
 # Host RAM to leave free after pinning the host tier: the Python process, the JAX runtime and the
-# loader's staging. Pinned pages cannot be swapped or reclaimed, so running out invokes the OOM
+# loader's upload buffers. Pinned pages cannot be swapped or reclaimed, so running out invokes the OOM
 # killer; the page cache of the memory-mapped GGUF is reclaimable and is part of MemAvailable.
 HOST_MARGIN_BYTES = 2 * GiB
 
@@ -98,8 +97,7 @@ def recurrent_state_bytes(cfg: ModelConfig, shape: RunShape) -> int:
   """Per DeltaNet layer and sequence: conv state (kernel-1) x conv_dim, recurrent n_v x dk x dv."""
   if not cfg.deltanet_layers:
     return 0
-  conv_dim = 2 * cfg.ssm_k_heads * cfg.ssm_k_dim + cfg.ssm_v_heads * cfg.ssm_v_dim
-  conv = (cfg.ssm_conv_kernel - 1) * conv_dim
+  conv = (cfg.ssm_conv_kernel - 1) * cfg.conv_dim
   rec = cfg.ssm_v_heads * cfg.ssm_k_dim * cfg.ssm_v_dim
   return len(cfg.deltanet_layers) * (conv + rec) * shape.batch * shape.state_elem_bytes
 
@@ -123,14 +121,13 @@ def estimate_workspace_bytes(cfg: ModelConfig, shape: RunShape) -> int:
   stream = 6 * t * d * a
   bodies = [0]
   if cfg.attention_layers:
-    q_rows = cfg.n_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
-    proj = t * (q_rows + cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) + cfg.n_heads *
+    proj = t * (cfg.q_rows + cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) + cfg.n_heads *
                 cfg.v_head_dim)
     scores = b * cfg.n_heads * t_seq * shape.max_context
     bodies.append((proj + scores) * a)
   if cfg.deltanet_layers:
-    nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
-    proj = t * (2 * (2 * nk * dk + nv * dv) + 2 * nv * dv + 2 * nv)
+    nv, dk, dv = cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
+    proj = t * (2 * cfg.conv_dim + 2 * cfg.ssm_inner_dim + 2 * nv)
     chunks = -(-t_seq // 64)
     states = b * chunks * nv * dk * dv + b * nv * t_seq * 64
     bodies.append((proj + states) * a)

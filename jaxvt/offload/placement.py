@@ -1,7 +1,7 @@
 """The edge between the pure planner and a run: device facts, rates, the plan and its checks.
 
-`plan_for_engine` turns a file's unit sizes, `--offload-gb` (GiB or "auto"), `--device-gb` and
-`--force` into a `Placed` the loader follows; `plan_report` is `python -m jaxvt.run --plan`.
+`plan_for_engine` turns a model's unit sizes, `--offload-gb` (GiB or "auto"), `--device-gb` and
+`--force` into a `Placed` the loader follows; `Placed.plan_text` is `python -m jaxvt.run --plan`.
 Everything here reads the device or /proc; the decisions themselves are jaxvt.offload.plan,
 .memory and .cost, which are pure.
 """
@@ -9,7 +9,8 @@ Everything here reads the device or /proc; the decisions themselves are jaxvt.of
 from __future__ import annotations
 
 import dataclasses
-import os
+
+import jax
 
 from jaxvt.errors import JaxvtError
 from jaxvt.model.config import ModelConfig
@@ -45,10 +46,6 @@ class Placed:
   def host_bytes(self) -> int:
     return self.plan.host_bytes
 
-  def make_host_tier(self):
-    from jaxvt.offload.host_tier import HostTier
-    return HostTier()
-
   def report(self) -> str:
     """A few lines for the run log: what went where, and the device-memory headroom."""
     p, bd = self.plan, self.breakdown
@@ -73,9 +70,22 @@ class Placed:
     return report.format_plan(self.plan, self.breakdown, self.facts, self.prediction,
                               self.rates, self.safe_budget)
 
+  def plan_text(self, mesh: str | None = None) -> str:
+    """`--plan`'s text after its model line: how the budget was chosen, the full report, and
+    an UNSAFE line when the headroom is below the slack."""
+    each = (f"per device (--mesh {mesh}: {self.devices} devices): the budget, the weights and "
+            "the memory below are each device's\n" if self.devices > 1 else "")
+    text = f"{self.reason}\n{each}" + self.full_report()
+    bd = self.breakdown
+    if bd.headroom < bd.slack:
+      text += (f"UNSAFE: headroom {bd.headroom / GiB:.2f} GiB is below the slack; "
+               + (f"the smallest safe budget is {ceil_gib(self.safe_budget):.1f} GiB\n"
+                  if self.safe_budget is not None else "no budget is safe on this device\n"))
+    return text
+
 
 def _facts(device, device_gb: float | None) -> memory.DeviceFacts:
-  platform = probe._platform_of(device)  # pylint: disable=protected-access
+  platform = probe.platform_of(device)
   if device_gb is None and platform == "cpu":
     avail = memory.read_mem_available()
     if avail is None:
@@ -89,7 +99,8 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
                     max_context: int = 2048, kernels: bool = True,
                     policy: Policy = Policy(), host_copies=None, devices: int = 1,
                     prefill_chunk: int | None = None) -> Placed:
-  """Plans `units` (jaxvt.loader.UnitBytes) for `device`; raises JaxvtError for unsafe plans.
+  """Plans `units` (jaxvt.model.declare.UnitBytes) for `device`; raises JaxvtError for unsafe
+  plans.
 
   On a mesh (`devices` > 1) `units`, `cfg` and the budgets are one device's (its shards, its
   KV heads; jaxvt.parallel.shard): the same plan holds for every device. `host_copies` maps a
@@ -97,7 +108,6 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   buffer every device reads), so the host-RAM check counts the whole host tier.
   `prefill_chunk`: tokens per prefill call (None or more than max_context: max_context), the
   workspace planned for; the engine runs prompts in chunks of the plan's shape.prefill_chunk."""
-  import jax
   device = device or jax.devices()[0]
   sizes = {(u.name, u.layer): u.nbytes for u in units}
   facts = _facts(device, device_gb)
@@ -125,76 +135,3 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   safe = memory.smallest_safe_budget(base, facts, cfg, shape)
   pred = cost.predict(placed, rates, cfg, shape)
   return Placed(placed, facts, bd, rates, pred, safe, reason, devices, cfg, shape)
-
-
-# Weightless model descriptions `--plan --model NAME` accepts: (config builder, format recipe).
-PRESETS = {"qwen3.6-35b-a3b": "a Qwen3.6-35B-A3B-shaped model, Q4_K_S-like formats"}
-
-
-def _weightless(name: str):
-  from jaxvt.gguf import synth
-  from jaxvt.model.declare import declare
-  from jaxvt.offload.plan import Q4_K_S_LIKE, estimate_bytes
-  from jaxvt.loader import UnitBytes
-  cfg = synth.qwen36_35b_a3b_config(n_nextn=0)
-  decls = declare(cfg)
-  sizes = estimate_bytes(decls, Q4_K_S_LIKE)
-  units = [UnitBytes(n, l, b, -1) for (n, l), b in sizes.items()]
-  return cfg, decls, units
-
-
-def _per_device(cfg: ModelConfig, decls, units, mesh: str | None):
-  """(cfg, units, host copies, devices) as one device of `mesh` plans them (jaxvt.parallel)."""
-  from jaxvt.parallel import mesh as mesh_mod
-  from jaxvt.parallel import shard
-  spec = mesh_mod.parse(mesh)
-  if spec is None:
-    return cfg, units, None, 1
-  shard.check(cfg, spec)
-  units, copies = shard.device_units(units, decls, cfg, spec)
-  return shard.local_config(cfg, spec), units, copies, spec.size
-
-
-def _plan_text(placed: Placed, mesh: str | None) -> str:
-  each = (f"per device (--mesh {mesh}: {placed.devices} devices): the budget, the weights and "
-          "the memory below are each device's\n" if placed.devices > 1 else "")
-  return f"{placed.reason}\n{each}" + _unsafe_note(placed, placed.full_report())
-
-
-def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
-                max_context: int = 2048, mesh: str | None = None) -> str:
-  """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without loading
-  any weights; with `mesh`, one device's plan (its shards, its budget)."""
-  if path.lower() in PRESETS and not os.path.exists(path):
-    cfg, decls, units = _weightless(path.lower())
-    pcfg, units, copies, n = _per_device(cfg, decls, units, mesh)
-    placed = plan_for_engine(pcfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
-                             force=True, max_context=max_context, host_copies=copies, devices=n)
-    return (f"model: {PRESETS[path.lower()]} (weightless; {cfg.n_layers} layers)\n"
-            + _plan_text(placed, mesh))
-  import dataclasses as dc
-
-  from jaxvt import loader
-  from jaxvt.gguf.names import gguf_name
-  from jaxvt.gguf.reader import open_gguf
-  from jaxvt.model.config import from_gguf_metadata
-  from jaxvt.model.declare import declare
-  gf = open_gguf(path)
-  cfg = from_gguf_metadata(gf.metadata)
-  cfg = dc.replace(cfg, tied_embeddings=gguf_name(cfg.arch, "lm_head") not in gf.tensors)
-  decls = declare(cfg)
-  loader.check_file(gf, cfg.arch, decls, cfg.n_layers)
-  units = loader.unit_bytes(gf, cfg.arch, decls)
-  pcfg, units, copies, n = _per_device(cfg, decls, units, mesh)
-  placed = plan_for_engine(pcfg, decls, units, offload_gb=offload_gb, device_gb=device_gb,
-                           force=True, max_context=max_context, host_copies=copies, devices=n)
-  return f"model: {path} ({cfg.arch}, {cfg.n_layers} layers)\n" + _plan_text(placed, mesh)
-
-
-def _unsafe_note(placed: Placed, text: str) -> str:
-  if placed.breakdown.headroom < placed.breakdown.slack:
-    safe = placed.safe_budget
-    text += (f"UNSAFE: headroom {placed.breakdown.headroom / GiB:.2f} GiB is below the slack; "
-             + (f"the smallest safe budget is {ceil_gib(safe):.1f} GiB\n" if safe is not None
-                else "no budget is safe on this device\n"))
-  return text

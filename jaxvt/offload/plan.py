@@ -46,6 +46,8 @@ import types
 from typing import Iterable, Mapping, Sequence
 
 from jaxvt.errors import JaxvtError
+from jaxvt.gguf.formats import F16, F32, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, row_bytes
+from jaxvt.gguf.names import gguf_name
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import OFFLOADABLE, Role, WeightDecl
 
@@ -57,36 +59,10 @@ GiB = 1 << 30
 Unit = tuple[str, "int | None"]  # (canonical name, layer); layer None for a global tensor
 TensorBytes = Mapping[Unit, int]  # unit -> bytes of that unit in its GGUF format
 
-# ggml type ids (gguf.GGMLQuantizationType).
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
-
 # Ranks of the default policy; equal ranks interleave by layer (see the module docstring).
 DEFAULT_ORDER: tuple[tuple[Role, ...], ...] = (
     (Role.EMBEDDING,), (Role.ROUTED_EXPERTS,), (Role.DENSE_FFN,),
     (Role.SHARED_EXPERT, Role.DELTANET), (Role.ATTENTION,), (Role.OUTPUT,))
-
-
-# (elements, bytes) per block of the nine formats jaxvt runs, for when jaxvt.gguf.quants (which
-# needs the gguf package) cannot be imported, e.g. on a device machine running the probe.
-_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20),
-           Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-
-
-def row_bytes(type_id: int, cols: int) -> int:
-  """Bytes of one row of `cols` elements in ggml format `type_id` (jaxvt.gguf.quants.row_bytes
-  when importable); JaxvtError for an unsupported format or a partial block."""
-  try:
-    from jaxvt.gguf.quants import row_bytes as _rb  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    _rb = None
-  if _rb is not None:
-    return int(_rb(type_id, cols))
-  if type_id not in _BLOCKS:
-    raise JaxvtError(f"ggml type {type_id} is not a format jaxvt runs")
-  elems, nbytes = _BLOCKS[type_id]
-  if cols <= 0 or cols % elems:
-    raise JaxvtError(f"{cols} columns are not whole blocks of {elems} for ggml type {type_id}")
-  return cols // elems * nbytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,13 +111,10 @@ def decl_units(decl: WeightDecl) -> list[Unit]:
   return [(decl.name, None)] if decl.layers is None else [(decl.name, l) for l in decl.layers]
 
 
-def estimate_bytes(decls: Sequence[WeightDecl], recipe: Recipe = Q4_K_S_LIKE, *,
-                   tied_embeddings: bool = False) -> dict[Unit, int]:
-  """Unit -> bytes for a model without its file; `lm_head` is omitted when embeddings are tied."""
+def estimate_bytes(decls: Sequence[WeightDecl], recipe: Recipe = Q4_K_S_LIKE) -> dict[Unit, int]:
+  """Unit -> bytes for a model without its file."""
   out: dict[Unit, int] = {}
   for d in decls:
-    if d.name == "lm_head" and tied_embeddings:
-      continue
     t = recipe.type_of(d)
     rows = d.numel // d.shape[-1]
     nbytes = rows * row_bytes(t, d.shape[-1])
@@ -250,24 +223,22 @@ def read_fraction(role: Role, cfg: ModelConfig, batch: int, tied: bool = False) 
 
 
 def _gguf_name(arch: str, name: str, layer: int | None) -> str:
+  """The unit's GGUF tensor name, or "" where the name table has none."""
   try:
-    from jaxvt.gguf.names import gguf_name  # pylint: disable=import-outside-toplevel
     return gguf_name(arch, name, layer)
-  except (JaxvtError, ValueError, ImportError):
+  except (JaxvtError, ValueError):
     return ""
 
 
 def unit_infos(cfg: ModelConfig, decls: Sequence[WeightDecl], sizes: TensorBytes,
                batch: int = 1) -> tuple[UnitInfo, ...]:
-  """One UnitInfo per unit present in `sizes`, in declaration order."""
-  tied = ("lm_head", None) not in sizes
+  """One UnitInfo per unit of the declarations, in declaration order."""
+  tied = cfg.tied_embeddings
   seen = set()
   out = []
   for d in decls:
     for u in decl_units(d):
       if u not in sizes:
-        if d.optional:
-          continue
         raise ValueError(f"no byte size for {u}")
       seen.add(u)
       nbytes = int(sizes[u])

@@ -4,10 +4,11 @@ Arms (GB/s = 1e9 bytes/s):
   dma_h2d       pinned host -> device copy (the link's practical ceiling)
   zero_copy     a kernel streaming host memory in place
   host_gemv     jaxvt's qmatmul reading a host-tier QWeight: the host tier's rate, the one the
-                cost model uses (streaming overstated the origin's GEMM by ~3x)
+                cost model uses (a streaming read can overstate it ~3x: jaxvt.offload.cost)
   device_gemv   the same kernel reading a device-tier QWeight
   managed       first and repeated device reads of managed memory: it migrates when the repeat
-                runs faster than the link can deliver (H200: 7 then ~4000 GB/s; gfx1200: flat)
+                runs faster than the link can deliver (on some GPUs it does, on others the
+                rate stays flat)
 
 The first three and `managed` call the nanobind extension `jaxvt.ffi._jaxvt_ffi`; this module
 imports without it and says at run time what is missing. Results are cached as JSON at
@@ -18,7 +19,10 @@ This is the one module of jaxvt.offload that touches a JAX device.
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -27,15 +31,23 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import ops
+from jaxvt.ffi.numerics import default_mode
+from jaxvt.gguf.formats import Q4_K, row_bytes
 from jaxvt.offload import cost
 from jaxvt.offload.memory import DeviceFacts
+from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 CACHE_VERSION = 1
-Q4_K = 12
 
 
-def _platform_of(device) -> str:
+def platform_of(device) -> str:
+  """The device's platform ("cpu", "cuda", "rocm")."""
   p = str(getattr(device, "platform", "cpu")).lower()
   if p == "gpu":  # older jaxlibs: tell CUDA from ROCm by the client's version string
     client = getattr(device, "client", None)
@@ -114,7 +126,7 @@ def load_rates(device=None, *, platform: str | None = None, device_kind: str | N
   Reads a file only; never measures. `Rates.source` starts with "measured" or "default".
   """
   if platform is None:
-    platform = _platform_of(device) if device is not None else "cpu"
+    platform = platform_of(device) if device is not None else "cpu"
   if device_kind is None:
     device_kind = str(getattr(device, "device_kind", "")) if device is not None else ""
   p = Path(path) if path is not None else cache_path(platform, device_kind)
@@ -127,10 +139,9 @@ def load_rates(device=None, *, platform: str | None = None, device_kind: str | N
 
 def device_facts(device=None, device_gb: float | None = None) -> DeviceFacts:
   """DeviceFacts of a JAX device (`memory_stats()['bytes_limit']`), or from --device-gb."""
-  import jax  # pylint: disable=import-outside-toplevel
   device = device if device is not None else jax.devices()[0]
   stats = device.memory_stats() if device_gb is None else None
-  return DeviceFacts.from_memory_stats(stats, _platform_of(device), str(device.device_kind),
+  return DeviceFacts.from_memory_stats(stats, platform_of(device), str(device.device_kind),
                                        device_gb)
 
 
@@ -139,8 +150,7 @@ def device_facts(device=None, device_gb: float | None = None) -> DeviceFacts:
 
 
 def _extension():
-  try:
-    import importlib  # pylint: disable=import-outside-toplevel
+  try:  # the compiled extension is optional: say what is missing when a measurement needs it
     _jaxvt_ffi = importlib.import_module("jaxvt.ffi._jaxvt_ffi")  # honours sys.modules
   except ImportError as e:
     raise JaxvtError("the probe needs jaxvt's compiled extension jaxvt.ffi._jaxvt_ffi, which is "
@@ -151,13 +161,8 @@ def _extension():
 
 def time_qmatmul(w, iters: int = 20) -> float:
   """GB/s of `jaxvt.ffi.ops.qmatmul` reading the single layer of QWeight `w` at batch 1."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jaxvt.ffi import ops  # pylint: disable=import-outside-toplevel
-  from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
   m = w.meta
   nbytes = max(m.experts, 1) * m.rows * row_bytes(m.formats[0], m.cols)
-  from jaxvt.ffi.numerics import default_mode  # pylint: disable=import-outside-toplevel
   mode = default_mode(w.data.devices().pop().platform)
   f = jax.jit(lambda x, w: ops.qmatmul(x, w, jnp.int32(0), mode))
   x = jnp.ones((1, m.cols), jnp.float32)
@@ -173,10 +178,6 @@ def time_launch(device=None, steps: int = 256, reps: int = 5) -> float:
   """Microseconds per device kernel inside a jitted layer scan: each step runs one small matrix
   call (64 x 1024 Q4_K) and the elementwise fusion that consumes it, as a decode step's many
   small kernels do; the best of `reps` runs over `steps` steps, per kernel."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jaxvt.ffi import ops  # pylint: disable=import-outside-toplevel
-  from jaxvt.ffi.numerics import default_mode  # pylint: disable=import-outside-toplevel
   w = device_qweight(64 * 576, cols=1024, device=device)
   mode = default_mode(w.data.devices().pop().platform)
 
@@ -198,10 +199,6 @@ def time_launch(device=None, steps: int = 256, reps: int = 5) -> float:
 
 def device_qweight(nbytes: int, cols: int = 4096, type_id: int = Q4_K, device=None):
   """A one-layer, all-device QWeight of about `nbytes` (zero blocks: valid in every format)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
-  from jaxvt.qweight import QMeta, QWeight  # pylint: disable=import-outside-toplevel
   rb = row_bytes(type_id, cols)
   rows = max(1, nbytes // rb)
   put = lambda a: jax.device_put(a, device)
@@ -213,11 +210,6 @@ def host_qweight(nbytes: int, ext, gpu: bool, cols: int = 4096, type_id: int = Q
   """A one-layer QWeight of about `nbytes` whose layer lives in host-tier memory allocated by the
   extension (`host_alloc`: pinned and device-mapped with `gpu`), zero-filled; returns
   (weight, close) where close() frees the memory."""
-  import ctypes  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from jaxvt.offload.plan import row_bytes  # pylint: disable=import-outside-toplevel
-  from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64  # pylint: disable=import-outside-toplevel
   rb = row_bytes(type_id, cols)
   rows = max(1, nbytes // rb)
   host, dev_addr = ext.host_alloc(rows * rb, False, gpu)
@@ -246,9 +238,8 @@ def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
   `make_host_weight(nbytes) -> (QWeight, close)`: a one-layer weight in the host tier; default
   `host_qweight` on the extension's allocator.
   """
-  import jax  # pylint: disable=import-outside-toplevel
   device = device if device is not None else jax.devices()[0]
-  platform = _platform_of(device)
+  platform = platform_of(device)
   ext = _extension()
   notes = []
   kw = {}
@@ -286,7 +277,6 @@ def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
 
 
 def main(argv: list[str] | None = None) -> int:
-  import argparse  # pylint: disable=import-outside-toplevel
   ap = argparse.ArgumentParser(prog="python -m jaxvt.offload.probe", description=__doc__.split(
       "\n")[0])
   ap.add_argument("--bytes", type=int, default=1 << 30, help="buffer size per arm")
@@ -294,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--cache", default=None, help="cache file (default ~/.cache/jaxvt/...)")
   args = ap.parse_args(argv)
   try:
-    import jax  # pylint: disable=import-outside-toplevel
     dev = jax.devices()[0]
     r = run_probe(dev, args.bytes, args.iters)
   except JaxvtError as e:

@@ -27,13 +27,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxvt import loader
-from jaxvt.errors import JaxvtError
 from jaxvt.gguf import quants
-from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import WeightDecl
 from jaxvt.parallel import shard
 from jaxvt.parallel.mesh import Par
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight, split_u64
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -41,13 +39,8 @@ def _set_row(buf, i, row):
   return jax.lax.dynamic_update_index_in_dim(buf, row, i, 0)
 
 
-def _layers(d: WeightDecl):
-  return (None,) if d.layers is None else d.layers
-
-
-def _vector(gf, arch: str, d: WeightDecl, r: shard.Rule, par: Par) -> jax.Array:
-  rows = [np.asarray(loader._tensor(gf, arch, d, l).data,  # pylint: disable=protected-access
-                     dtype=np.float32).reshape(d.shape) for l in _layers(d)]
+def _vector(model: loader.Model, d: WeightDecl, r: shard.Rule, par: Par) -> jax.Array:
+  rows = [np.asarray(t.data, dtype=np.float32).reshape(d.shape) for t in model.tensors(d)]
   arr = rows[0] if d.layers is None else np.stack(rows)
   if r.kind != "replicate":
     ax = r.axis + (0 if d.layers is None else 1)
@@ -69,9 +62,9 @@ def _device_rows(tensors, dev_pos, d, r, s, stride, device) -> jax.Array:
   return buf[None]
 
 
-def _matrix(gf, arch: str, d: WeightDecl, r: shard.Rule, par: Par, placement, host_tier,
-            progress) -> QWeight:
-  tensors = [loader._tensor(gf, arch, d, l) for l in _layers(d)]  # pylint: disable=protected-access
+def _matrix(model: loader.Model, d: WeightDecl, r: shard.Rule, par: Par, placement,
+            host) -> QWeight:
+  tensors = model.tensors(d)
   S = shard.n_shards(r, par)
   lshape = shard.local_shape(d, r)
   L = len(tensors)
@@ -79,24 +72,19 @@ def _matrix(gf, arch: str, d: WeightDecl, r: shard.Rule, par: Par, placement, ho
   table = np.zeros((S, L), np.uint64)
   host_pos, dev_pos, sizes = [], [], {}
   experts = d.shape[0] if len(d.shape) == 3 else 0
-  for i, (l, t) in enumerate(zip(_layers(d), tensors)):
-    full = int(np.prod(d.shape[:-1])) * quants.row_bytes(t.type_id, d.shape[-1])
-    if full != t.n_bytes:
-      raise JaxvtError(f"tensor '{t.name}' holds {t.n_bytes} bytes, not what its shape and "
-                       "format need; the file is corrupt")
+  for i, (l, t) in enumerate(zip(loader.layers_of(d), tensors)):
     sizes[i] = int(np.prod(lshape[:-1])) * quants.row_bytes(t.type_id, lshape[-1])
     if placement(d.name, l) == "host":
-      loader.need_host_tier(host_tier)
+      loader.need_host_tier(host)
       for s in range(S):
-        buf = host_tier.alloc(sizes[i])
-        buf.array[:] = shard.shard_bytes(t.raw(), t.type_id, d, r, s, t.name)
+        fill = lambda a, t=t, s=s: a.__setitem__(
+            slice(None), shard.shard_bytes(t.raw(), t.type_id, d, r, s, t.name))
+        buf = host.copy(t.name if S == 1 else f"{t.name}#{s}", sizes[i], fill)
         table[s, i] = buf.device_address
       fmts[i] |= HOST_BIT
       host_pos.append(i)
     else:
       dev_pos.append(i)
-    if progress:
-      progress(t.n_bytes)
   stride = max((sizes[i] for i in dev_pos), default=1)
   for slot, i in enumerate(dev_pos):
     table[:, i] = slot
@@ -108,27 +96,24 @@ def _matrix(gf, arch: str, d: WeightDecl, r: shard.Rule, par: Par, placement, ho
     arrays.append(_device_rows(tensors, dev_pos, d, r, s, stride, device))
   data = jax.make_array_from_single_device_arrays(gshape, sharding, arrays)
   meta = QMeta(rows=lshape[-2], cols=lshape[-1], experts=lshape[0] if experts else 0,
-               formats=tuple(sorted(set(int(f) & 0xFFFF for f in fmts))), n_layers=L,
+               formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))), n_layers=L,
                host_layers=tuple(host_pos))
   table = split_u64(table.reshape(-1)).reshape(S, L, 2)
   return QWeight(data, jax.device_put(table, sharding),
                  jax.device_put(np.broadcast_to(fmts, (S, L)).copy(), sharding), meta)
 
 
-def load_weights(gf, arch: str, decls: list[WeightDecl], cfg: ModelConfig, par: Par,
-                 placement: loader.Placement = loader.all_device, host_tier=None,
-                 progress: loader.Progress | None = None) -> dict:
+def load_weights(model: loader.Model, par: Par, placement: loader.Placement = loader.all_device,
+                 host=None, progress: loader.Progress | None = None) -> dict:
   """Places every declared weight's shards over `par.mesh`; {canonical name: QWeight | array}."""
   weights = {}
-  for d in decls:
-    r = shard.rule(d, cfg, par)
-    if loader._tensor(gf, arch, d, _layers(d)[0]) is None:  # pylint: disable=protected-access
-      continue  # optional and absent (tied lm_head)
+  for d in model.decls:
+    r = shard.rule(d, model.cfg, par)
     if d.matrix:
-      weights[d.name] = _matrix(gf, arch, d, r, par, placement, host_tier, progress)
+      weights[d.name] = _matrix(model, d, r, par, placement, host)
     else:
-      weights[d.name] = _vector(gf, arch, d, r, par)
-      if progress:
-        progress(sum(int(loader._tensor(gf, arch, d, l).n_bytes)  # pylint: disable=protected-access
-                     for l in _layers(d)))
+      weights[d.name] = _vector(model, d, r, par)
+    if progress:
+      for t in model.tensors(d):
+        progress(t.n_bytes)
   return weights

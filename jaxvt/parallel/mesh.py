@@ -24,10 +24,7 @@ import jax
 import numpy as np
 
 from jaxvt.errors import JaxvtError
-
-TP = "tp"
-EP = "ep"
-AXES = (EP, TP)  # mesh axis order; experts split over both, in this order
+from jaxvt.model.axes import AXES, EP, TP
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,9 +38,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxvt.errors import JaxvtError
+from jaxvt.gguf import names, quants
+from jaxvt.model import decoder
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.declare import Role, WeightDecl
-from jaxvt.parallel.mesh import AXES, TP, MeshSpec, Par
+from jaxvt.model.declare import Role, UnitBytes, WeightDecl, declare
+from jaxvt.model.axes import AXES, TP
+from jaxvt.parallel.mesh import MeshSpec, Par
 from jaxvt.qweight import QWeight
 
 
@@ -80,9 +83,8 @@ def gdn_heads(cfg: ModelConfig, tp: int, s: int) -> tuple[np.ndarray, np.ndarray
 
 def _gdn_qkv(cfg: ModelConfig, tp: int, s: int) -> np.ndarray:
   kh, vh = gdn_heads(cfg, tp, s)
-  nk, dk, dv = cfg.ssm_k_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
-  return np.concatenate([_expand(kh, dk), nk * dk + _expand(kh, dk),
-                         2 * nk * dk + _expand(vh, dv)])
+  qk, dk, dv = cfg.ssm_qk_dim, cfg.ssm_k_dim, cfg.ssm_v_dim
+  return np.concatenate([_expand(kh, dk), qk + _expand(kh, dk), 2 * qk + _expand(vh, dv)])
 
 
 def rule(d: WeightDecl, cfg: ModelConfig, par: Par | MeshSpec) -> Rule:
@@ -201,7 +203,6 @@ def local_shape(d: WeightDecl, r: Rule) -> tuple[int, ...]:
 def shard_bytes(raw: np.ndarray, type_id: int, d: WeightDecl, r: Rule, s: int,
                 label: str = "") -> np.ndarray:
   """uint8 [n] bytes of shard s of one layer's matrix (`raw`: its GGUF bytes, any shape)."""
-  from jaxvt.gguf import quants
   raw = np.asarray(raw).reshape(-1)
   if r.kind == "replicate":
     return raw
@@ -218,14 +219,12 @@ def shard_bytes(raw: np.ndarray, type_id: int, d: WeightDecl, r: Rule, s: int,
 
 
 def device_units(units, decls: list[WeightDecl], cfg: ModelConfig, par: Par | MeshSpec):
-  """The file's units (jaxvt.loader.UnitBytes) -> (one device's units for the planner,
+  """The file's units (jaxvt.model.declare.UnitBytes) -> (one device's units for the planner,
   {unit: distinct shards}, the pinned host copies a host-tier unit needs).
 
   A shard's bytes are its share of the elements (every split is whole rows, experts or blocks).
   Checks that every column split is whole blocks of the unit's format (JaxvtError naming the
   tensor otherwise; weightless units, type_id < 0, are not checked)."""
-  from jaxvt import loader
-  from jaxvt.gguf import names, quants
   decl = {d.name: d for d in decls}
   out, copies = [], {}
   for u in units:
@@ -236,7 +235,7 @@ def device_units(units, decls: list[WeightDecl], cfg: ModelConfig, par: Par | Me
       label = names.gguf_name(cfg.arch, d.name, u.layer)
       _col_blocks(r.index(0), f.block_elems, f"tensor '{label}' ({f.name})")
     share = int(np.prod(local_shape(d, r)))
-    out.append(loader.UnitBytes(u.name, u.layer, u.nbytes * share // d.numel, u.type_id))
+    out.append(UnitBytes(u.name, u.layer, u.nbytes * share // d.numel, u.type_id))
     copies[(u.name, u.layer)] = n_shards(r, par) if d.matrix else 1
   return out, copies
 
@@ -259,7 +258,6 @@ def qweight_spec(r: Rule) -> P:
 
 @functools.lru_cache(maxsize=16)
 def _specs(cfg: ModelConfig, par: Par) -> dict:
-  from jaxvt.model.declare import declare
   out = {}
   for d in declare(cfg):
     r = rule(d, cfg, par)
@@ -286,7 +284,6 @@ CACHE_SPECS = {"k": P(None, None, None, TP), "v": P(None, None, None, TP),
 def init_cache(cfg: ModelConfig, par: Par, batch: int, max_len: int, kv_dtype=jnp.float32) -> dict:
   """The decode state over the mesh: each device holds its own heads' KV cache / DeltaNet state
   (the shards of `decoder.init_cache(local_config(cfg))` side by side along the head axis)."""
-  from jaxvt.model import decoder
   lc = local_config(cfg, par)
   local = jax.eval_shape(lambda: decoder.init_cache(lc, batch, max_len, kv_dtype))
 
@@ -310,7 +307,6 @@ def forward(weights: dict, cache: dict, tokens, positions, cfg: ModelConfig, ex,
             valid=None, logits_at=None):
   """`decoder.forward` as a shard_map over `ex.par.mesh`: each device runs the local model on
   its own shards (custom calls included); tokens, positions and the logits are replicated."""
-  from jaxvt.model import decoder
   par = ex.par
   lc = local_config(cfg, par)
   if valid is None:

@@ -5,7 +5,7 @@ transformers>=5.17 installed:
 
     python tests/reference/record_transformers.py
 
-For each case of CASES it regenerates a tiny synthetic GGUF (jaxvt.gguf.synth.write_model with
+For each case of CASES it regenerates a tiny synthetic GGUF (jaxvt.synth.write_model with
 the case's arch, recipe, seed and config overrides), builds the matching transformers model
 (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM) from the SAME weights: every
 tensor dequantized with gguf-py and the converter's transforms undone (llama.cpp
@@ -64,8 +64,8 @@ CASES = {
 
 
 def case_config(case: dict):
-  """The ModelConfig of a case (jaxvt.gguf.synth.tiny_config with the case's overrides)."""
-  from jaxvt.gguf import synth
+  """The ModelConfig of a case (jaxvt.synth.tiny_config with the case's overrides)."""
+  from jaxvt import synth
   over = dict(case["overrides"])
   if "n_layers" in over and case["arch"] in ("qwen35", "qwen35moe"):
     over["layer_types"] = tuple("attention" if (i + 1) % 4 == 0 else "deltanet"
@@ -75,7 +75,7 @@ def case_config(case: dict):
 
 def write_case_file(case: dict, path: str) -> str:
   """Regenerates a case's GGUF at `path`; returns its sha256."""
-  from jaxvt.gguf import synth
+  from jaxvt import synth
   synth.write_model(path, case_config(case), case["recipe"], case["seed"])
   h = hashlib.sha256()
   with open(path, "rb") as f:
@@ -181,7 +181,7 @@ def hf_model(cfg):
                              mlp_only_layers=[], rope_parameters=rope, **common)
     cls = tf.Qwen3MoeForCausalLM
   elif cfg.arch == "qwen35moe":
-    from jaxvt.gguf.synth import _rope_sections
+    from jaxvt.synth import _rope_sections
     rope = dict(rope, partial_rotary_factor=cfg.rope_dim / cfg.head_dim,
                 mrope_section=_rope_sections(cfg.rope_dim)[:3], mrope_interleaved=True)
     conf = tf.Qwen3_5MoeTextConfig(

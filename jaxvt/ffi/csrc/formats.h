@@ -47,6 +47,22 @@ constexpr int32_t kHostBit = 1 << 16;  // fmts[l] | kHostBit: layer l lives in t
 constexpr int32_t kFmtMask = kHostBit - 1;
 constexpr int kUnit = 32;               // elements per unit
 
+// The formats jaxvt runs: ggml type id, name, elements and bytes of one ggml block. Python holds
+// the same table once (jaxvt/gguf/formats.py); tests/test_formats.py compares the two through the
+// extension's `formats()`. The kernels' per-format functions below are checked against it at
+// compile time.
+struct FormatInfo {
+  int type_id;
+  const char* name;
+  int block_elems;
+  int block_bytes;
+};
+constexpr FormatInfo kFormats[] = {
+    {kF32, "F32", 1, 4},          {kF16, "F16", 1, 2},          {kQ4_0, "Q4_0", 32, 18},
+    {kQ4_1, "Q4_1", 32, 20},      {kQ8_0, "Q8_0", 32, 34},      {kQ4_K, "Q4_K", 256, 144},
+    {kQ5_K, "Q5_K", 256, 176},    {kQ6_K, "Q6_K", 256, 210},    {kBF16, "BF16", 1, 2},
+};
+
 // Block layouts (little-endian; f16 stored as raw uint16 bits). Sizes are ggml's.
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };                  // x = d * (q - 8)
 struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };               // x = d * q + m
@@ -57,13 +73,14 @@ struct BlockQ6_K { uint8_t ql[128], qh[64]; int8_t scales[16]; uint16_t d; };   
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "");
 
-JV_HD bool fmt_supported(int f) {
+JV_HD constexpr bool fmt_supported(int f) {
   return f == kF32 || f == kF16 || f == kBF16 || f == kQ4_0 || f == kQ4_1 || f == kQ8_0 ||
          f == kQ4_K || f == kQ5_K || f == kQ6_K;
 }
-// Elements / bytes of one k-block, units per k-block.
-JV_HD int kblock_elems(int f) { return (f == kQ4_K || f == kQ5_K || f == kQ6_K) ? 256 : 32; }
-JV_HD int kblock_bytes(int f) {
+// Elements / bytes of one k-block (the format's block, 32 elements for F32/F16/BF16), units per
+// k-block. Written as switches so device code needs no table in memory.
+JV_HD constexpr int kblock_elems(int f) { return (f == kQ4_K || f == kQ5_K || f == kQ6_K) ? 256 : 32; }
+JV_HD constexpr int kblock_bytes(int f) {
   switch (f) {
     case kF32: return 128;
     case kF16: case kBF16: return 64;
@@ -76,9 +93,24 @@ JV_HD int kblock_bytes(int f) {
     default: return 0;
   }
 }
-JV_HD int units_per_kblock(int f) { return kblock_elems(f) / kUnit; }
+JV_HD constexpr int units_per_kblock(int f) { return kblock_elems(f) / kUnit; }
 // Bytes of a row of `cols` elements (cols a multiple of the k-block size).
-JV_HD int64_t row_bytes(int f, int64_t cols) { return cols / kblock_elems(f) * kblock_bytes(f); }
+JV_HD constexpr int64_t row_bytes(int f, int64_t cols) { return cols / kblock_elems(f) * kblock_bytes(f); }
+
+// Every format of the table is supported, and its k-block is whole ggml blocks of its size.
+constexpr bool kblocks_match_table() {
+  int n = 0;
+  for (const FormatInfo& f : kFormats) {
+    const int ke = kblock_elems(f.type_id);
+    if (!fmt_supported(f.type_id) || ke % f.block_elems != 0 ||
+        kblock_bytes(f.type_id) != ke / f.block_elems * f.block_bytes)
+      return false;
+    ++n;
+  }
+  for (int t = 0; t < 64; ++t) n -= fmt_supported(t) ? 1 : 0;
+  return n == 0;
+}
+static_assert(kblocks_match_table(), "the k-block functions disagree with kFormats");
 
 // ---- scalar conversions ------------------------------------------------------------------------
 

@@ -287,6 +287,17 @@ NB_MODULE(_jaxvt_ffi, m) {
   m.doc() = "jaxvt's XLA FFI kernels (GGUF block formats), host-tier allocator and probes.";
   m.def("registrations", &Registrations,
         "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
+  m.def("formats", [] {
+          nb::list out;
+          for (const jaxvt::FormatInfo& f : jaxvt::kFormats)
+            out.append(nb::make_tuple(f.type_id, f.name, f.block_elems, f.block_bytes,
+                                      jaxvt::kblock_elems(f.type_id),
+                                      jaxvt::kblock_bytes(f.type_id)));
+          return out;
+        },
+        "formats.h's table: (type id, name, block elems, block bytes, k-block elems, k-block "
+        "bytes) per format the kernels run.");
+  m.def("host_bit", [] { return jaxvt::kHostBit; }, "fmts bit of a host-tier layer (formats.h).");
   m.def("gpu_platform", [] { return std::string(kGpuPlatform); },
         "'CUDA' or 'ROCM' when built with a GPU toolchain, else ''.");
   m.def("gpu_sm_count", [] {

@@ -38,6 +38,7 @@ import numpy as np
 from jaxvt.gguf import names as gguf_names
 from jaxvt.gguf.quantize import random_blocks
 from jaxvt.gguf.quants import FORMATS, get_format
+from jaxvt.gguf.tokenizer import bytes_to_unicode
 from jaxvt.model import declare as declare_mod
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import Role
@@ -98,19 +99,6 @@ def tiny_config(arch: str, **overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
-def qwen36_35b_a3b_config(n_nextn: int = 1) -> ModelConfig:
-  """The shape of Qwen3.6-35B-A3B (shared/FACTS.md section 4)."""
-  return ModelConfig(
-      arch="qwen35moe", n_layers=40, d_model=2048, n_heads=16, n_kv_heads=2, head_dim=256,
-      v_head_dim=256, ffn_dim=0, vocab_size=248320, rms_eps=1e-6, rope_theta=1e7, rope_dim=64,
-      context_length=262144, tied_embeddings=False, rope_interleaved=False, qk_norm=True,
-      attn_output_gate=True,
-      layer_types=tuple("attention" if (i + 1) % 4 == 0 else "deltanet" for i in range(40)),
-      n_experts=256, n_experts_used=8, expert_ffn_dim=512, shared_ffn_dim=512,
-      ssm_conv_kernel=4, ssm_k_heads=16, ssm_v_heads=32, ssm_k_dim=128, ssm_v_dim=128,
-      n_nextn=n_nextn)
-
-
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE (gpt2 style) trained on a fixed text.
 
@@ -125,12 +113,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte -> printable unicode map (the tokenizer's, shared)."""
-  from jaxvt.gguf.tokenizer import _bytes_to_unicode
-  return _bytes_to_unicode()
 
 
 @dataclasses.dataclass(frozen=True)

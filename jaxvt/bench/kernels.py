@@ -1,7 +1,7 @@
 """Kernel throughput: qmatmul GB/s from the host tier and the device tier against the link.
 
-  python -m jaxvt.ffi.kernel_bench            # GPU if the extension and JAX see one, else CPU
-  python -m jaxvt.ffi.kernel_bench --quick
+  python -m jaxvt.bench.kernels            # GPU if the extension and JAX see one, else CPU
+  python -m jaxvt.bench.kernels --quick
 
 For each format and matrix shape it builds L layers holding the same valid random blocks at
 different addresses (L sized so the layers together exceed 256 MiB, far beyond the GPU's L2 and
@@ -22,20 +22,21 @@ import numpy as np
 from jaxvt import ffi
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
-from jaxvt.offload.host_tier import HostTier
+from jaxvt.gguf.formats import BF16, FORMATS, Q4_1, Q4_K, Q6_K, Q8_0
+from jaxvt.bench.arms import KindTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
-# ggml type id -> (name, block elements, block bytes, f16 scale offsets)
-FORMATS = {12: ("Q4_K", 256, 144, (0, 2)), 14: ("Q6_K", 256, 210, (208,)),
-           3: ("Q4_1", 32, 20, (0, 2)), 8: ("Q8_0", 32, 34, (0,)), 30: ("BF16", 1, 2, ())}
+# The formats measured, with the byte offsets of each block's f16 scales (random bytes there
+# could be inf or NaN; they are set to small finite scales).
+SCALES = {Q4_K: (0, 2), Q6_K: (208,), Q4_1: (0, 2), Q8_0: (0,), BF16: ()}
 SHAPES = [(2048, 512), (4096, 4096), (14336, 4096), (4096, 14336)]  # rows x cols
 MIB = 1 << 20
 
 
 def random_matrix(rng, fmt: int, rows: int, cols: int) -> np.ndarray:
   """Valid random blocks, uint8 [rows * row_bytes]."""
-  _, be, bb, scales = FORMATS[fmt]
-  if fmt == 30:
+  be, bb, scales = FORMATS[fmt].block_elems, FORMATS[fmt].block_bytes, SCALES[fmt]
+  if fmt == BF16:
     x = (rng.standard_normal(rows * cols, dtype=np.float32) * 0.02)
     return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
   nb = rows * cols // be
@@ -112,7 +113,7 @@ def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
         for b in (1, 4):
           iters = max(3, int(2e8 / raw.size))
           t = min(ext.bench_cpu_gemv(fmt, raw.ctypes.data, rows, cols, b, iters) for _ in range(3))
-          print(f"CPU {ext.cpu_isa()} {th} thr {FORMATS[fmt][0]} {rows}x{cols} batch {b}: "
+          print(f"CPU {ext.cpu_isa()} {th} thr {FORMATS[fmt].name} {rows}x{cols} batch {b}: "
                 f"{t * 1e6:8.1f} us  {raw.size / t / 1e9:5.2f} GB/s", flush=True)
   finally:
     ext.set_cpu_threads(n0)
@@ -144,12 +145,13 @@ def main(argv=None) -> None:
   tiers = ("host", "device") if gpu else ("host",)
   print(f"{'format':6} {'rows x cols':>12} {'MiB':>6} {'tier':>6} "
         + " ".join(f"{'b' + str(b) + ' GB/s':>10} {'%DMA':>5}" for b in batches))
-  for fmt, (name, *_rest) in FORMATS.items():
+  for fmt in SCALES:
+    name = FORMATS[fmt].name
     for rows, cols in shapes:
       raw = random_matrix(rng, fmt, rows, cols)
       layers = max(2, min(512, -(-n // raw.size)))
       for tier_name in tiers:
-        with HostTier(coherent=args.coherent) as tier:
+        with KindTier("pinned", coherent=args.coherent) as tier:
           w = stack(raw, fmt, rows, cols, layers, tier if tier_name == "host" else None, device)
           cells = []
           for b in batches:
