@@ -24,6 +24,7 @@ import jaxvt
 from jaxvt import engine, ffi
 from jaxvt import synth
 from jaxvt.model.layers import GPU_PRODUCTS, Products
+from jaxvt.model.presets import qwen36_35b_a3b_config
 from jaxvt.qweight import QMeta
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
@@ -132,7 +133,7 @@ def test_products_rule():
   assert p.dense(4096, head) == "tiled"  # its bf16 copy (970 MiB) is over stage_max_bytes
   assert p.experts(p.grouped_slots - 1) == "matvec" and p.experts(p.grouped_slots) == "grouped"
   # A 12-token prompt (a 16-row program) stages no layer of the 35B model, in either tier.
-  cfg = synth.qwen36_35b_a3b_config(n_nextn=0)
+  cfg = qwen36_35b_a3b_config(n_nextn=0)
   from jaxvt.model.declare import declare
   for d in declare(cfg):
     if len(d.shape) >= 2:

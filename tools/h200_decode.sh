@@ -7,7 +7,7 @@
 set -uo pipefail
 source tools/h200_build.sh
 M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf
-python3 -c "from jaxvt import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)" &
+python3 -c "from jaxvt import synth; from jaxvt.model.presets import qwen36_35b_a3b_config as q; synth.write_model('$M', q(n_nextn=1), 'q4_k_m', seed=0)" &
 synth_pid=$!
 timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 timeout 120 python3 tools/kernel_probe.py 2>&1 | tail -14 | tee "$OUT/kernel_probe.txt"

@@ -21,7 +21,7 @@ if [ "$what" = dense ] || [ "$what" = experts ]; then
   timeout 570 python3 -m jaxvt.bench tier --products "$what" 2>&1 | tee "$OUT/products_$what.txt" | tail -40
 fi
 if [ "$what" = prefill ]; then
-  [ -f "$M" ] || python3 -c "from jaxvt import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)"
+  [ -f "$M" ] || python3 -c "from jaxvt import synth; from jaxvt.model.presets import qwen36_35b_a3b_config as q; synth.write_model('$M', q(n_nextn=1), 'q4_k_m', seed=0)"
   for n in 512 12; do
     timeout 150 python3 -m jaxvt.bench profile --model "$M" --prefill --prompt $n --top 15 2>&1 \
       | tail -20 | tee "$OUT/profile_prefill_$n.txt"
@@ -42,7 +42,7 @@ with jaxvt.load(m, max_context=1024) as e:
 EOF
 fi
 if [ "$what" = long ]; then
-  [ -f "$M" ] || python3 -c "from jaxvt import synth; synth.write_model('$M', synth.qwen36_35b_a3b_config(n_nextn=1), 'q4_k_m', seed=0)"
+  [ -f "$M" ] || python3 -c "from jaxvt import synth; from jaxvt.model.presets import qwen36_35b_a3b_config as q; synth.write_model('$M', q(n_nextn=1), 'q4_k_m', seed=0)"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.1167 timeout 500 python3 - "$M" <<'EOF' 2>&1 | tail -8 | tee "$OUT/prefill_8k.txt"
 import sys
 import numpy as np

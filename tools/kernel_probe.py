@@ -20,10 +20,10 @@ import numpy as np
 from jaxvt.bench import profile
 from jaxvt.bench import kernels as kb
 from jaxvt.ffi import ops
+from jaxvt.gguf.formats import FORMATS
 from jaxvt.qweight import QMeta, QWeight, split_u64
 
 Q4_K, Q6_K, F32 = 12, 14, 0
-FMT_BYTES = {Q4_K: (256, 144), Q6_K: (256, 210), F32: (1, 4)}
 
 
 def raw_for(rng, fmt, rows, cols):
@@ -45,7 +45,8 @@ def experts(rng, fmt, e, rows, cols, layers, dev):
 
 
 def nbytes(w: QWeight) -> int:
-  be, bb = FMT_BYTES[w.meta.formats[0]]
+  f = FORMATS[w.meta.formats[0]]
+  be, bb = f.block_elems, f.block_bytes
   return max(w.meta.experts, 1) * w.meta.rows * w.meta.cols // be * bb
 
 

@@ -83,7 +83,7 @@ def dense(rng, device, total_mib: int, tiers: tuple[str, ...]) -> tuple[list[str
               ex = Exec(kernels=True, numerics="f32", products=rule)
               times[p].append(_ms(lambda x, l, ex=ex: layers.linear(x, w, l, ex), n_layers, x))
           del w
-        name = f"{kb.FORMATS[fmt][0]} {rows}x{cols}"
+        name = f"{kb.FORMATS[fmt].name} {rows}x{cols}"
         cells = [" / ".join(f"{times[p][i]:.3f}" for p in DENSE) for i in range(len(ROWS))]
         line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
         lines.append(line)
@@ -148,7 +148,7 @@ def experts(rng, device, tiers: tuple[str, ...]) -> tuple[list[str], list[dict]]
           for p, fn in paths.items():
             times[p].append(_ms(lambda x, l, fn=fn: fn(x, w, l, ids[l]), n_layers, x))
         del w
-      name = f"{kb.FORMATS[fmt][0]} {rows}x{cols}{' (x per slot)' if per_slot else ''}"
+      name = f"{kb.FORMATS[fmt].name} {rows}x{cols}{' (x per slot)' if per_slot else ''}"
       cells = [" / ".join(f"{times[p][i]:.3f}" for p in paths) for i in range(len(ROWS))]
       line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
       lines.append(line)
