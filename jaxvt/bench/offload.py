@@ -165,7 +165,7 @@ class Session:
 
 def warm_up(eng, ids: list[int], overlap: bool) -> None:
   """Compiles and runs once what a timed `eng.generate(ids, ...)` runs (one device): a generate
-  of one token (prefill, first sample) and one decode step. With `overlap` the two run on two
+  of one token (prefill, first sample) and one decode chunk (engine.decode_loop_fn). With `overlap` the two run on two
   threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
   run them one after the other, so that the warm-up's device memory is what a plain run needs.
   `eng` generates to max_tokens (arms.NoStops)."""
@@ -177,11 +177,12 @@ def warm_up(eng, ids: list[int], overlap: bool) -> None:
 
   def step():  # the decode call generate makes: a committed cache, as prefill returns it
     cache = jax.device_put(eng.new_cache(1), jax.devices()[0])
-    key = jax.random.split(jax.random.key(0))[1]
-    toks, _ = engine.decode_sample_fn(eng.weights, cache, jnp.asarray([[1]], jnp.int32),
-                               jnp.asarray([[n]], jnp.int32), key, cfg=eng.cfg, ex=eng.ex,
-                               kv_len=eng.kv_len(n + 1), params=SamplingParams())
-    int(toks[0])
+    steps = eng.decode_chunk
+    toks, _, _ = engine.decode_loop_fn(
+        eng.weights, cache, jnp.asarray([1], jnp.int32), jnp.int32(n), jax.random.key(0),
+        cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(n + steps), params=SamplingParams(),
+        steps=steps)
+    int(toks[0, 0])
 
   def guarded(f):
     try:

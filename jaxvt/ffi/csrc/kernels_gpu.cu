@@ -45,11 +45,12 @@ __device__ __forceinline__ LayerRef stage_and_resolve(const WeightArgs& w, Rows<
   XLoad xl;
   if (XM == 1) xl = stage_x_load<BT>(R, R.nb);
   const LayerRef L = layer_ref(w);
-  if (XM == 1) {
+  const bool quantized = L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16;
+  if (XM == 1 || (XM == 2 && !quantized)) {
     float4* xs = reinterpret_cast<float4*>(after_slots);
-    stage_x_store<BT>(xs, xl, R, R.nb);
+    stage_x_store<BT>(xs, XM == 1 ? xl : stage_x_load<BT>(R, R.nb), R, R.nb);
     R.xs = xs;
-  } else if (XM == 2 && L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16) {
+  } else if (XM == 2) {
     uint8_t* xq = reinterpret_cast<uint8_t*>(after_slots);
     stage_xq<BT>(xq, R, R.nb, act_type(L.fmt));
     R.xq = xq;
@@ -295,10 +296,11 @@ Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small, 
                      g_grid_cap <= 0;
   l.wpb = small ? 2 : kWarps;
   const int64_t slots = l.wpb * kSlotBytes;
-  if (ggml) {
-    if (slots + l.bt * xq_bytes(cols) > allowed) l.bt = 1;
-    l.xm = slots + l.bt * xq_bytes(cols) <= allowed ? 2 : -1;  // -1: activations too large
-    l.smem = slots + l.bt * xq_bytes(cols);
+  if (ggml) {  // quantized rows, or float32 rows for a float format: room for either
+    const int64_t row = xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+    if (slots + l.bt * row > allowed) l.bt = 1;
+    l.xm = slots + l.bt * row <= allowed ? 2 : -1;  // -1: activations too large
+    l.smem = slots + l.bt * row;
     return l;
   }
   const int64_t staged = slots + l.bt * xs_stride(cols) * 16;

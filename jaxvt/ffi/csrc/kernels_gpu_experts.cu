@@ -91,10 +91,10 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     }
     __syncthreads();
     R.nb = served_n;
-    if (XM == 1) {
+    if (XM == 1 || (XM == 2 && !quantized)) {
       stage_x_store<BT>(xs_dyn, stage_x_load<BT>(R, R.nb), R, R.nb);
       R.xs = xs_dyn;
-    } else if (XM == 2 && quantized) {
+    } else if (XM == 2) {
       stage_xq<BT>(reinterpret_cast<uint8_t*>(xs_dyn), R, R.nb, act_type(L.fmt));
       R.xq = reinterpret_cast<const uint8_t*>(xs_dyn);
     }
@@ -132,8 +132,9 @@ gpuError_t launch_bt(gpuStream_t s, int nmat, const WeightArgs& w0, const Weight
                      float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, bool ggml) {
   static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_kernel<BT, 1>, kStaticSmem);
   static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_kernel<BT, 2>, kStaticSmem);
-  if (ggml) {
-    const int64_t need = BT * xq_bytes(cols);
+  if (ggml) {  // quantized rows, or float32 rows for a float format: room for either
+    const int64_t row = xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+    const int64_t need = BT * row;
     if (need > allowed_q) return gpuErrorInvalidValue;  // activations too large for shared memory
     return launch<BT, 2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
                          experts, need);

@@ -423,7 +423,7 @@ __device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~ui
 //     the warp computes on the current one.
 // XM, how a kernel reads activations: 0 float32 from global memory, 1 float32 staged in shared
 // memory (stage_x), 2 ggml's arithmetic over quantized staged rows (stage_xq; quantized formats),
-// 3 ggml's arithmetic for float formats (float32 from global memory, rounded for F16 / BF16).
+// 3 ggml's arithmetic for float formats (float32 staged rows, rounded for F16 / BF16).
 template <int F, int BT, int XM>
 __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
@@ -504,7 +504,7 @@ __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, i
       if constexpr (XM == 2)
         accumulate_q8<F, BT>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
       else
-        accumulate<F, BT, XM == 1, XM == 3 && (F == kF16 || F == kBF16)>(
+        accumulate<F, BT, XM == 1 || XM == 3, XM == 3 && (F == kF16 || F == kBF16)>(
             ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
       ptr += n * T::kKbb;
       cpos += static_cast<uintptr_t>(n * T::kKbb);
@@ -530,7 +530,7 @@ __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, i
 template <int BT, int XM>
 __device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, const Rows<BT>& R, int64_t rows,
                            int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
-  // ggml's arithmetic reads float formats' activations from global memory (XM 3).
+  // ggml's arithmetic takes float formats' activations as staged float32 rows (XM 3).
   constexpr int XF = XM == 2 ? 3 : XM;
 #define JV_CASE(F, X) \
   case F: matvec<F, BT, X>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
