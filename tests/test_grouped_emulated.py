@@ -35,19 +35,20 @@ pytestmark = pytest.mark.skipif(
 from test_ffi_cases import ALL, BF16, NAMES, Q4_0, Q4_K, Q6_K, Q8_0, make_stack  # noqa: E402
 from test_grouped import grouped_ref, routing  # noqa: E402
 
-# What the kernel's source needs of cuda_runtime.h (vendor.h includes it) for a host compile.
-FAKE_CUDA_RUNTIME = """#pragma once
+# What the kernel's source needs of the CUDA runtime and of vendor.h, for a host compile (vendor.h
+# itself is skipped by defining its include guard).
+FAKE_VENDOR = """#pragma once
 #include <cstdint>
+#define JAXVT_FFI_CSRC_VENDOR_H_
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct dim3 {
   unsigned x, y, z;
   dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
-typedef void* cudaStream_t;
-typedef void* cudaEvent_t;
-typedef int cudaError_t;
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2 };
+typedef void* gpuStream_t;
+typedef int gpuError_t;
+constexpr gpuError_t gpuSuccess = 0, gpuErrorInvalidValue = 1;
 #define __host__
 #define __device__
 #define __global__
@@ -115,7 +116,7 @@ SHIM = """#pragma once
 #include <cstring>
 #include <thread>
 #include <vector>
-#include "cuda_runtime.h"
+#include "fake_vendor.h"
 #define __shared__ static
 #define __launch_bounds__(...)
 struct EmuDim { unsigned x = 1, y = 1, z = 1; };
@@ -167,7 +168,7 @@ def kernel(request, tmp_path_factory):
                     % launch.group(1))
   src = src.replace("return gpuGetLastError();", "return gpuSuccess;")
   src = '#include "shim.h"\n' + src + ENTRY
-  for name, text in [("cuda_runtime.h", FAKE_CUDA_RUNTIME), ("cuda_bf16.h", FAKE_BF16),
+  for name, text in [("fake_vendor.h", FAKE_VENDOR), ("cuda_bf16.h", FAKE_BF16),
                      ("mma.h", FAKE_MMA), ("shim.h", SHIM), ("emu.cc", src)]:
     (d / name).write_text(text)
   so = str(d / "emu.so")

@@ -449,7 +449,7 @@ def qmatmul_grouped(x: jax.Array, w: QWeight, layer, ids: jax.Array,
 
 def _bf16_weights(raw, fmt, cols):
   """raw uint8 [..., row_bytes] -> its weights rounded to bf16, as float32 [..., cols]."""
-  return _dequant(raw, fmt, cols).astype(jnp.bfloat16).astype(jnp.float32)
+  return dequantize(raw, fmt, cols).astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def qmatmul_grouped_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Array:
