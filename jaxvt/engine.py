@@ -7,9 +7,10 @@
 `load` is the public steps with defaults, which a benchmark or a notebook may also compose:
 
     model = open_model(path)                    # jaxvt.loader: config, declarations, bytes
-    placed = plan(model, offload_gb=4)          # jaxvt.offload: where each weight goes, checked
-    weights = place(model, placed, host=HostTier())   # jaxvt.loader: the weights pytree
-    engine = Engine(model.cfg, exec_for(platform, kernels), weights, tokenizer, max_context)
+    par = layout(model.cfg)                     # the 1 x 1 mesh on one device, or a mesh
+    placed = plan(model, offload_gb=4, mesh=par)   # jaxvt.offload: where each weight goes
+    weights = place(model, placed, par, host=HostTier())   # jaxvt.loader: the weights pytree
+    engine = Engine(model.cfg, exec_for(platform, kernels, par), weights, tokenizer, max_context)
 
 `prefill_fn` and `decode_fn` are pure jitted functions of (weights, cache, tokens, ...); the
 Engine only holds what they need and does the bookkeeping (buckets, positions, sampling keys).
@@ -32,19 +33,18 @@ from jaxvt.errors import JaxvtError
 from jaxvt.ffi import numerics
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
-from jaxvt.model import decoder
+from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import UnitBytes, declare
 from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
 from jaxvt.model.presets import PRESETS
+from jaxvt.model.sharding import Par
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
 from jaxvt.offload.plan import Q4_K_S_LIKE, Policy, estimate_bytes, parse_overrides
-from jaxvt.parallel import load as pload
 from jaxvt.parallel import mesh as mesh_mod
-from jaxvt.parallel import shard
-from jaxvt.parallel.mesh import MeshSpec
+from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import SamplingParams, sample
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -78,12 +78,10 @@ def prefill_chunks(n: int, start: int, chunk: int, max_context: int) -> list[tup
 
 def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_len: int,
              valid=None, logits_at=None):
-  """decoder.forward, or with `ex.par` its shard_map over the mesh (jaxvt.parallel.shard)."""
-  if ex.par is None:
-    return decoder.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
-                           logits_at=logits_at)
-  return shard.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
-                       logits_at=logits_at)
+  """decoder.forward as a shard_map over `ex.par`'s mesh (jaxvt.model.sharding; one device is
+  the 1 x 1 mesh)."""
+  return sharding.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
+                          logits_at=logits_at)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
@@ -181,9 +179,8 @@ class Engine:
     # ggml numerics: llama.cpp's default KV cache (type_k = type_v = f16); q and the attention
     # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
     kv = jnp.float16 if self.ex.ggml else jnp.float32
-    if self.ex.par is not None:  # each device holds its own heads' KV cache and state
-      return shard.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
-    return decoder.init_cache(self.cfg, batch, self.max_context, kv_dtype=kv)
+    # each device of the mesh holds its own heads' KV cache and state
+    return sharding.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
 
   def kv_len(self, n: int) -> int:
     return bucket(n, KV_BUCKETS, self.max_context)
@@ -316,11 +313,11 @@ def xla_workspace_bytes(eng: "Engine") -> int | None:
                                           int(ma.alias_size_in_bytes))
 
 
-def exec_for(platform: str, kernels: bool, par=None) -> Exec:
-  """How jaxvt executes on `platform`: ggml's arithmetic on the CPU, where it makes jaxvt agree
-  with llama.cpp; on GPUs ggml's integer products with every other step in float32 ("q8",
-  numerics.default_mode), and GPU prefill's products of many rows take the tile kernels or
-  staging by the crossovers of layers.GPU_PRODUCTS (Exec.products)."""
+def exec_for(platform: str, kernels: bool, par: Par) -> Exec:
+  """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
+  it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
+  float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
+  kernels or staging by the crossovers of layers.GPU_PRODUCTS (Exec.products)."""
   gpu = platform != "cpu"
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
               products=GPU_PRODUCTS if gpu and kernels else Products())
@@ -337,7 +334,7 @@ def open_preset(name: str) -> Model:
 
 def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
          force: bool = False, device=None, max_context: int = 2048, kernels: bool | None = None,
-         offload_pattern: tuple[str, ...] = (), mesh: MeshSpec | None = None,
+         offload_pattern: tuple[str, ...] = (), mesh: sharding.Sizes | None = None,
          prefill_chunk: int = PREFILL_CHUNK) -> Placed:
   """Where each of `model`'s weights goes, checked against the device's memory (JaxvtError for
   a plan that does not fit, unless `force`). `offload_gb`: GiB of weights for the host tier, or
@@ -345,17 +342,18 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
   (`REGEX[=host|device]`) forcing matching weights' tier, counted against the budget; `kernels`:
   whether the FFI kernels run (default: whether they exist for `device`). With `mesh` the plan
   is one device's (its shards of every weight, its KV heads), the budgets are per device, and
-  the same plan holds for every device of the mesh. `prefill_chunk`: tokens per prefill call
-  (capped at max_context): the workspace planned for is a chunk this long's."""
+  the same plan holds for every device of the mesh (a MeshSpec, or the Par of a layout).
+  `prefill_chunk`: tokens per prefill call (capped at max_context): the workspace planned for is
+  a chunk this long's."""
   if prefill_chunk < 1:
     raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
   device = device or jax.devices()[0]
   kernels = ffi.available(device.platform) if kernels is None else kernels
   cfg, units, copies, n = model.cfg, model.units, None, 1
   if mesh is not None:
-    shard.check(model.cfg, mesh)
-    units, copies = shard.device_units(units, model.decls, model.cfg, mesh)
-    cfg, n = shard.local_config(model.cfg, mesh), mesh.size
+    sharding.check(model.cfg, mesh)
+    units, copies = sharding.device_units(units, model.decls, model.cfg, mesh)
+    cfg, n = sharding.local_config(model.cfg, mesh), mesh.tp * mesh.ep
   return placement_mod.plan_for_engine(
       cfg, model.decls, units, offload_gb=offload_gb, device_gb=device_gb, force=force,
       device=device, max_context=max_context, kernels=kernels,
@@ -363,13 +361,11 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
       prefill_chunk=prefill_chunk)
 
 
-def place(model: Model, placed: Placed, *, par=None, device=None, host=None,
+def place(model: Model, placed: Placed, par: Par, *, host=None,
           progress: Callable[[int], None] | None = None) -> dict:
-  """`model`'s weights where `placed` puts them: on `device` (or over the mesh of `par`) and in
-  the host tier `host` (needed when the plan offloads). Returns the weights pytree."""
-  if par is not None:
-    return pload.load_weights(model, par, placed.placement, host, progress)
-  return loader.place(model, placed.placement, host=host, device=device, progress=progress)
+  """`model`'s weights where `placed` puts them: over the mesh of `par` (`layout`) and in the
+  host tier `host` (needed when the plan offloads). Returns the weights pytree."""
+  return loader.place(model, placed.placement, par=par, host=host, progress=progress)
 
 
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
@@ -389,19 +385,19 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   if max_context < 1 or max_context > cfg.context_length:
     raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
                      "model's trained context); pick a value in that range")
-  par = _par(mesh, cfg, device)
-  device = par.mesh.devices.flat[0] if par else device or jax.devices()[0]
+  par = layout(cfg, mesh_mod.parse(mesh), device)
+  device = par.devices[0]
   if kernels is None:
     kernels = ffi.available(device.platform)
   tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata)
   placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
                 max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
-                mesh=par.spec if par else None, prefill_chunk=prefill_chunk)
+                mesh=par, prefill_chunk=prefill_chunk)
   if on_plan:
     on_plan(placed)
   host_tier = HostTier() if placed.host_bytes else None
   try:
-    weights = place(m, placed, par=par, device=device, host=host_tier, progress=progress)
+    weights = place(m, placed, par, host=host_tier, progress=progress)
   except BaseException:
     if host_tier is not None:
       host_tier.close()
@@ -411,9 +407,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                path=m.path, load_seconds=time.perf_counter() - t0, plan=placed,
                host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk)
   # Where memory is planned tight (weights offloaded, or --device-gb), the estimate of the
-  # program's workspace is replaced by XLA's own analysis of the largest prefill, and the plan
-  # checked again before anything runs (one ahead-of-time compile; one device only).
-  if par is None and (placed.host_bytes or device_gb is not None):
+  # program's workspace is replaced by XLA's own analysis of the largest prefill (per device),
+  # and the plan checked again before anything runs (one ahead-of-time compile).
+  if placed.host_bytes or device_gb is not None:
     try:
       ws = xla_workspace_bytes(eng)
       if ws is not None:
@@ -423,17 +419,6 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       raise
   eng.memory = placed.breakdown
   return eng
-
-
-def _par(mesh: str | None, cfg: ModelConfig, device):
-  """The parallel layout for `mesh` ("tp=2", ...), or None for one device."""
-  spec = mesh_mod.parse(mesh)
-  if spec is None:
-    return None
-  if device is not None:
-    raise JaxvtError("--mesh runs on the mesh's devices; drop the explicit device")
-  shard.check(cfg, spec)
-  return mesh_mod.Par(mesh_mod.build(spec), head_sharded=shard.head_sharded(cfg, spec))
 
 
 def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,

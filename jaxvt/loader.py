@@ -4,10 +4,12 @@
                               config (tied embeddings from the tensor names), declare the
                               weights, check the file against the declarations and measure the
                               bytes of every placement unit
-  place(model, where, ...)    every declared weight where `where` (a plan) puts it: matrices
-                              become QWeights (raw GGUF blocks; device-tier layers in one device
-                              array, host-tier layers copied once into buffers of a host tier),
-                              vectors float32 arrays stacked over their layers
+  place(model, where, ...)    every declared weight where `where` (a plan) puts it, split over a
+                              mesh by its declaration's rule (one device: the 1 x 1 mesh, every
+                              weight whole): matrices become QWeights (raw GGUF blocks;
+                              device-tier layers in one device array, host-tier layers copied
+                              once into buffers of a host tier), vectors float32 arrays stacked
+                              over their layers (jaxvt.model.sharding has the sharded layout)
 
 Every declared tensor must be present with its declared shape, its bytes and a supported format;
 every tensor of the file must be declared (an appended MTP block excepted).
@@ -30,14 +32,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf import names as gguf_names
 from jaxvt.gguf import quants
 from jaxvt.gguf.default_model import default_model_path
 from jaxvt.gguf.reader import GGUFFile, TensorInfo, open_gguf
+from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig, from_gguf_metadata
 from jaxvt.model.declare import UnitBytes, WeightDecl, declare
+from jaxvt.model.sharding import Par
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight, split_u64
 
 Placement = Callable[[str, "int | None"], str]  # (canonical name, layer) -> "device" | "host"
@@ -130,9 +135,9 @@ def unit_bytes(gf: GGUFFile, arch: str, decls: list[WeightDecl]) -> list[UnitByt
 # Copies
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_rows(buf, i, rows):
-  return jax.lax.dynamic_update_slice_in_dim(buf, rows, i, 0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _set_rows(buf, i, rows, axis: int = 0):
+  return jax.lax.dynamic_update_slice_in_dim(buf, rows, i, axis)
 
 
 COPY_CHUNK = 32 << 20  # bytes per thread task when copying a tensor
@@ -176,82 +181,107 @@ def need_host_tier(host) -> None:
 
 def pack_rows(tensors: list[TensorInfo], stride: int) -> np.ndarray:
   """uint8 [len(tensors), stride]: each tensor's raw bytes in one row, zero-padded."""
-  out = np.empty((len(tensors), stride), np.uint8)
-  for row, t in zip(out, tensors):
-    copy_bytes(row[:t.n_bytes], t.raw().reshape(-1))
-    row[t.n_bytes:] = 0
+  return _pack([lambda t=t: t.raw().reshape(-1) for t in tensors], stride)
+
+
+def _pack(rows: list[Callable[[], np.ndarray]], stride: int) -> np.ndarray:
+  out = np.empty((len(rows), stride), np.uint8)
+  for dst, row in zip(out, rows):
+    src = row()
+    copy_bytes(dst[:src.size], src)
+    dst[src.size:] = 0
   return out
 
 
-def _device_stack(tensors: list[TensorInfo], stride: int, device) -> jax.Array:
-  """The device-tier rows of a stack: packed on the host and uploaded in one transfer, or in
-  pieces of _upload_max() bytes written into one donated device array (device memory stays 1x)."""
+def _device_stack(rows: list[Callable[[], np.ndarray]], stride: int, device,
+                  lead: int = 0) -> jax.Array:
+  """uint8 [(1,) * lead, len(rows), stride] on `device` (row i: rows[i]() zero-padded): packed
+  on the host and uploaded in one transfer, or in pieces of _upload_max() bytes written into one
+  donated device array (device memory stays 1x)."""
   per = max(1, _upload_max() // stride)
-  if len(tensors) <= per:
-    return jax.device_put(pack_rows(tensors, stride), device)
-  data = jnp.zeros((len(tensors), stride), jnp.uint8, device=device)
-  for i in range(0, len(tensors), per):
-    rows = jax.device_put(pack_rows(tensors[i:i + per], stride), device)
-    data = _set_rows(data, jnp.int32(i), rows)
+  lead_shape = (1,) * lead
+  if len(rows) <= per:
+    return jax.device_put(_pack(rows, stride).reshape(lead_shape + (len(rows), stride)), device)
+  data = jnp.zeros(lead_shape + (len(rows), stride), jnp.uint8, device=device)
+  for i in range(0, len(rows), per):
+    piece = _pack(rows[i:i + per], stride).reshape(lead_shape + (-1, stride))
+    data = _set_rows(data, jnp.int32(i), jax.device_put(piece, device), lead)
   return data
 
 
 # ---------------------------------------------------------------------------------------------
-# Placing
+# Placing: every weight by its declaration's rule over the mesh (replicated on one device)
 
 
-def _vector(model: Model, d: WeightDecl, device) -> jax.Array:
+def _vector(model: Model, d: WeightDecl, r: sharding.Rule, par: Par) -> jax.Array:
   rows = [np.asarray(t.data, dtype=np.float32).reshape(d.shape) for t in model.tensors(d)]
   arr = rows[0] if d.layers is None else np.stack(rows)
-  return jax.device_put(arr, device)
+  if r.kind != "replicate":  # the shards side by side along the split axis
+    ax = r.axis + (0 if d.layers is None else 1)
+    arr = np.concatenate([np.take(arr, r.index(s), axis=ax) for s in range(par.tp)], axis=ax)
+  return jax.device_put(arr, NamedSharding(par.mesh, sharding.vector_spec(d, r)))
 
 
-def _matrix(model: Model, d: WeightDecl, where: Placement, host, device) -> QWeight:
+def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Placement,
+            host) -> QWeight:
+  """A QWeight of every layer of matrix `d`; with a sharded rule, of S shards (leading axis)."""
   tensors = model.tensors(d)
-  experts = d.shape[0] if len(d.shape) == 3 else 0
+  S = sharding.n_shards(r, par)
+  lshape = sharding.local_shape(d, r)
+  part = lambda t, s: sharding.shard_bytes(t.raw(), t.type_id, d, r, s, t.name)
   fmts = np.array([t.type_id for t in tensors], np.int32)
-  table = np.zeros(len(tensors), np.uint64)
-  host_pos, dev_pos = [], []
+  table = np.zeros((S, len(tensors)), np.uint64)
+  host_pos, dev_pos, sizes = [], [], []
   for i, (l, t) in enumerate(zip(layers_of(d), tensors)):
+    sizes.append(quants.row_bytes(t.type_id, lshape[-1]) * int(np.prod(lshape[:-1])))
     if where(d.name, l) == "host":
       need_host_tier(host)
-      src = t.raw().reshape(-1)
-      buf = host.copy(t.name, t.n_bytes, lambda a, src=src: copy_bytes(a, src))
-      table[i] = buf.device_address
+      for s in range(S):
+        fill = lambda a, t=t, s=s: copy_bytes(a, part(t, s))
+        buf = host.copy(t.name if S == 1 else f"{t.name}#{s}", sizes[i], fill)
+        table[s, i] = buf.device_address
       fmts[i] |= HOST_BIT
       host_pos.append(i)
     else:
       dev_pos.append(i)
-  stride = max((tensors[i].n_bytes for i in dev_pos), default=1)
-  if len(dev_pos) == 1:
-    data = jax.device_put(tensors[dev_pos[0]].raw().reshape(1, -1), device)
-  elif dev_pos:
-    data = _device_stack([tensors[i] for i in dev_pos], stride, device)
-  else:
-    data = jnp.zeros((1, 1), jnp.uint8, device=device)
-  for slot, i in enumerate(dev_pos):
-    table[i] = slot
-  meta = QMeta(rows=d.shape[-2], cols=d.shape[-1], experts=experts,
-               formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))),
-               n_layers=len(tensors), host_layers=tuple(host_pos))
-  return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device),
-                 meta)
+  stride = max((sizes[i] for i in dev_pos), default=1)
+  table[:, dev_pos] = np.arange(len(dev_pos), dtype=np.uint64)
+  sh = NamedSharding(par.mesh, sharding.qweight_spec(r))
+  lead = 1 if S > 1 else 0  # a sharded weight's leading shard axis
+  gshape = (S,) * lead + ((len(dev_pos), stride) if dev_pos else (1, 1))
+  arrays = []
+  for device, index in sh.addressable_devices_indices_map(gshape).items():
+    s = (index[0].start or 0) if lead else 0
+    rows = [lambda t=tensors[i], s=s: part(t, s) for i in dev_pos]
+    arrays.append(_device_stack(rows, stride, device, lead) if rows else
+                  jnp.zeros((1,) * lead + (1, 1), jnp.uint8, device=device))
+  data = jax.make_array_from_single_device_arrays(gshape, sh, arrays)
+  meta = QMeta(rows=lshape[-2], cols=lshape[-1], experts=lshape[0] if len(lshape) == 3 else 0,
+               formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))), n_layers=len(tensors),
+               host_layers=tuple(host_pos))
+  tab = split_u64(table.reshape(-1)).reshape(S, len(tensors), 2)
+  fm = np.broadcast_to(fmts, (S, len(tensors))).copy()
+  return QWeight(data, jax.device_put(tab if lead else tab[0], sh),
+                 jax.device_put(fm if lead else fm[0], sh), meta)
 
 
-def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, host=None,
-                 device=None, progress: Progress | None = None):
-  """Declaration `d` placed as `where` says: a QWeight (matrices) or a float32 array."""
-  device = device or jax.devices()[0]
-  w = _matrix(model, d, where, host, device) if d.matrix else _vector(model, d, device)
+def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, par: Par | None = None,
+                 host=None, progress: Progress | None = None):
+  """Declaration `d` placed over `par` (default: the 1 x 1 mesh on JAX's first device) as
+  `where` says, by its rule (jaxvt.model.sharding): a QWeight (matrices) or a float32 array."""
+  par = par or sharding.one_device()
+  r = sharding.rule(d, par)
+  w = _matrix(model, d, r, par, where, host) if d.matrix else _vector(model, d, r, par)
   if progress:
     for t in model.tensors(d):
       progress(t.n_bytes)
   return w
 
 
-def place(model: Model, where: Placement = all_device, *, host=None, device=None,
+def place(model: Model, where: Placement = all_device, *, par: Par | None = None, host=None,
           progress: Progress | None = None) -> dict:
-  """Places every declared weight on `device` (default: JAX's first) and in the host tier
-  `host`; returns {canonical name: QWeight | float32 array}."""
-  return {d.name: place_weight(model, d, where, host=host, device=device, progress=progress)
+  """Places every declared weight over `par` (default: the 1 x 1 mesh on JAX's first device)
+  and in the host tier `host`; returns {canonical name: QWeight | float32 array}."""
+  par = par or sharding.one_device()
+  return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress)
           for d in model.decls}

@@ -170,11 +170,13 @@ def test_device_stack_uploaded_in_pieces_matches_one_transfer(monkeypatch):
   from jaxvt import loader
   rng = np.random.default_rng(0)
   raws = [rng.integers(0, 255, (n, 7), dtype=np.uint8) for n in (5, 3, 5, 4, 5)]
-  ts = [types.SimpleNamespace(n_bytes=r.size, raw=lambda r=r: r) for r in raws]
+  rows = [lambda r=r: r.reshape(-1) for r in raws]
   stride = max(r.size for r in raws)
-  whole = np.asarray(loader._device_stack(ts, stride, jax.devices()[0]))
+  whole = np.asarray(loader._device_stack(rows, stride, jax.devices()[0]))
   monkeypatch.setattr(loader, "_upload_max", lambda: 2 * stride)  # 2 rows per piece
-  pieces = np.asarray(loader._device_stack(ts, stride, jax.devices()[0]))
+  pieces = np.asarray(loader._device_stack(rows, stride, jax.devices()[0]))
+  np.testing.assert_array_equal(np.asarray(loader._device_stack(rows, stride, jax.devices()[0],
+                                                                lead=1))[0], whole)
   np.testing.assert_array_equal(whole, pieces)
   for row, r in zip(whole, raws):
     np.testing.assert_array_equal(row[:r.size], r.reshape(-1))

@@ -1,4 +1,5 @@
-"""Tensor and expert parallelism (jaxvt.parallel) on the CPU with four fake devices.
+"""Tensor and expert parallelism (jaxvt.model.sharding, jaxvt.parallel) on the CPU with four fake
+devices.
 
 The end-to-end checks run in a subprocess (`python tests/test_parallel.py ARCH DIR`): XLA_FLAGS
 (--xla_force_host_platform_device_count=4) must be set before JAX starts, and the rest of the
@@ -21,9 +22,9 @@ import pytest
 from jaxvt import ffi
 from jaxvt.errors import JaxvtError
 from jaxvt import synth
-from jaxvt.model.declare import declare
+from jaxvt.model.declare import declare, gdn_heads
+from jaxvt.model import sharding as shard
 from jaxvt.parallel import mesh as mesh_mod
-from jaxvt.parallel import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_ffi = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
@@ -85,6 +86,7 @@ def _case(arch: str, directory: str) -> dict:
       res[f"{mesh}/{offload}"] = _greedy(eng) + ({
           "devices": eng.plan.devices, "host": p.host_bytes, "budget": p.budget_bytes,
           "host_layers": len(eng.weights["attn.wk"].meta.host_layers),
+          "workspace": eng.memory.workspace_source,
           "wq_shards": int(w.data.shape[0]),
           "wq_spec": str(w.data.sharding.spec)},)
   base_logits, base_toks = res.pop("base")
@@ -127,9 +129,12 @@ def test_sharded_equals_unsharded(results):
   for name, r in runs.items():
     assert r["err"] <= 1e-4 * r["scale"], (name, r)
     assert r["toks"] == r["base_toks"], (name, r)
-    # attention heads split over tp (and are replicated over ep)
-    assert r["wq_shards"] == mesh_mod.parse(name.split("/")[0]).tp, r
-    assert r["wq_spec"] == "P('tp',)", r
+    # attention heads split over tp (and are replicated over ep); a mesh without tp replicates
+    # them, as one device does: no shard axis
+    tp = mesh_mod.parse(name.split("/")[0]).tp
+    assert r["wq_spec"] == ("P('tp',)" if tp > 1 else "P()"), r
+    if tp > 1:
+      assert r["wq_shards"] == tp, r
 
 
 @needs_ffi
@@ -144,6 +149,8 @@ def test_offload_budget_is_per_device(results):
       assert r["host"] > 0 and r["host_layers"] > 0
     else:  # "part": a third of one device's host bytes fits in the per-device budget
       assert 0 < r["host"] <= r["budget"]
+    if offload != 0:  # a tight plan is checked again with XLA's analysis of the sharded prefill
+      assert r["workspace"] == "XLA memory analysis", r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +163,7 @@ def test_every_weight_has_a_rule_whose_shards_partition_it(arch):
   spec = mesh_mod.MeshSpec(tp=2, ep=2 if cfg.is_moe else 1)
   shard.check(cfg, spec)
   for d in declare(cfg):
-    r = shard.rule(d, cfg, spec)
+    r = shard.rule(d, spec)
     if r.kind == "replicate":
       continue
     n = shard.n_shards(r, spec)
@@ -166,6 +173,21 @@ def test_every_weight_has_a_rule_whose_shards_partition_it(arch):
     assert shard.local_shape(d, r)[axis] * n == d.shape[axis]
 
 
+@pytest.mark.parametrize("arch", synth.ARCHS)
+def test_one_device_is_a_mesh_that_replicates_every_weight(arch):
+  """On the 1 x 1 mesh every declaration's rule is "replicate" (one shard, the whole weight),
+  the per-device units are the file's and the local config is the model's."""
+  cfg = synth.tiny_config(arch)
+  one = mesh_mod.MeshSpec()
+  decls = declare(cfg)
+  assert {shard.rule(d, one).kind for d in decls} == {"replicate"}
+  assert shard.local_config(cfg, one) == cfg
+  units = [shard.UnitBytes(d.name, l, 100, 2) for d in decls
+           for l in (d.layers if d.layers is not None else (None,))]
+  assert shard.device_units(units, decls, cfg, one) == (units, {(u.name, u.layer): 1
+                                                                for u in units})
+
+
 @pytest.mark.parametrize("order", ["tiled", "grouped"])
 def test_deltanet_shards_keep_the_value_to_key_head_rule(order):
   """Inside a shard, value head j must read key head j % n_k (tiled) or j // (n_v / n_k)
@@ -173,7 +195,7 @@ def test_deltanet_shards_keep_the_value_to_key_head_rule(order):
   cfg = synth.tiny_config("qwen35", ssm_k_heads=4, ssm_v_heads=8, ssm_value_order=order)
   glob = lambda j: j % 4 if order == "tiled" else j // 2
   for s in range(2):
-    kh, vh = shard.gdn_heads(cfg, 2, s)
+    kh, vh = gdn_heads(cfg, 2, s)
     for jl, j in enumerate(vh):
       kl = jl % 2 if order == "tiled" else jl // 2
       assert kh[kl] == glob(j)
@@ -186,7 +208,7 @@ def test_shard_bytes_rows_and_cols_reassemble():
   from jaxvt.model.declare import Role, WeightDecl
   x = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
   raw = quantize(x, 2)  # Q4_0: 32-element blocks of 18 bytes
-  d = WeightDecl("w", (0,), (6, 128), Role.DENSE_FFN, True)
+  d = WeightDecl("w", (0,), (6, 128), Role.DENSE_FFN, True)  # the rules below, not its split
   cols = shard.Rule("cols", ("tp",), lambda s: np.arange(s * 64, (s + 1) * 64))
   parts = [shard.shard_bytes(raw, 2, d, cols, s).reshape(6, -1) for s in range(2)]
   assert np.array_equal(np.concatenate(parts, axis=1), raw.reshape(6, -1))

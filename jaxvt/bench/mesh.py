@@ -161,7 +161,7 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
     r.safe = eng.memory.headroom >= eng.memory.slack  # after XLA's own analysis (one device)
     ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
     t1 = time.perf_counter()
-    if eng.ex.par is None:
+    if eng.ex.par.size == 1:
       warm_up(eng, ids, overlap=r.safe)  # the offload sweep's: prefill and decode compile at once
     else:  # one program at a time: two programs' collectives never interleave on the devices
       eng.generate(ids, max_tokens=2)
@@ -170,7 +170,7 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
     r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
     r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
     r.tokens, r.gen_tokens = list(g.tokens), len(g.tokens)
-    devs = list(eng.ex.par.mesh.devices.flat) if eng.ex.par else [jax.devices()[0]]
+    devs = eng.ex.par.devices
     r.peak_gib = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / GiB
     r.ok = True
   except _Repeat as e:

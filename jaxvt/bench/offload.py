@@ -41,6 +41,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxvt import engine, ffi, loader, synth
 from jaxvt.bench import arms, offload_llama, offload_report, report
@@ -82,11 +84,12 @@ class Session:
     self.ids = np.random.default_rng(0).integers(10, self.cfg.vocab_size - 10, prompt).tolist()
     self.max_context = prompt + gen + 8
     self.tier = None
+    self.par = engine.layout(self.cfg)  # one device: the 1 x 1 mesh on JAX's first
     self.open_s = time.perf_counter() - t
 
   def plan(self, budget, pattern=()):
     return engine.plan(self.model, offload_gb=budget, device_gb=self.device_gb, force=True,
-                       max_context=self.max_context, offload_pattern=pattern)
+                       max_context=self.max_context, offload_pattern=pattern, mesh=self.par)
 
   def facts(self) -> dict:
     """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts."""
@@ -101,15 +104,14 @@ class Session:
   def weights(self, placed, pinned: bool = False) -> dict:
     """The weights as `placed` puts them: jaxvt's host tier (this session's KeptTier), or with
     `pinned` JAX's pinned_host memory kind for the stacks the plan offloads."""
-    dev = jax.devices()[0]
     if not pinned:
       if placed.host_bytes:
         self.tier = self.tier or arms.KeptTier()
-      return engine.place(self.model, placed, device=dev, host=self.tier)
+      return engine.place(self.model, placed, self.par, host=self.tier)
     stacks = arms.pinned_stacks(self.model, placed.placement)
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-    return {d.name: arms.place_pinned(self.model, d, sharding) if d.name in stacks
-            else loader.place_weight(self.model, d, device=dev) for d in self.model.decls}
+    whole = NamedSharding(self.par.mesh, P())
+    return {d.name: arms.place_pinned(self.model, d, whole) if d.name in stacks
+            else loader.place_weight(self.model, d, par=self.par) for d in self.model.decls}
 
   def engine(self, budget, host_kind: str = "host", pattern=()):
     """An Engine placed as jaxvt.load(offload_gb=budget, force=True) places it, from the file
@@ -118,8 +120,8 @@ class Session:
     placed = self.plan(budget, pattern)
     weights = self.weights(placed, pinned=host_kind == "jax_pinned")
     jax.block_until_ready(weights)
-    dev = jax.devices()[0]
-    ex = engine.exec_for(dev.platform, ffi.available(dev.platform))
+    dev = self.par.devices[0]
+    ex = engine.exec_for(dev.platform, ffi.available(dev.platform), self.par)
     return engine.Engine(cfg=self.cfg, ex=ex, weights=weights, tokenizer=self.tokenizer,
                          max_context=self.max_context, path=self.path,
                          load_seconds=time.perf_counter() - t, plan=placed)
@@ -175,8 +177,8 @@ def warm_up(eng, ids: list[int], overlap: bool) -> None:
   def first():
     eng.generate(ids, max_tokens=1)
 
-  def step():  # the decode call generate makes: a committed cache, as prefill returns it
-    cache = jax.device_put(eng.new_cache(1), jax.devices()[0])
+  def step():  # the decode call generate makes: a cache over the mesh, as prefill returns it
+    cache = eng.new_cache(1)
     steps = eng.decode_chunk
     toks, _, _ = engine.decode_loop_fn(
         eng.weights, cache, jnp.asarray([1], jnp.int32), jnp.int32(n), jax.random.key(0),

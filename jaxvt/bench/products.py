@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt import ffi
 from jaxvt.bench import kernels as kb
+from jaxvt.bench import report
 from jaxvt.ffi import ops
 from jaxvt.model import layers
 from jaxvt.model.layers import Exec, Products
@@ -163,8 +165,6 @@ def _from(n: int | None, unit: str) -> str:
 
 
 def main(args) -> str:
-  from jaxvt import ffi
-  from jaxvt.bench import report
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0
   device = jax.devices("gpu" if gpu else "cpu")[0]

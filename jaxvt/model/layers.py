@@ -79,8 +79,10 @@ class Exec:
     llama.cpp's logits bit for bit (Q4_0/Q4_1/Q8_0/F16/F32 weights, f16 or f32 cache). "f32":
     exact dequantization and float32 math throughout (what a float framework computes). "q8":
     the matrix products in ggml's integer arithmetic, every other step as "f32" (the GPU default).
-  par: None (one device) or a jaxvt.parallel.mesh.Par: the forward runs inside a shard_map over
-    its mesh on per-device shards, and `reduce` sums row-parallel partial products over it.
+  par: the jaxvt.model.sharding.Par the forward runs on (a shard_map over its mesh, one device
+    being the 1 x 1 mesh): each device computes on its own shards, and `reduce` sums
+    row-parallel partial products over the mesh. None: the decoder called directly, outside a
+    mesh (on whole weights).
   products: which kernel each matrix product takes, by its rows and bytes (Products; with
     kernels only). Products() on the CPU (the matvec kernels are the arithmetic contract);
     GPU_PRODUCTS on GPUs, where prefill's products of many rows take the tile kernels (bf16 on
@@ -129,10 +131,11 @@ def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:
 
 def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
   """Sums the partial products of a row-parallel projection over the mesh: over "tp", or over
-  ("ep", "tp") for routed experts (jaxvt.parallel). The identity on one device."""
-  if ex.par is None:
-    return x
-  return jax.lax.psum(x, AXES if experts else TP)
+  ("ep", "tp") for routed experts (jaxvt.model.sharding); an axis of size 1 holds nothing to
+  add, so on one device (or outside a mesh, `ex.par` None) this is the identity."""
+  sizes = {} if ex.par is None else dict(ex.par.mesh.shape)
+  axes = tuple(a for a in (AXES if experts else (TP,)) if sizes.get(a, 1) > 1)
+  return jax.lax.psum(x, axes) if axes else x
 
 
 def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:

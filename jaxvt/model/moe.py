@@ -122,7 +122,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
     shared = ["shexp.w_gate", "shexp.w_up"] if cfg.shared_ffn_dim else []
     logits, *gu = layers.linear_many(x, [w["moe.router"]] + [w[n] for n in shared], li, ex)
     ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob)
-    if ex.par is not None:
+    if ex.par is not None and ex.par.size > 1:  # the experts are split over the whole mesh
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)

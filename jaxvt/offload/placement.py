@@ -103,7 +103,7 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   plans.
 
   On a mesh (`devices` > 1) `units`, `cfg` and the budgets are one device's (its shards, its
-  KV heads; jaxvt.parallel.shard): the same plan holds for every device. `host_copies` maps a
+  KV heads; jaxvt.model.sharding): the same plan holds for every device. `host_copies` maps a
   unit to the pinned copies the host needs (one per distinct shard; a replicated weight is one
   buffer every device reads), so the host-RAM check counts the whole host tier.
   `prefill_chunk`: tokens per prefill call (None or more than max_context: max_context), the

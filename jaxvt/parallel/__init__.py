@@ -1,13 +1,10 @@
-"""Several devices: tensor and expert parallelism with jax.sharding.
+"""Where a model runs: a mesh of devices (one device is the 1 x 1 mesh).
 
   mesh.py   `--mesh tp=N,ep=M` -> MeshSpec -> a `jax.sharding.Mesh` over the local devices
             (axes "ep" x "tp"); `jax.distributed.initialize` when several hosts are configured;
-            `Par`, the static description the jitted functions and the model's collectives see.
-  shard.py  one sharding rule per declared weight (by its role and canonical name): which axis
-            of a layer's matrix splits over which mesh axes, and the per-device shard shapes and
-            bytes the planner budgets; the per-device model config; the shard_map'ed forward.
-  load.py   places each weight's per-device shards (device tier or each shard's own pinned
-            host buffers) as global arrays over the mesh.
+            `Par`, the static description the jitted functions and the model's collectives see,
+            and `layout`, which builds it.
 
-Nothing here is imported by `import jaxvt`; an engine without `mesh` never touches it.
+How each weight, the decode state and the forward split over the mesh is the model's
+(jaxvt.model.sharding); the loader places the shards (jaxvt.loader).
 """

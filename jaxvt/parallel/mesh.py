@@ -24,7 +24,10 @@ import jax
 import numpy as np
 
 from jaxvt.errors import JaxvtError
+from jaxvt.model import sharding
 from jaxvt.model.axes import AXES, EP, TP
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.sharding import Par
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,31 +76,16 @@ def build(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(grid, AXES)
 
 
-@dataclasses.dataclass(frozen=True)
-class Par:
-  """What a sharded run fixes at load time (static, hashable: part of `Exec`).
-
-  mesh: the jax Mesh (axes "ep", "tp"); head_sharded: the output head's vocab rows are split
-  over "tp" (its logits are all-gathered), else it is replicated.
-  """
-  mesh: jax.sharding.Mesh
-  head_sharded: bool = False
-
-  @property
-  def tp(self) -> int:
-    return int(self.mesh.shape[TP])
-
-  @property
-  def ep(self) -> int:
-    return int(self.mesh.shape[EP])
-
-  @property
-  def size(self) -> int:
-    return self.tp * self.ep
-
-  @property
-  def spec(self) -> MeshSpec:
-    return MeshSpec(tp=self.tp, ep=self.ep)
+def layout(cfg: ModelConfig, spec: MeshSpec | None = None, device=None) -> Par:
+  """Where a model runs: the mesh of `spec` over the first local devices, or (no spec) the
+  1 x 1 mesh on `device` (default: JAX's first). JaxvtError when the model does not split over
+  the mesh."""
+  if spec is None:
+    return sharding.one_device(device)
+  if device is not None:
+    raise JaxvtError("--mesh runs on the mesh's devices; drop the explicit device")
+  sharding.check(cfg, spec)
+  return Par(build(spec), head_sharded=sharding.head_sharded(cfg, spec))
 
 
 def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:

@@ -1,0 +1,112 @@
+"""The package drawn from its imports (tools/import_graph.py): no cycle, no arrow back up, fewer
+floors than the 9 it had before it was restructured; the product imports no benchmark, and the
+benchmarks use only the package's public names."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("import_graph",
+                                               os.path.join(ROOT, "tools", "import_graph.py"))
+graph = importlib.util.module_from_spec(_spec)
+sys.modules["import_graph"] = graph  # its dataclasses look their module up there
+_spec.loader.exec_module(graph)
+
+FLOORS_BEFORE = 9  # tools/import_graph.py on the package before it was restructured
+
+
+def test_no_cycle_and_no_arrow_back_up():
+  h = graph.build(ROOT)
+  assert not h.cycles and not h.back_edges, graph.render(h)
+  for a, b in h.arrows:
+    assert h.floors[a] > h.floors[b], (a, b, graph.render(h))
+
+
+def test_fewer_floors_than_before():
+  h = graph.build(ROOT)
+  assert h.n_floors < FLOORS_BEFORE, graph.render(h)
+
+
+def test_the_product_imports_no_benchmark():
+  h = graph.build(ROOT)
+  users = sorted(a for a, b in h.arrows if b == "jaxvt.bench")
+  assert not users, users
+
+
+def _private_uses(path: str) -> list[str]:
+  """`from jaxvt... import _x` and `m._x` on a jaxvt module `m` in the file at `path`."""
+  tree = ast.parse(open(path, encoding="utf-8").read(), path)
+  modules, out = set(), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxvt"):
+      for a in node.names:
+        if a.name.startswith("_"):
+          out.append(f"from {node.module} import {a.name}")
+        modules.add(a.asname or a.name)
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name.startswith("jaxvt"):
+          modules.add(a.asname or a.name.split(".")[0])
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in modules and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      out.append(f"{node.value.id}.{node.attr}")
+  return out
+
+
+def test_benchmarks_use_only_public_names():
+  files = [os.path.join(ROOT, "jaxvt", "bench", f) for f in os.listdir(
+      os.path.join(ROOT, "jaxvt", "bench")) if f.endswith(".py")]
+  files += [os.path.join(ROOT, "tools", f) for f in os.listdir(os.path.join(ROOT, "tools"))
+            if f.endswith(".py")]
+  bad = {os.path.relpath(f, ROOT): u for f in files for u in [_private_uses(f)] if u}
+  assert not bad, bad
+
+
+# ---- the tool itself, on small packages ----------------------------------------------------
+
+def _package(root, files: dict[str, str]) -> str:
+  for name, text in files.items():
+    path = root / "jaxvt" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+  return str(root)
+
+
+def test_tool_sees_a_cycle_through_a_lazy_import(tmp_path):
+  root = _package(tmp_path, {
+      "__init__.py": "",
+      "low.py": "def f():\n  from jaxvt import high\n  return high\n",
+      "high.py": "from jaxvt import low\n",
+      "base.py": "",
+      "top/__init__.py": "",
+      "top/a.py": "from jaxvt.high import x\nimport jaxvt.base\n",
+  })
+  h = graph.build(root)
+  assert h.cycles == [["jaxvt.high", "jaxvt.low"]]
+  assert len(h.back_edges) == 1 and set(h.back_edges[0]) == {"jaxvt.high", "jaxvt.low"}
+  assert h.floors["jaxvt.top"] > max(h.floors["jaxvt.high"], h.floors["jaxvt.low"])
+  assert h.floors["jaxvt.base"] == 0
+
+
+def test_tool_counts_relative_imports_and_floors(tmp_path):
+  root = _package(tmp_path, {
+      "__init__.py": "_LAZY = {'x': 'jaxvt.c'}\n",
+      "a/__init__.py": "",
+      "a/m.py": "from . import n\nfrom ..b import q\n",
+      "a/n.py": "",
+      "b/__init__.py": "",
+      "b/q.py": "from jaxvt.c import thing\n",
+      "c.py": "thing = 1\n",
+  })
+  h = graph.build(root)
+  assert not h.cycles and not h.back_edges
+  assert h.arrows == {("jaxvt.a", "jaxvt.b"), ("jaxvt.b", "jaxvt.c"), ("jaxvt", "jaxvt.c")}
+  assert (h.floors["jaxvt.c"], h.floors["jaxvt.b"], h.floors["jaxvt.a"]) == (0, 1, 2)
+  assert h.n_floors == 3
