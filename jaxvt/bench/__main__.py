@@ -1,4 +1,5 @@
-"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile,determinism} [options]: benchmarks that write docs/BENCHMARKS.md.
+"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile,determinism} [options]: benchmarks that
+write docs/BENCHMARKS.md.
 
 Each subcommand's module is imported once it is chosen, so a bad option is reported before JAX
 starts.

@@ -163,7 +163,8 @@ def auto_budget(plan: Plan, facts: memory.DeviceFacts, rates: Rates, cfg: ModelC
   if best != safe:
     first = plan.rebudget(best)
     pred = predict(first, rates, cfg, shape, context_pos)
-  slack = f"the {facts.slack / GiB:.2f} GiB slack on this {gib_text(facts.capacity_bytes)} GiB device"
+  slack = (f"the {facts.slack / GiB:.2f} GiB slack on this {gib_text(facts.capacity_bytes)} GiB "
+           "device")
   if not any(kind == HOST for kind in first.kinds):
     why = f"the model fits with {slack}; nothing offloaded"
   elif best == safe:
