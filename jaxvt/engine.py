@@ -19,8 +19,8 @@ Engine only holds what they need and does the bookkeeping (buckets, positions, s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi, loader
+from jaxvt import ffi, loader, programs
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import numerics
 from jaxvt.gguf.tokenizer import Tokenizer
@@ -84,7 +84,8 @@ def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_l
                           logits_at=logits_at)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+# programs.jit: jax.jit with the compiler options `ex.deterministic` asks for (jaxvt.programs)
+@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
 def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConfig, ex: Exec,
                kv_len: int):
   """tokens/positions/valid [b, T]; last int32 [b] (index of each row's last real token).
@@ -92,15 +93,14 @@ def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConf
   return _forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid, logits_at=last)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
 def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int):
   """One decode step: tokens/positions int32 [b, 1] -> (logits float32 [b, vocab], cache)."""
   logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
   return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len", "params"),
-                   donate_argnames=("cache",))
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "params"), donate_argnames=("cache",))
 def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig, ex: Exec,
                      kv_len: int, params: SamplingParams):
   """decode_fn fused with sampling: returns (next tokens int32 [b], cache)."""
@@ -108,8 +108,8 @@ def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig
   return sample(logits[:, 0], key, params), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ex", "kv_len", "params", "steps"),
-                   donate_argnames=("cache",))
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "params", "steps"),
+              donate_argnames=("cache",))
 def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex: Exec,
                    kv_len: int, params: SamplingParams, steps: int):
   """`steps` decode steps in one device program, each sampling the token the next one feeds.
@@ -135,10 +135,14 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
 
 @dataclasses.dataclass
 class GenerationStats:
+  """What a generate call did. The rates are steady-state: compiling the programs new to this
+  engine (Engine.warm_up, ahead of time) is `compile_seconds`, counted apart."""
   prompt_tokens: int = 0
   generated_tokens: int = 0
   prefill_seconds: float = 0.0
   decode_seconds: float = 0.0
+  compile_seconds: float = 0.0
+  decode_steps: int = 0  # steps the device ran (a chunk runs on past a stop token)
 
   @property
   def prefill_tok_s(self) -> float:
@@ -173,6 +177,8 @@ class Engine:
   memory: object = None  # the device-memory breakdown the planner checked
   decode_chunk: int = DECODE_CHUNK  # decode steps per device program in generate
   prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill call (the plan's RunShape.prefill_chunk)
+  check_seconds: float = 0.0  # load's XLA memory check (ahead-of-time compiles), not in load
+  warmed: set = dataclasses.field(default_factory=set, repr=False)  # Engine.warm_up's record
 
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
@@ -184,6 +190,26 @@ class Engine:
 
   def kv_len(self, n: int) -> int:
     return bucket(n, KV_BUCKETS, self.max_context)
+
+  def prefill_shapes(self, n: int, start: int = 0) -> tuple[tuple[int, int], ...]:
+    """(T, kv_len) of each prefill_fn call that prefill makes for `n` tokens from `start`."""
+    return tuple((T, self.kv_len(start + off + T)) for off, _, T in
+                 prefill_chunks(n, start, self.prefill_chunk, self.max_context))
+
+  def decode_steps(self, remaining: int) -> int:
+    """Steps of generate's next decode program with `remaining` tokens still to make: a power
+    of two up to decode_chunk (few distinct programs, little waste)."""
+    return min(self.decode_chunk, 1 << (remaining - 1).bit_length())
+
+  def decode_calls(self, first: int, max_tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """(kv_len, steps, position) of each decode_loop_fn call generate makes after a prompt of
+    `first` tokens when it makes all `max_tokens` tokens (no stop token): its decode programs."""
+    out, made, pos = [], 1, first  # the first token comes from prefill
+    while made < max_tokens and pos < self.max_context:
+      steps = self.decode_steps(max_tokens - made)
+      out.append((self.kv_len(pos + steps), steps, pos))
+      made, pos = made + steps, pos + steps
+    return tuple(out)
 
   def prefill(self, tokens: list[int], cache: dict | None = None, start: int = 0):
     """Runs `tokens` (one sequence) from position `start`, in calls of at most
@@ -201,15 +227,20 @@ class Engine:
 
   def _prefill_call(self, tokens: list[int], cache: dict, start: int, T: int):
     """One prefill program of T >= len(tokens) positions from `start`."""
+    args, kv_len = self._prefill_args(tokens, start, T)
+    logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
+                               kv_len=kv_len)
+    return logits[0], cache
+
+  def _prefill_args(self, tokens: list[int], start: int, T: int):
+    """prefill_fn's (tokens, positions, valid, last) for one call, and its kv_len."""
     n = len(tokens)
     toks = np.zeros((1, T), np.int32)
     toks[0, :n] = tokens
     pos = (start + np.arange(T, dtype=np.int32))[None]
     valid = (np.arange(T) < n)[None]
-    logits, cache = prefill_fn(self.weights, cache, jnp.asarray(toks), jnp.asarray(pos),
-                               jnp.asarray(valid), jnp.asarray([n - 1], jnp.int32),
-                               cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(start + T))
-    return logits[0], cache
+    return (jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(valid),
+            jnp.asarray([n - 1], jnp.int32)), self.kv_len(start + T)
 
   def decode_step(self, cache: dict, token: int, position: int):
     """One token at `position`; returns (logits [vocab], cache)."""
@@ -225,15 +256,9 @@ class Engine:
     """Generates up to `max_tokens` after `prompt` (text, or token ids), stopping early at the
     tokenizer's end-of-generation tokens; streams via on_text."""
     tok = self.tokenizer
-    if isinstance(prompt, str):
-      if chat:
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
-      ids = tok.encode(prompt)
-    else:
-      ids = list(prompt)
-    if not ids:
-      raise JaxvtError("the prompt is empty; pass --prompt TEXT")
+    ids = self.encode_prompt(prompt, chat)
     stats = GenerationStats(prompt_tokens=len(ids))
+    stats.compile_seconds = self.warm_up(len(ids), max_tokens, sampling)
     stops = set(tok.stop_ids)
     key = jax.random.key(seed)
     stream = tok.stream_decoder()
@@ -266,12 +291,13 @@ class Engine:
       if pos >= self.max_context:
         stopped_by = "context"
         break
-      if not pending:  # a power of two up to the chunk: few distinct programs, little waste
-        n = min(self.decode_chunk, 1 << (max_tokens - len(out) - 1).bit_length())
+      if not pending:
+        n = self.decode_steps(max_tokens - len(out))
         toks, cache, key = decode_loop_fn(
             self.weights, cache, jnp.asarray([nxt], jnp.int32), jnp.int32(pos), key,
             cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + n), params=sampling, steps=n)
         pending = np.asarray(toks)[:, 0].tolist()
+        stats.decode_steps += n
       nxt = pending.pop(0)
       pos += 1
     stats.decode_seconds = time.perf_counter() - t1
@@ -281,6 +307,83 @@ class Engine:
       if tail:
         on_text(tail)
     return Generation(out, tok.decode(out), stats, stopped_by)
+
+  def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+    """Token ids of `prompt` (text, wrapped in the chat template with `chat`, or ids as given)."""
+    if isinstance(prompt, str):
+      if chat:
+        prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+      ids = self.tokenizer.encode(prompt)
+    else:
+      ids = list(prompt)
+    if not ids:
+      raise JaxvtError("the prompt is empty; pass --prompt TEXT")
+    return ids
+
+  def warm_up(self, prompt_tokens: int, max_tokens: int = 1,
+              sampling: SamplingParams = SamplingParams()) -> float:
+    """Compiles, ahead of time (or loads from the compilation cache), every program `generate`
+    runs for a prompt of `prompt_tokens` tokens and up to `max_tokens` new ones: each prefill
+    chunk, the first token's sampling, and each decode program (decode_calls). Runs nothing on
+    the model. Returns the seconds it took; 0 when this engine has them all. generate calls it
+    first, so that its prefill and decode times hold no compile."""
+    n = prompt_tokens
+    if n > self.max_context:
+      self.prefill([0] * n)  # raises the prompt-too-long error
+    pre = ("prefill", self.prefill_shapes(n), sampling)
+    # A program is keyed by its static arguments and by how its arguments are placed: the
+    # first decode call takes the key generate split off on the host, later calls the key the
+    # previous call returned on the device (so too the cache of prefill's first chunk).
+    calls = [(("decode", kv, steps, sampling, i == 0), pos)
+             for i, (kv, steps, pos) in enumerate(self.decode_calls(n, max_tokens))]
+    if pre in self.warmed and all(k in self.warmed for k, _ in calls):
+      return 0.0
+    t0 = time.perf_counter()
+    key, sub = jax.random.split(jax.random.key(0))  # as generate makes its keys
+    spec = lambda info, shardings: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), info, shardings)
+    cache = self.new_cache(1)
+    for off, m, T in prefill_chunks(n, 0, self.prefill_chunk, self.max_context):
+      args, kv_len = self._prefill_args([0] * m, off, T)
+      lowered = prefill_fn.lower(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
+                                 kv_len=kv_len)
+      logits_sharding, cache_shardings = lowered.compile().output_shardings
+      cache = spec(lowered.out_info[1], cache_shardings)  # as the next call takes it
+    if pre not in self.warmed:  # the first token is sampled eagerly from prefill's logits
+      logits = jax.device_put(jnp.zeros((1, self.cfg.vocab_size), jnp.float32), logits_sharding)
+      int(sample(logits[0][None], sub, sampling)[0])
+      self.warmed.add(pre)
+    for i, (k, pos) in enumerate(calls):
+      if k in self.warmed and i:
+        continue
+      step = decode_loop_fn.lower(self.weights, cache, jnp.asarray([0], jnp.int32),
+                                  jnp.int32(pos), key, cfg=self.cfg, ex=self.ex, kv_len=k[1],
+                                  params=sampling, steps=k[2])
+      shardings = step.compile().output_shardings
+      self.warmed.add(k)
+      if i == 0:  # later calls take the cache and key as this one returns them
+        cache, key = spec(step.out_info[1], shardings[1]), spec(step.out_info[2], shardings[2])
+    return time.perf_counter() - t0
+
+  def warm_up_buckets(self, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+                      background: bool = True) -> threading.Thread | float:
+    """warm_up for every prompt-length bucket up to --max-context, so that a session whose
+    prompts change length pays no compile later (each bucket compiles once, or loads from the
+    compilation cache). With `background` it runs on a thread (XLA compiles without holding
+    the GIL; nothing runs on the device) and returns the thread; else the seconds it took."""
+    lengths = sorted({min(b, self.max_context) for b in PREFILL_BUCKETS})  # one per bucket
+
+    def work() -> float:
+      t0 = time.perf_counter()
+      for n in lengths:
+        self.warm_up(n, max_tokens, sampling)
+      return time.perf_counter() - t0
+
+    if not background:
+      return work()
+    thread = threading.Thread(target=work, name="jaxvt-warm-up", daemon=True)
+    thread.start()
+    return thread
 
   def close(self) -> None:
     """Frees the host tier's pinned buffers (the weights that live there become invalid)."""
@@ -313,14 +416,26 @@ def xla_workspace_bytes(eng: "Engine") -> int | None:
                                           int(ma.alias_size_in_bytes))
 
 
-def exec_for(platform: str, kernels: bool, par: Par) -> Exec:
+def plan_workspace_bytes(model: Model, placement, ex: Exec, max_context: int,
+                         prefill_chunk: int) -> int | None:
+  """xla_workspace_bytes of the engine that placing `model`'s weights as `placement` says
+  would give, from the weights' shapes alone (loader.abstract_weights): nothing is placed. One
+  device (the 1 x 1 mesh of `ex.par`)."""
+  weights = loader.abstract_weights(model, placement, ex.par)
+  return xla_workspace_bytes(Engine(cfg=model.cfg, ex=ex, weights=weights, tokenizer=None,
+                                    max_context=max_context,
+                                    prefill_chunk=min(prefill_chunk, max_context)))
+
+
+def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
   it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
-  kernels or staging by the crossovers of layers.GPU_PRODUCTS (Exec.products)."""
+  kernels or staging by the crossovers of layers.GPU_PRODUCTS (Exec.products). `deterministic`
+  fixes XLA's algorithm choices (jaxvt.programs)."""
   gpu = platform != "cpu"
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              products=GPU_PRODUCTS if gpu and kernels else Products())
+              products=GPU_PRODUCTS if gpu and kernels else Products(), deterministic=deterministic)
 
 
 def open_preset(name: str) -> Model:
@@ -335,7 +450,8 @@ def open_preset(name: str) -> Model:
 def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
          force: bool = False, device=None, max_context: int = 2048, kernels: bool | None = None,
          offload_pattern: tuple[str, ...] = (), mesh: sharding.Sizes | None = None,
-         prefill_chunk: int = PREFILL_CHUNK) -> Placed:
+         prefill_chunk: int = PREFILL_CHUNK,
+         workspace_of: Callable[[object], int | None] | None = None) -> Placed:
   """Where each of `model`'s weights goes, checked against the device's memory (JaxvtError for
   a plan that does not fit, unless `force`). `offload_gb`: GiB of weights for the host tier, or
   "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
@@ -344,7 +460,9 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
   is one device's (its shards of every weight, its KV heads), the budgets are per device, and
   the same plan holds for every device of the mesh (a MeshSpec, or the Par of a layout).
   `prefill_chunk`: tokens per prefill call (capped at max_context): the workspace planned for is
-  a chunk this long's."""
+  a chunk this long's. `workspace_of(plan)` (plan_workspace_bytes): XLA's workspace of a
+  candidate plan's program, which replaces the estimate where memory is planned tight
+  (Placed.settle)."""
   if prefill_chunk < 1:
     raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
   device = device or jax.devices()[0]
@@ -358,7 +476,7 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
       cfg, model.decls, units, offload_gb=offload_gb, device_gb=device_gb, force=force,
       device=device, max_context=max_context, kernels=kernels,
       policy=Policy(overrides=parse_overrides(offload_pattern)), host_copies=copies, devices=n,
-      prefill_chunk=prefill_chunk)
+      prefill_chunk=prefill_chunk, workspace_of=workspace_of)
 
 
 def place(model: Model, placed: Placed, par: Par, *, host=None,
@@ -372,14 +490,20 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
          on_plan: Callable[[Placed], None] | None = None, offload_pattern: tuple[str, ...] = (),
-         mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Engine:
+         mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK, deterministic: bool = True,
+         compile_cache: bool | str | None = None) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
   `mesh`: "tp=N", "ep=N" or "tp=N,ep=M" shards the model over that many local devices
   (jaxvt.parallel), and then `offload_gb` and `device_gb` are per device; `on_plan` sees the plan
-  before anything is placed."""
+  before anything is placed. `deterministic`: the same bits in every process and at every
+  budget (jaxvt.programs; False lets XLA:GPU time its GEMM algorithms). `compile_cache`: JAX's
+  persistent compilation cache under this directory; None: $JAXVT_COMPILE_CACHE (0 turns it
+  off) or ~/.cache/jaxvt ($XDG_CACHE_HOME/jaxvt); False: off. A cache configured in JAX
+  already is left as it is."""
   t0 = time.perf_counter()
+  programs.use_compile_cache(programs.cache_root(compile_cache, os.environ))
   m = open_model(model)
   cfg = m.cfg
   if max_context < 1 or max_context > cfg.context_length:
@@ -390,9 +514,23 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   if kernels is None:
     kernels = ffi.available(device.platform)
   tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata)
+  ex = exec_for(device.platform, kernels, par, deterministic)
+  # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
+  # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
+  # shapes before any weight is placed (Placed.settle). One device only.
+  seconds = []
+
+  def workspace_of(p):
+    t = time.perf_counter()
+    ws = plan_workspace_bytes(m, lambda n, l: p.placement.get((n, l), "device"), ex,
+                              max_context, prefill_chunk)
+    seconds.append(time.perf_counter() - t)
+    return ws
+
   placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
                 max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
-                mesh=par, prefill_chunk=prefill_chunk)
+                mesh=par, prefill_chunk=prefill_chunk,
+                workspace_of=workspace_of if par.size == 1 else None)
   if on_plan:
     on_plan(placed)
   host_tier = HostTier() if placed.host_bytes else None
@@ -402,14 +540,15 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     if host_tier is not None:
       host_tier.close()
     raise
-  ex = exec_for(device.platform, kernels, par)
   eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
-               path=m.path, load_seconds=time.perf_counter() - t0, plan=placed,
-               host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk)
-  # Where memory is planned tight (weights offloaded, or --device-gb), the estimate of the
-  # program's workspace is replaced by XLA's own analysis of the largest prefill (per device),
-  # and the plan checked again before anything runs (one ahead-of-time compile).
-  if placed.host_bytes or device_gb is not None:
+               path=m.path, load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,
+               host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk,
+               check_seconds=sum(seconds))
+  # On a mesh of several devices, where memory is planned tight (weights offloaded, or
+  # --device-gb), the estimate of the program's workspace is replaced by XLA's own analysis of the
+  # largest prefill (per device) and the plan checked again before anything runs. (One device
+  # settles its plan with that analysis before placing anything: workspace_of above.)
+  if par.size > 1 and (placed.host_bytes or device_gb is not None):
     try:
       ws = xla_workspace_bytes(eng)
       if ws is not None:

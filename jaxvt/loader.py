@@ -285,3 +285,32 @@ def place(model: Model, where: Placement = all_device, *, par: Par | None = None
   par = par or sharding.one_device()
   return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress)
           for d in model.decls}
+
+
+def abstract_weights(model: Model, where: Placement = all_device, par: Par | None = None) -> dict:
+  """What `place(model, where, par=par)` returns on one device (the 1 x 1 mesh `par`, default
+  JAX's first device's), with jax.ShapeDtypeStruct leaves (QWeights keep their static QMeta):
+  every shape, dtype and sharding from the units' bytes and formats alone, without reading or
+  placing a byte. For compiling a plan's programs ahead of time, before its weights are placed
+  (engine.plan_workspace_bytes)."""
+  par = par or sharding.one_device()
+  if par.size != 1:
+    raise ValueError("abstract_weights describes one device's weights (a 1 x 1 mesh)")
+  whole = NamedSharding(par.mesh, jax.sharding.PartitionSpec())
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=whole)
+  units = {(u.name, u.layer): u for u in model.units}
+  weights = {}
+  for d in model.decls:
+    if not d.matrix:
+      weights[d.name] = spec(d.shape if d.layers is None else (len(d.layers), *d.shape),
+                             jnp.float32)
+      continue
+    stack = [units[(d.name, l)] for l in layers_of(d)]
+    host = tuple(i for i, l in enumerate(layers_of(d)) if where(d.name, l) == "host")
+    dev = [u.nbytes for i, u in enumerate(stack) if i not in host]
+    n = len(stack)
+    meta = QMeta(rows=d.shape[-2], cols=d.shape[-1], experts=d.shape[0] if len(d.shape) == 3 else 0,
+                 formats=tuple(sorted({u.type_id for u in stack})), n_layers=n, host_layers=host)
+    weights[d.name] = QWeight(spec((len(dev), max(dev)) if dev else (1, 1), jnp.uint8),
+                              spec((n, 2), jnp.uint32), spec((n,), jnp.int32), meta)
+  return weights

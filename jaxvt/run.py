@@ -53,6 +53,12 @@ flags.DEFINE_integer("process_id", 0, "Several hosts: this process's index.", fl
 flags.DEFINE_boolean("force", False, "Run a budget the planner calls unsafe.", flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
                      "generate.", flag_values=FLAGS)
+flags.DEFINE_boolean("deterministic", None, "Compile with XLA's algorithm choices fixed, so every "
+                     "run and every --offload-gb gives the same tokens (default: on; "
+                     "JAXVT_DETERMINISTIC=0 turns it off).", flag_values=FLAGS)
+flags.DEFINE_boolean("compile_cache", None, "Keep compiled programs in JAX's persistent cache "
+                     "under $XDG_CACHE_HOME/jaxvt or ~/.cache/jaxvt (default: on; "
+                     "JAXVT_COMPILE_CACHE=0 turns it off, =DIR moves it).", flag_values=FLAGS)
 
 
 def _validate(F) -> None:
@@ -88,10 +94,13 @@ def parse_offload(value: str) -> float | str:
 
 
 class _Bar:
-  """A progress bar on stderr while weights load."""
+  """A progress bar on stderr while weights load; silent where stderr is not a terminal (a log
+  gets no redraws: the load line after it says how long loading took)."""
 
-  def __init__(self, total: int):
+  def __init__(self, total: int, tty: bool | None = None):
     self.total, self.done, self.shown = max(total, 1), 0, -1
+    if not (sys.stderr.isatty() if tty is None else tty):
+      self.shown = -2
 
   def __call__(self, nbytes: int) -> None:
     self.done += nbytes
@@ -112,6 +121,28 @@ class _Bar:
       sys.stderr.write("\n")
       sys.stderr.flush()
     self.shown = -2
+
+
+def timing_report(eng, out, before: tuple[int, int, float], after: tuple[int, int, float]) -> str:
+  """The run's timings, as llama.cpp reports them: loading, compiling (Engine.warm_up) on a
+  line of its own, then steady-state prefill and decode rates. `before`/`after`:
+  jaxvt.programs.CompileCounter snapshots around generate."""
+  s = out.stats
+  compiled, cached = after[0] - before[0], after[1] - before[1]
+  check = f" (+ {eng.check_seconds:.2f} s XLA memory check)" if eng.check_seconds else ""
+  n_dec = max(s.generated_tokens - 1, 0)  # the first token comes from prefill
+  steps = ""
+  if s.decode_steps > n_dec and s.decode_seconds > 0:  # a chunk ran on past the stop
+    steps = (f"; the device ran {s.decode_steps} steps: "
+             f"{s.decode_steps / s.decode_seconds:.1f} steps/s")
+  return "\n".join([
+      f"load     {eng.load_seconds:8.2f} s{check}",
+      f"compile  {s.compile_seconds:8.2f} s ({compiled - cached} programs compiled, {cached} "
+      "loaded from the compilation cache)",
+      f"prefill  {s.prefill_seconds:8.3f} s for {s.prompt_tokens} tokens: "
+      f"{s.prefill_tok_s:.1f} tok/s",
+      f"decode   {s.decode_seconds:8.3f} s for {n_dec} tokens: {s.decode_tok_s:.1f} tok/s "
+      f"({s.generated_tokens} generated, stop: {out.stopped_by}{steps})"])
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -160,9 +191,17 @@ def main(argv: list[str]) -> int:
     def show_plan(placed):
       print(placed.report(), file=sys.stderr)
 
+    from jaxvt import programs
+    counter = programs.compile_counter()
+    deterministic = (F.deterministic if F.deterministic is not None else
+                     programs.env_flag(os.environ, "JAXVT_DETERMINISTIC"))
+    cache = F.compile_cache  # None: JAXVT_COMPILE_CACHE or the default directory
+    if cache:  # on even where the environment says off; in its directory if it names one
+      cache = programs.cache_root(None, os.environ) or True
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
-                          mesh=F.mesh, offload_pattern=tuple(F.offload_pattern))
+                          mesh=F.mesh, offload_pattern=tuple(F.offload_pattern),
+                          deterministic=deterministic, compile_cache=cache)
     if bar:
       bar.finish()
     with eng:
@@ -174,13 +213,12 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+      before = counter.snapshot()
       out = eng.generate(prompt, max_tokens=F.max_tokens, sampling=params, seed=F.seed,
                          chat=chat, on_text=emit)
       sys.stdout.write("\n")
-      s = out.stats
-      print(f"load {eng.load_seconds:.2f} s | prefill {s.prompt_tokens} tok at "
-            f"{s.prefill_tok_s:.1f} tok/s | decode {s.generated_tokens} tok at "
-            f"{s.decode_tok_s:.1f} tok/s | stop: {out.stopped_by}", file=sys.stderr)
+      sys.stdout.flush()
+      print(timing_report(eng, out, before, counter.snapshot()), file=sys.stderr)
   except JaxvtError as e:
     if bar:
       bar.finish()

@@ -97,7 +97,7 @@ def test_auto_budget_35b_16gib():
   p = base_plan("qwen36_35b")
   a = C.auto_budget(p, M.DeviceFacts.from_gb(16, "cuda"), C.default_rates("cuda"), cfg)
   assert a.reason.startswith("--offload-gb auto: 3.4 GiB, the smallest budget that keeps the "
-                             "0.50 GiB slack on this 16.0 GiB device; predicted ")
+                             "0.50 GiB slack on this 16 GiB device; predicted ")
   fits = C.auto_budget(p, M.DeviceFacts.from_gb(40, "cuda"), C.default_rates("cuda"), cfg)
   assert fits.budget_bytes == 0 and "nothing offloaded" in fits.reason
 

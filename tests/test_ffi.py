@@ -10,6 +10,8 @@ same tests on a GPU by overriding the `device` and `tier` fixtures.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 
 import jax
@@ -451,8 +453,10 @@ def test_ggml_rope_kernel(neox, n_dims, rng):
   np.testing.assert_allclose(k, r, rtol=0, atol=2e-5)
   np.testing.assert_array_equal(k[..., n_dims:], x[..., n_dims:])
   np.testing.assert_array_equal(k[0, 0], x[0, 0])  # position 0: cos 1, sin 0
-  # float64 truth from the same float32 angles (ggml's repeated multiplication)
-  ts = numerics.theta_scale(10000.0, n_dims)
+  # float64 truth from the same float32 angles (ggml's repeated multiplication from
+  # powf(10000, -2/n_dims), here the float64 power rounded once to float32)
+  ts = np.float32(10000.0 ** (-2.0 / n_dims))
+  assert ts == numerics.theta_scale(10000.0, n_dims)
   th = np.zeros((2, 9, n_dims // 2), np.float32)
   th[..., 0] = pos
   for i in range(1, n_dims // 2):
@@ -466,6 +470,22 @@ def test_ggml_rope_kernel(neox, n_dims, rng):
     x0, x1 = xr[..., 0::2], xr[..., 1::2]
     want = np.stack([x0 * c - x1 * sn, x0 * sn + x1 * c], -1).reshape(xr.shape)
   np.testing.assert_allclose(k[..., :n_dims], want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("base", [10000.0, 500000.0, 1000000.0, 10000000.0])
+@pytest.mark.parametrize("n_dims", [16, 32, 64, 80, 96, 128, 256])
+def test_theta_scale_is_powf(base, n_dims):
+  """ggml's theta_scale is powf(base, -2.0f / n_dims): equal to the C library's powf (the
+  kernels call it) and to the float64 power rounded to float32, on any CPU."""
+  from jaxvt.ffi import numerics
+  e = np.float32(-2.0) / np.float32(n_dims)
+  want = np.float32(float(base) ** float(e))
+  assert numerics.theta_scale(base, n_dims) == want
+  libm = ctypes.util.find_library("m")
+  if libm:
+    powf = ctypes.CDLL(libm).powf
+    powf.restype, powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    assert np.float32(powf(base, float(e))) == want
 
 
 def _attention_f64(q, kc, vc, layer, pos, scale):

@@ -284,7 +284,7 @@ def test_cli_plan_per_device():
   gib = lambda text: float(text.split("routed_experts")[1].split()[1])
   assert abs(gib(ep.stdout) + float(ep.stdout.split("routed_experts")[1].split()[3])
              - gib(full.stdout) / 2) < 0.02
-  assert "budget 2.0 GiB" in ep.stdout
+  assert "budget 2 GiB" in ep.stdout  # as given
 
 
 if __name__ == "__main__":  # the 4-device subprocess of `results`

@@ -7,7 +7,8 @@
 #
 # Environment: JAXVT_BAZEL_JOBS (default 2) bounds --jobs, --local_cpu_resources and
 # --local_test_jobs; PYTHON (default python3) is the interpreter whose site-packages (jax, numpy,
-# gguf, pytest, hypothesis, nanobind ...) the build and the tests use.
+# gguf, pytest, hypothesis, nanobind ...) the build and the tests use; pip installs the missing
+# ones.
 #
 # Installs Debian's bazel-bootstrap (Bazel 4.2.3) with apt-get when `bazel` is missing. Exits 0 with
 # a SKIPPED line when Bazel is missing and cannot be installed (no apt-get, or not root and no
@@ -24,7 +25,7 @@ for arg in "$@"; do
     --quick) SUITE="//:quick_tests" ;;
     --all) SUITE="//:cpu_tests" ;;
     --clean) CLEAN=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "bazel_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,6 +54,18 @@ say "bazel: $(command -v bazel) ($(bazel --version 2>/dev/null | head -1); Debia
 PY="$(command -v "${PYTHON:-python3}" || true)"
 [ -n "$PY" ] || { say "FAILED: no ${PYTHON:-python3} on PATH"; exit 1; }
 PY="$("$PY" -c 'import sys; print(sys.executable)')"
+# What the build and the tests import from that Python. nanobind is only a build requirement of
+# the pip install (it lives in pip's isolated build environment, not in site-packages), so a
+# fresh machine that ran the README's commands lacks it: install what is missing with pip.
+need=()
+for spec in "jax:jax>=0.10" "nanobind:nanobind>=2.4" "numpy:numpy>=1.26" "gguf:gguf>=0.19,<0.20" \
+            "pytest:pytest>=8" "hypothesis:hypothesis>=6"; do
+  "$PY" -c "import ${spec%%:*}" 2>/dev/null || need+=("${spec#*:}")
+done
+if [ "${#need[@]}" != 0 ]; then
+  say "installing into $PY: ${need[*]}"
+  "$PY" -m pip install -q "${need[@]}" || { say "FAILED: pip could not install ${need[*]}"; exit 1; }
+fi
 "$PY" -c 'import jax, nanobind, numpy, gguf, pytest, hypothesis' \
   || { say "FAILED: $PY lacks jax/nanobind/numpy/gguf/pytest/hypothesis"; exit 1; }
 say "python: $PY"

@@ -1,4 +1,5 @@
-"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile} [options]: benchmarks that write docs/BENCHMARKS.md.
+"""python -m jaxvt.bench {cpu,tier,offload,mesh,profile,determinism} [options]: benchmarks that
+write docs/BENCHMARKS.md.
 
 Each subcommand's module is imported once it is chosen, so a bad option is reported before JAX
 starts.
@@ -61,6 +62,24 @@ def main(argv=None) -> int:
   f.add_argument("--top", type=int, default=25)
   f.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
   f.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
+  d = sub.add_parser("determinism", help="same tokens across processes and budgets; its cost")
+  d.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+  d.add_argument("--configs", default="0,all,auto",
+                 help="comma list of BUDGET[@DEVICE_GB] (GiB, auto or all); the first runs twice")
+  d.add_argument("--tokens", type=int, default=128)
+  d.add_argument("--max-context", type=int, default=2048)
+  d.add_argument("--temperature", type=float, default=0.8)
+  d.add_argument("--seed", type=int, default=7)
+  d.add_argument("--nondeterministic", action="store_true",
+                 help="compare with XLA's default (autotuned) algorithm choices")
+  d.add_argument("--prompt", type=int, default=512, help="cost: prompt tokens")
+  d.add_argument("--repeats", type=int, default=3, help="cost: timed generates per setting")
+  d.add_argument("--cost-budget", default="0", help="cost: the offload budget (GiB, auto, all)")
+  d.add_argument("--device-gb", type=float, default=None, help="cost: as jaxvt.run --device-gb")
+  d.add_argument("--compare-only", action="store_true")
+  d.add_argument("--cost-only", action="store_true")
+  d.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
+  d.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.which == "cpu":
     from jaxvt.bench import cpu
@@ -84,6 +103,9 @@ def main(argv=None) -> int:
   elif args.which == "profile":
     from jaxvt.bench import profile
     print(profile.main(args))
+  elif args.which == "determinism":
+    from jaxvt.bench import determinism
+    print(determinism.main(args))
   elif args.which == "tier":
     from jaxvt.bench import tier
     print(tier.main(args))

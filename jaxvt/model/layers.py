@@ -87,12 +87,16 @@ class Exec:
     kernels only). Products() on the CPU (the matvec kernels are the arithmetic contract);
     GPU_PRODUCTS on GPUs, where prefill's products of many rows take the tile kernels (bf16 on
     tensor cores) or stage the layer as bf16 for XLA's GEMM.
+  deterministic: compile with XLA's algorithm choices fixed (jaxvt.programs): the same bits in
+    every process and for every placement. The model code never reads it; jaxvt's jitted
+    programs pick their compiler options from it.
   """
 
   kernels: bool = False
   numerics: str = "ggml"
   par: object = None
   products: Products = Products()
+  deterministic: bool = True
 
   def __post_init__(self):
     if self.numerics not in ("ggml", "f32", "q8"):

@@ -21,7 +21,7 @@ from jaxvt.errors import JaxvtError
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import Role
 from jaxvt.offload import memory
-from jaxvt.offload.plan import GiB, HOST, Plan, ceil_gib
+from jaxvt.offload.plan import GiB, HOST, Plan, ceil_gib, gib_text
 
 # Device work per layer that is not a weight read: XLA's kernels after fusion (norms, RoPE,
 # attention core or the DeltaNet recurrence, routing's sort and softmax, residual adds), counted
@@ -163,7 +163,8 @@ def auto_budget(plan: Plan, facts: memory.DeviceFacts, rates: Rates, cfg: ModelC
   if best != safe:
     first = plan.rebudget(best)
     pred = predict(first, rates, cfg, shape, context_pos)
-  slack = f"the {facts.slack / GiB:.2f} GiB slack on this {facts.capacity_bytes / GiB:.1f} GiB device"
+  slack = (f"the {facts.slack / GiB:.2f} GiB slack on this {gib_text(facts.capacity_bytes)} GiB "
+           "device")
   if not any(kind == HOST for kind in first.kinds):
     why = f"the model fits with {slack}; nothing offloaded"
   elif best == safe:

@@ -24,7 +24,7 @@ from typing import Mapping
 
 from jaxvt.errors import JaxvtError
 from jaxvt.model.config import ModelConfig
-from jaxvt.offload.plan import GiB, Plan, ceil_gib
+from jaxvt.offload.plan import GiB, Plan, ceil_gib, gib_text
 
 SLACK_MIN_BYTES = GiB // 2
 SLACK_FRACTION = 0.03
@@ -211,16 +211,21 @@ def check(plan: Plan, facts: DeviceFacts, cfg: ModelConfig, shape: RunShape,
   if bd.fits or force:
     return bd
   safe = smallest_safe_budget(plan, facts, cfg, shape, workspace_bytes)
-  head = (f"offload budget {plan.budget_bytes / GiB:.1f} GiB leaves {bd.headroom / GiB:.2f} GiB "
+  raise JaxvtError(unsafe_message(plan, bd, None if safe is None else ceil_gib(safe)))
+
+
+def unsafe_message(plan: Plan, bd: Breakdown, safe_gib: float | None) -> str:
+  """The one line refusing `plan` (breakdown `bd`), naming `safe_gib`, the smallest budget that
+  is safe as a user would pass it (None: no budget is safe)."""
+  head = (f"offload budget {gib_text(plan.budget_bytes)} GiB leaves {bd.headroom / GiB:.2f} GiB "
           f"device headroom, below the {bd.slack / GiB:.2f} GiB slack")
-  if safe is not None:
-    raise JaxvtError(f"{head}; the smallest safe budget is {ceil_gib(safe):.1f} GiB "
-                     "(or pass --force)")
+  if safe_gib is not None:
+    return f"{head}; the smallest safe budget is {safe_gib:g} GiB (or pass --force)"
   need = (bd.capacity - bd.headroom - bd.weights + (plan.total_bytes - plan.max_useful_budget) +
           bd.slack)
-  raise JaxvtError(f"{head}; no budget is safe: with every offloadable weight in the host tier "
-                   f"the device still needs {need / GiB:.2f} of {bd.capacity / GiB:.2f} GiB; lower "
-                   "--max-context (or pass --force)")
+  return (f"{head}; no budget is safe: with every offloadable weight in the host tier the device "
+          f"still needs {need / GiB:.2f} of {gib_text(bd.capacity)} GiB; lower --max-context (or "
+          "pass --force)")
 
 
 def host_memory_check(host_bytes: int, available_host_bytes: int | None,
@@ -237,7 +242,7 @@ def host_memory_check(host_bytes: int, available_host_bytes: int | None,
     raise JaxvtError(f"the host tier needs {host_bytes / GiB:.1f} GiB of pinned host memory but "
                      f"only {available_host_bytes / GiB:.1f} GiB is available and "
                      f"{margin_bytes / GiB:.1f} GiB must stay free; lower --offload-gb to at most "
-                     f"{most / GiB:.1f} or free host memory")
+                     f"{int(most * 10 // GiB) / 10:.1f} or free host memory")
 
 
 def read_mem_available(path: str = "/proc/meminfo") -> int | None:

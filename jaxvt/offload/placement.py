@@ -9,6 +9,7 @@ Everything here reads the device or /proc; the decisions themselves are jaxvt.of
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 
@@ -38,6 +39,59 @@ class Placed:
     not `force`); the breakdown then says "XLA memory analysis"."""
     self.breakdown = memory.check(self.plan, self.facts, self.cfg, self.shape, workspace_bytes,
                                   force=force)
+
+  def settle(self, workspace_of: Callable[[Plan], int | None], *, auto: bool,
+             force: bool = False, tries: int = 4) -> None:
+    """Checks the plan with XLA's workspace of its own program in place of the estimate.
+
+    `workspace_of(plan)`: XLA's memory analysis of the largest prefill program `plan`'s
+    weights give (engine.xla_workspace_bytes; None where XLA gives none). Which weights live
+    where changes the program, so a budget is only known to fit once its own program is
+    analysed. With `auto` the budget is chosen again from XLA's figure until the chosen
+    budget's own program fits. A refused budget (not `force`) raises JaxvtError naming the
+    smallest budget, as a user would pass it, whose own program fits; the breakdown then says
+    "XLA memory analysis". Raises JaxvtError when `tries` rounds do not settle."""
+    seen: dict[tuple[str, ...], int | None] = {}
+
+    def ws(p: Plan) -> int | None:
+      if p.kinds not in seen:
+        seen[p.kinds] = workspace_of(p)
+      return seen[p.kinds]
+
+    def breakdown(p: Plan, w: int | None) -> memory.Breakdown:
+      return memory.plan_breakdown(p, self.facts, self.cfg, self.shape, w)
+
+    w = ws(self.plan)
+    if w is None:
+      return
+    bd = breakdown(self.plan, w)
+    if not auto and (bd.fits or force):
+      self.breakdown = bd
+      return
+    for _ in range(tries):
+      if auto:  # raises JaxvtError when no budget is safe
+        ab = cost.auto_budget(self.plan, self.facts, self.rates, self.cfg, self.shape, w)
+        candidate = ab.plan
+      else:
+        safe = memory.smallest_safe_budget(self.plan, self.facts, self.cfg, self.shape, w)
+        if safe is None:
+          raise JaxvtError(memory.unsafe_message(self.plan, bd, None))
+        shown = ceil_gib(safe)  # the budget the message names, placed as --offload-gb places it
+        candidate = self.plan.rebudget(int(round(shown * GiB)))
+      w_c = ws(candidate)
+      bd_c = breakdown(candidate, w_c)
+      if bd_c.fits and not auto:
+        raise JaxvtError(memory.unsafe_message(self.plan, bd, shown))
+      if bd_c.fits:
+        self.plan, self.breakdown, self.prediction = candidate, bd_c, ab.prediction
+        self.reason = ab.reason + " (workspace from XLA's memory analysis)"
+        self.safe_budget = memory.smallest_safe_budget(candidate, self.facts, self.cfg,
+                                                       self.shape, w_c)
+        return
+      w = w if w_c is None else w_c
+    raise JaxvtError(f"the offload budget did not settle in {tries} rounds of XLA's memory "
+                     "analysis (each larger budget's program needed more workspace); pass a "
+                     "larger --offload-gb, or --force")
 
   def placement(self, name: str, layer: int | None) -> str:
     return self.plan.placement.get((name, layer), DEVICE)
@@ -79,8 +133,9 @@ class Placed:
     bd = self.breakdown
     if bd.headroom < bd.slack:
       text += (f"UNSAFE: headroom {bd.headroom / GiB:.2f} GiB is below the slack; "
-               + (f"the smallest safe budget is {ceil_gib(self.safe_budget):.1f} GiB\n"
-                  if self.safe_budget is not None else "no budget is safe on this device\n"))
+               + (f"the smallest safe budget by the workspace estimate is "
+                  f"{ceil_gib(self.safe_budget):.1f} GiB\n" if self.safe_budget is not None
+                  else "no budget is safe on this device\n"))
     return text
 
 
@@ -98,7 +153,8 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
                     device_gb: float | None = None, force: bool = False, device=None,
                     max_context: int = 2048, kernels: bool = True,
                     policy: Policy = Policy(), host_copies=None, devices: int = 1,
-                    prefill_chunk: int | None = None) -> Placed:
+                    prefill_chunk: int | None = None,
+                    workspace_of: Callable[[Plan], int | None] | None = None) -> Placed:
   """Plans `units` (jaxvt.model.declare.UnitBytes) for `device`; raises JaxvtError for unsafe
   plans.
 
@@ -107,7 +163,12 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   unit to the pinned copies the host needs (one per distinct shard; a replicated weight is one
   buffer every device reads), so the host-RAM check counts the whole host tier.
   `prefill_chunk`: tokens per prefill call (None or more than max_context: max_context), the
-  workspace planned for; the engine runs prompts in chunks of the plan's shape.prefill_chunk."""
+  workspace planned for; the engine runs prompts in chunks of the plan's shape.prefill_chunk.
+
+  `workspace_of(plan)` (engine.plan_workspace_bytes; None: the estimate decides): where memory
+  is planned tight (weights offloaded, --device-gb, or less free memory than the workspace
+  estimate), XLA's analysis of each candidate plan's own program replaces the estimate and
+  decides, `auto` included (Placed.settle); the estimate's verdict is then provisional."""
   device = device or jax.devices()[0]
   sizes = {(u.name, u.layer): u.nbytes for u in units}
   facts = _facts(device, device_gb)
@@ -116,22 +177,40 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
                           prefill_chunk=min(prefill_chunk or max_context, max_context),
                           kv_elem_bytes=4)
   base = plan(cfg, decls, sizes, 1 << 62, policy)  # re-budgeted below; holds any forced units
-  if offload_gb == "auto":
-    ab = cost.auto_budget(base, facts, rates, cfg, shape)
-    placed, reason = ab.plan, ab.reason
+  auto = offload_gb == "auto"
+  if auto:
+    try:
+      ab = cost.auto_budget(base, facts, rates, cfg, shape)
+      placed, reason = ab.plan, ab.reason
+    except JaxvtError:
+      if workspace_of is None:
+        raise
+      # no budget is safe by the estimate: XLA's analysis decides, from everything offloaded
+      placed, reason = base.rebudget(base.max_useful_budget), "--offload-gb auto"
   else:
     placed = base.rebudget(int(round(float(offload_gb) * GiB)))
     reason = (f"--offload-gb {float(offload_gb):g}" if offload_gb else
               "nothing offloaded (--offload-gb 0)")
-  if placed.host_bytes and not kernels:
-    raise JaxvtError("this plan puts weights in the host tier, which needs jaxvt's FFI kernels, "
-                     f"but none are built for the {device.platform} backend; reinstall jaxvt "
-                     "(pip install .) or pass --offload-gb 0")
-  bd = memory.check(placed, facts, cfg, shape, force=force)
-  host_total = placed.host_bytes if host_copies is None else sum(
-      u.nbytes * host_copies.get(u.unit, 1) for u, k in zip(placed.units, placed.kinds)
-      if k == HOST)
-  memory.host_memory_check(host_total, memory.read_mem_available())
+
+  def need_kernels(p: Plan) -> None:
+    if p.host_bytes and not kernels:
+      raise JaxvtError("this plan puts weights in the host tier, which needs jaxvt's FFI "
+                       f"kernels, but none are built for the {device.platform} backend; "
+                       "reinstall jaxvt (pip install .) or pass --offload-gb 0")
+
+  need_kernels(placed)
+  est = memory.plan_breakdown(placed, facts, cfg, shape)
+  tight = workspace_of is not None and bool(placed.host_bytes or device_gb is not None or
+                                            est.free < est.workspace)
+  bd = memory.check(placed, facts, cfg, shape, force=force or tight)
   safe = memory.smallest_safe_budget(base, facts, cfg, shape)
   pred = cost.predict(placed, rates, cfg, shape)
-  return Placed(placed, facts, bd, rates, pred, safe, reason, devices, cfg, shape)
+  out = Placed(placed, facts, bd, rates, pred, safe, reason, devices, cfg, shape)
+  if tight:
+    out.settle(workspace_of, auto=auto, force=force)
+  need_kernels(out.plan)
+  host_total = out.plan.host_bytes if host_copies is None else sum(
+      u.nbytes * host_copies.get(u.unit, 1) for u, k in zip(out.plan.units, out.plan.kinds)
+      if k == HOST)
+  memory.host_memory_check(host_total, memory.read_mem_available())
+  return out

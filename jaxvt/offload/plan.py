@@ -389,7 +389,7 @@ def _place(units: tuple[UnitInfo, ...], policy: Policy, forced: tuple[str | None
            order: tuple[int, ...], budget_bytes: int) -> Plan:
   budget_bytes = int(budget_bytes)
   if budget_bytes < 0:
-    raise JaxvtError(f"offload budget {budget_bytes / GiB:.1f} GiB is negative; pass 0 or more")
+    raise JaxvtError(f"offload budget {gib_text(budget_bytes)} GiB is negative; pass 0 or more")
   kinds = [f if f is not None else DEVICE for f in forced]
   left = budget_bytes - sum(u.nbytes for u, f in zip(units, forced) if f == HOST)
   if left < 0:
@@ -408,6 +408,12 @@ def _place(units: tuple[UnitInfo, ...], policy: Policy, forced: tuple[str | None
 def ceil_gib(nbytes: int) -> float:
   """Bytes as GiB rounded up to 0.1 (a budget shown this way is never below `nbytes`)."""
   return -(-int(nbytes) * 10 // GiB) / 10
+
+
+def gib_text(nbytes: int) -> str:
+  """Bytes as GiB with up to three decimals and no trailing zeros: a size the user gave in GiB
+  (`--device-gb 0.85`, `--offload-gb 7`) prints as given ("0.85", "7")."""
+  return f"{round(nbytes / GiB, 3):g}"
 
 
 def plan(cfg: ModelConfig, decls: Sequence[WeightDecl], sizes: TensorBytes, budget_bytes: int,

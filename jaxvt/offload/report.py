@@ -8,7 +8,7 @@ from __future__ import annotations
 from jaxvt.model.declare import Role
 from jaxvt.offload.cost import Prediction, Rates
 from jaxvt.offload.memory import Breakdown, DeviceFacts
-from jaxvt.offload.plan import DEVICE, GiB, HOST, Plan, ceil_gib
+from jaxvt.offload.plan import DEVICE, GiB, HOST, Plan, ceil_gib, gib_text
 
 
 def _gib(n: int) -> str:
@@ -42,7 +42,7 @@ def memory_lines(bd: Breakdown, facts: DeviceFacts) -> list[str]:
 def format_plan(plan: Plan, bd: Breakdown, facts: DeviceFacts, pred: Prediction, rates: Rates,
                 safe_budget: int | None) -> str:
   """The whole `--plan` text, ending in a newline."""
-  lines = [f"offload plan: budget {plan.budget_bytes / GiB:.1f} GiB, batch {plan.policy.batch}, "
+  lines = [f"offload plan: budget {gib_text(plan.budget_bytes)} GiB, batch {plan.policy.batch}, "
            f"{len(plan.units)} tensors, {_gib(plan.total_bytes)} GiB of weights"]
   if plan.policy.overrides:
     pats = ", ".join(f"{o.pattern}={o.kind}" for o in plan.policy.overrides)
@@ -64,4 +64,8 @@ def format_plan(plan: Plan, bd: Breakdown, facts: DeviceFacts, pred: Prediction,
   else:
     lines.append(f"safe offload budgets: {ceil_gib(safe_budget):.1f} to "
                  f"{ceil_gib(plan.max_useful_budget):.1f} GiB (more moves nothing)")
+  if bd.workspace_source == "estimate":
+    lines.append("(with the workspace estimated: a run replaces the estimate by XLA's analysis "
+                 "of the compiled program where memory is tight, and may choose or name "
+                 "another budget)")
   return "\n".join(lines) + "\n"

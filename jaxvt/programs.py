@@ -1,0 +1,178 @@
+"""How jaxvt compiles its programs: chosen numerics, and a compilation cache that persists.
+
+Deterministic numerics. XLA:GPU picks among GEMM algorithms by timing them while it compiles
+(autotuning); two processes, or two programs that differ only in where their weights live, can
+pick differently and sum in a different order, and greedy tokens then split at a near-tie. So
+jaxvt's programs compile with `DETERMINISTIC_OPTIONS`: autotuning off (XLA's default algorithm
+for each GEMM, chosen from its shapes alone) and XLA's deterministic implementations of the ops
+that have nondeterministic ones (scatter, ...). They are per-program compiler options
+(`jax.jit(compiler_options=...)`), not XLA_FLAGS, so they hold in a notebook where JAX started
+before jaxvt. They name XLA:GPU options, which the CPU compiler accepts and ignores.
+`Exec.deterministic=False` (`jaxvt.load(deterministic=False)`, `--nodeterministic`,
+JAXVT_DETERMINISTIC=0) compiles with XLA's defaults instead.
+
+The compilation cache. `use_compile_cache` points JAX's persistent compilation cache at a
+directory under the user's cache directory, so a second run loads its programs instead of
+compiling them. JAX's cache key already covers what decides a program: the lowered computation
+(every shape, dtype and layout of the weights and cache, which differ with the model and with
+what the budget put in the host tier; the jaxvt custom calls' names and attributes), the
+compile options (these numerics options among them), XLA_FLAGS, the jaxlib version and the
+backend's platform version, and the devices. It does not cover the code behind a custom call:
+XLA finds jaxvt's handlers by name when it loads a program, and what it decided while compiling
+(a GPU handler's traits, such as whether it may be captured in a graph) came from the extension
+that was loaded then. So the directory is keyed by the extension's build (`extension_identity`):
+a rebuilt extension starts a cache of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+from typing import Callable, Mapping
+
+import jax
+
+from jaxvt import ffi
+
+DETERMINISTIC_OPTIONS: dict[str, object] = {
+    "xla_gpu_autotune_level": 0,
+    "xla_gpu_exclude_nondeterministic_ops": True,
+}
+OFF_VALUES = ("0", "false", "no", "off")
+
+
+def compiler_options(deterministic: bool) -> dict[str, object] | None:
+  """The XLA compiler options of a jaxvt program (None: XLA's defaults)."""
+  return dict(DETERMINISTIC_OPTIONS) if deterministic else None
+
+
+class Program:
+  """A jitted jaxvt program whose compiler options follow its static `ex` argument
+  (`ex.deterministic`): jax.jit's call, `lower`, `trace` and `eval_shape`, one jitted function
+  per setting."""
+
+  def __init__(self, fun: Callable, **jit_kwargs):
+    functools.update_wrapper(self, fun)
+    self._jits = {d: jax.jit(fun, compiler_options=compiler_options(d), **jit_kwargs)
+                  for d in (True, False)}
+
+  def _pick(self, kwargs: Mapping[str, object]):
+    return self._jits[bool(getattr(kwargs.get("ex"), "deterministic", True))]
+
+  def __call__(self, *args, **kwargs):
+    return self._pick(kwargs)(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._pick(kwargs).lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    return self._pick(kwargs).trace(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs):
+    return self._pick(kwargs).eval_shape(*args, **kwargs)
+
+
+def jit(**jit_kwargs) -> Callable[[Callable], Program]:
+  """`@programs.jit(static_argnames=..., donate_argnames=...)`: jax.jit for a function with a
+  static `ex` (jaxvt.model.layers.Exec) argument."""
+  return lambda fun: Program(fun, **jit_kwargs)
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
+  """An on/off environment variable: unset is `default`; 0/false/no/off are off."""
+  value = env.get(name)
+  if value is None or not value.strip():
+    return default
+  return value.strip().lower() not in OFF_VALUES
+
+
+# ---- the persistent compilation cache -------------------------------------------------------
+
+def default_cache_root(env: Mapping[str, str] = os.environ) -> str:
+  """$XDG_CACHE_HOME/jaxvt, or ~/.cache/jaxvt."""
+  base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jaxvt")
+
+
+def cache_root(setting: bool | str | None, env: Mapping[str, str] = os.environ) -> str | None:
+  """The cache root for `setting` (None if off): a directory as given; True the default root;
+  False off; None from JAXVT_COMPILE_CACHE (unset or empty: the default root; 0/false/no/off:
+  off; anything else: that directory)."""
+  if setting is None:
+    value = (env.get("JAXVT_COMPILE_CACHE") or "").strip()
+    setting = True if not value else False if value.lower() in OFF_VALUES else value
+  if setting is True:
+    return default_cache_root(env)
+  if setting is False:
+    return None
+  return os.path.expanduser(setting)
+
+
+@functools.cache
+def extension_identity() -> str:
+  """16 hex digits of the SHA-256 of jaxvt's compiled extension, or "no-extension"."""
+  ext = ffi.extension()
+  path = getattr(ext, "__file__", None)
+  if not path:
+    return "no-extension"
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()[:16]
+
+
+_cache_lock = threading.Lock()
+
+
+def use_compile_cache(root: str | None) -> str | None:
+  """Turns JAX's persistent compilation cache on under `root` (None: leave it off); returns the
+  directory in use, or None. A cache the user configured in JAX already (its directory set, or
+  the cache disabled) is left as it is and returned as found."""
+  with _cache_lock:
+    configured = jax.config.jax_compilation_cache_dir
+    if configured or not jax.config.jax_enable_compilation_cache:
+      return configured or None
+    if root is None:
+      return None
+    path = os.path.join(root, "xla", extension_identity())
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError:  # an unwritable cache directory costs compile time, nothing else
+      return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    # jaxvt's programs compile in 0.1-10 s; JAX's default keeps only those above 1 s
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+class CompileCounter:
+  """Counts JAX's compiles (each program XLA compiled, or loaded from the persistent cache) and
+  persistent-cache hits, process-wide, from `jax.monitoring` events."""
+
+  def __init__(self):
+    self.compiles = 0
+    self.cache_hits = 0
+    self.seconds = 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._duration)
+    jax.monitoring.register_event_listener(self._event)
+
+  def _duration(self, event: str, seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.compiles += 1
+      self.seconds += seconds
+
+  def _event(self, event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+      self.cache_hits += 1
+
+  def snapshot(self) -> tuple[int, int, float]:
+    return self.compiles, self.cache_hits, self.seconds
+
+
+@functools.cache
+def compile_counter() -> CompileCounter:
+  """The process's CompileCounter (registered on first use)."""
+  return CompileCounter()

@@ -1,0 +1,124 @@
+"""Compile once: the persistent compilation cache, warm-up, and the CLI's timing report."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jaxvt
+from jaxvt import ffi, programs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_ext = pytest.mark.skipif(not ffi.available("cpu"), reason="the jaxvt extension is not built")
+
+
+def test_cache_root_from_setting_and_environment(tmp_path):
+  env = {"HOME": "/home/u"}
+  assert programs.default_cache_root(env).endswith(os.path.join(".cache", "jaxvt"))
+  assert programs.default_cache_root({"XDG_CACHE_HOME": "/x"}) == "/x/jaxvt"
+  assert programs.cache_root(None, {"XDG_CACHE_HOME": "/x"}) == "/x/jaxvt"
+  for off in ("0", "off", "False"):
+    assert programs.cache_root(None, {"JAXVT_COMPILE_CACHE": off}) is None
+  assert programs.cache_root(None, {"JAXVT_COMPILE_CACHE": str(tmp_path)}) == str(tmp_path)
+  assert programs.cache_root(False, {"JAXVT_COMPILE_CACHE": str(tmp_path)}) is None
+  assert programs.cache_root(True, {"XDG_CACHE_HOME": "/x", "JAXVT_COMPILE_CACHE": "0"}) == \
+      "/x/jaxvt"
+  assert programs.cache_root("/y", {}) == "/y"
+
+
+@needs_ext
+def test_extension_identity_is_the_builds_hash():
+  import hashlib
+  with open(ffi.extension().__file__, "rb") as f:
+    assert programs.extension_identity() == hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _cli(*args, env=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  return subprocess.run([sys.executable, "-m", "jaxvt.run", *args], capture_output=True,
+                        text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def _programs(stderr: str) -> tuple[int, int]:
+  m = re.search(r"compile .* \((\d+) programs compiled, (\d+) loaded from the compilation cache",
+                stderr)
+  assert m, stderr
+  return int(m.group(1)), int(m.group(2))
+
+
+@needs_ext
+def test_second_run_loads_its_programs_from_the_cache(tmp_path):
+  """Two identical CLI runs: the first compiles and fills the cache (under a directory keyed
+  by the extension's build), the second compiles nothing; the cache off compiles again."""
+  env = {"JAXVT_COMPILE_CACHE": str(tmp_path)}
+  args = ("--prompt", "The capital of France is", "--max-tokens", "6")
+  first = _cli(*args, env=env)
+  assert first.returncode == 0, first.stderr
+  compiled, cached = _programs(first.stderr)
+  assert compiled >= 2 and cached == 0
+  keyed = tmp_path / "xla" / programs.extension_identity()
+  assert any(n.startswith("jit_prefill_fn-") for n in os.listdir(keyed))
+  second = _cli(*args, env=env)
+  assert second.returncode == 0, second.stderr
+  assert _programs(second.stderr) == (0, compiled)
+  assert second.stdout == first.stdout
+  off = _cli(*args, "--nocompile_cache", env=env)
+  assert off.returncode == 0 and _programs(off.stderr) == (compiled, 0), off.stderr
+
+
+@needs_ext
+def test_cli_reports_compile_apart_from_steady_rates(tmp_path):
+  """The timing lines: load, compile (with its warm-up), then prefill and decode rates that
+  hold no compile; and a log (stderr not a terminal) gets no progress-bar redraws."""
+  p = _cli("--prompt", "The capital of France is", "--max-tokens", "8", "--nochat",
+           env={"JAXVT_COMPILE_CACHE": str(tmp_path)})
+  assert p.returncode == 0, p.stderr
+  lines = p.stderr.splitlines()
+  tail = [l.split()[0] for l in lines[-4:]]
+  assert tail == ["load", "compile", "prefill", "decode"], p.stderr
+  assert re.fullmatch(r"prefill +\d+\.\d{3} s for \d+ tokens: \d+\.\d tok/s", lines[-2])
+  assert re.fullmatch(r"decode +\d+\.\d{3} s for 7 tokens: \d+\.\d tok/s \(8 generated, stop: "
+                      r"max_tokens(; the device ran 8 steps: \d+\.\d steps/s)?\)", lines[-1])
+  assert "\r" not in p.stderr and "loading weights" not in p.stderr
+
+
+def test_budgets_print_as_given():
+  p = _cli("--plan", "--device-gb", "0.85", "--offload-gb", "auto", "--max-context", "2048")
+  assert p.returncode == 0, p.stderr
+  assert "on this 0.85 GiB device" in p.stdout and "(--device-gb 0.85)" in p.stdout, p.stdout
+  p = _cli("--plan", "--device-gb", "16", "--offload-gb", "0.25", "--model", "qwen3.6-35b-a3b")
+  assert "offload plan: budget 0.25 GiB" in p.stdout, p.stdout
+
+
+@needs_ext
+def test_warm_up_leaves_nothing_to_compile_in_generate():
+  """After warm_up for a prompt length and token count, generate compiles nothing (XLA's
+  compile events, persistent-cache loads included), also where decoding crosses a KV-cache
+  bucket; a new prompt bucket is compiled by generate's own warm-up and counted in
+  compile_seconds, not in the rates; warm_up_buckets leaves no bucket to compile."""
+  from jaxvt.bench.arms import no_stops
+  from jaxvt.sampling import SamplingParams
+  counter = programs.compile_counter()
+  with no_stops(jaxvt.load(max_context=300)) as eng:
+    assert {kv for kv, _, _ in eng.decode_calls(240, 30)} == {256, 300}  # crosses at 256
+    for sp, n, n_tok in ((SamplingParams(), 240, 30),
+                         (SamplingParams(temperature=0.7, top_k=20), 12, 4)):
+      assert eng.warm_up(n, n_tok, sp) > 0
+      before = counter.snapshot()
+      g = eng.generate([1] * n, max_tokens=n_tok, sampling=sp)
+      assert counter.snapshot()[0] == before[0]
+      assert g.stats.compile_seconds == 0 and len(g.tokens) == n_tok
+    assert eng.warm_up(240, 30) == 0.0  # nothing new
+    before = counter.snapshot()
+    g = eng.generate([1] * 40, max_tokens=4)  # a new prefill bucket
+    assert g.stats.compile_seconds > 0 and counter.snapshot()[0] > before[0]
+    assert eng.warm_up_buckets(max_tokens=4, background=False) > 0
+    before = counter.snapshot()
+    for n in (3, 17, 70):
+      assert eng.generate([1] * n, max_tokens=4).stats.compile_seconds == 0
+    assert eng.warm_up(250, 4) == eng.warm_up(300, 4) == 0.0  # the larger buckets too
+    assert counter.snapshot()[0] == before[0]
