@@ -39,6 +39,10 @@ def _label(name: str, cli: bool) -> str:
   return FLAGS.get(name, name) if cli else name
 
 
+def _num(x: float) -> str:
+  return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
 def _show(value: Any) -> str:
   return escape(repr(value) if isinstance(value, str) else value, 60)
 
@@ -53,8 +57,8 @@ def number(name: str, value: Any, *, lo: float | None = None, hi: float | None =
   if not math.isfinite(x):
     raise JaxvtError(f"{what} must be a finite number (got {_show(value)})")
   if (lo is not None and (x < lo or lo_open and x == lo)) or (hi is not None and x > hi):
-    low = "" if lo is None else f"{'above' if lo_open else 'at least'} {lo:g}"
-    high = "" if hi is None else f"at most {hi:g}"
+    low = "" if lo is None else f"{'above' if lo_open else 'at least'} {_num(lo)}"
+    high = "" if hi is None else f"at most {_num(hi)}"
     raise JaxvtError(f"{what} must be {' and '.join(s for s in (low, high) if s)} "
                      f"(got {_show(value)})")
   return x
