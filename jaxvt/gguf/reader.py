@@ -104,7 +104,9 @@ def check_path(path: str) -> int:
   """Checks that `path` is a readable, non-empty regular file starting with the GGUF magic;
   returns its size. Raises JaxvtError. Opens without blocking (a FIFO or a device never stalls
   it) and looks at the type of what it opened, not at the name."""
-  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+  if not isinstance(path, (str, os.PathLike)):
+    raise JaxvtError(f"the model path must be a str or os.PathLike, not {type(path).__name__}")
+  if not os.fspath(path):
     raise JaxvtError("the model path is empty; pass --model PATH to a .gguf file (or leave "
                      "--model out for the default model)")
   path = os.fspath(path)

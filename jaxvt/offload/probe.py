@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt import inputs
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
@@ -326,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--json", action="store_true", help="print the result as the cache's JSON")
   args = ap.parse_args(argv)
   try:
-    if args.bytes < 4096 or args.iters < 1:
-      raise JaxvtError("--bytes must be at least 4096 and --iters at least 1")
+    inputs.whole("--bytes", args.bytes, 4096, 1 << 36)
+    inputs.whole("--iters", args.iters, 1, 1 << 20)
     dev = jax.devices()[0]
     r = run_probe(dev, args.bytes, args.iters)
   except JaxvtError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"jaxvt: error: {e}", file=sys.stderr)
     return e.exit_code
   path = Path(args.cache) if args.cache else cache_path(r.platform, r.device_kind)
   path.parent.mkdir(parents=True, exist_ok=True)
