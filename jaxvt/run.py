@@ -75,6 +75,9 @@ def _validate(F) -> float | str:
   if F.model is not None and not F.model:
     raise JaxvtError("--model is empty; pass --model PATH to a .gguf file (or leave it out for "
                      "the default model)")
+  if F.offload_pattern:
+    from jaxvt.offload.plan import parse_overrides
+    parse_overrides(F.offload_pattern)
   if F.mesh is not None:
     from jaxvt.parallel import mesh
     mesh.parse(F.mesh)

@@ -89,11 +89,6 @@ def patched(path, data: bytes, *patches: tuple[int, str, Any]) -> str:
   return str(path)
 
 
-def first_kv_offset() -> int:
-  """Where the first key/value pair starts: after magic, version, tensor and kv counts."""
-  return 24
-
-
 def control_chars(text: str) -> list[str]:
   """The characters of `text` that are not printable text (newlines excepted)."""
   return [c for c in text if c != "\n" and unicodedata.category(c)[0] == "C"]

@@ -212,7 +212,7 @@ FLAG_CASES = [
     (["--max-context", str(2**40)], "--max-context"), (["--max-tokens", "1.5"], "max_tokens"),
     (["--num-processes", "0", "--coordinator", "h:1"], "--num-processes"),
     (["--process-id", "-1", "--coordinator", "h:1"], "--process-id"),
-    (["--mesh", "tp=0"], "--mesh"),
+    (["--mesh", "tp=0"], "--mesh"), (["--offload-pattern", "(" + ESC], "not a regular expression"),
     (["--prompt", "abc\udcff"], "byte 0xff at offset 3"),
     (["--prompt", "\ud800"], "lone surrogate"),
     (["--model", "x.gguf", f"--max-tokens={ESC}"], "max_tokens"),

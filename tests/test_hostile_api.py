@@ -163,7 +163,7 @@ def test_prompts_must_be_valid_utf8(eng):
     (dict(max_context=64.5), "max_context"), (dict(offload_gb=float("nan")), "offload_gb"),
     (dict(offload_gb=float("inf")), "offload_gb"), (dict(offload_gb=-1), "offload_gb"),
     (dict(offload_gb="lots"), "offload_gb"), (dict(device_gb=0), "device_gb"),
-    (dict(device_gb=float("nan")), "device_gb"), (dict(host_kind="disk"), "host_kind"),
+    (dict(device_gb=float("nan")), "device_gb"),
 ])
 def test_load_refuses_bad_arguments(kw, name):
   with pytest.raises(JaxvtError, match=name):

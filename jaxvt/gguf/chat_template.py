@@ -6,7 +6,8 @@ loop, `'x' * 10**9`, a huge `join`) or recursing until the interpreter gives up.
 runs it in a child Python process of its own (`python -I -S`, a fraction of a second to start),
 which limits itself before it compiles the template:
 
-  time      RENDER_SECONDS of CPU (RLIMIT_CPU) and of wall time (the parent kills it)
+  time      RENDER_SECONDS of CPU (RLIMIT_CPU); the parent kills it after RENDER_SECONDS +
+            START_SECONDS of wall time (a loaded machine can take seconds to start Python)
   memory    RENDER_MEMORY bytes of address space (RLIMIT_AS): an allocation past it fails
   output    the rendered text stops at max_output characters and is refused
   recursion Python's recursion limit, as in any process
