@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi, loader, programs
-from jaxvt.errors import JaxvtError
+from jaxvt import ffi, inputs, loader, programs
+from jaxvt.errors import JaxvtError, escape
 from jaxvt.ffi import numerics
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
@@ -163,8 +163,29 @@ class Generation:
   stopped_by: str  # "eos" | "max_tokens" | "context"
 
 
+class ClosedWeights:
+  """What `Engine.weights` is after `close()`: passing it to a jitted function, indexing or
+  iterating it raises the one-line error (the arrays were deleted, the host tier freed)."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def _refuse(self, *_):
+    raise JaxvtError(f"the Engine of {escape(self.path)} was closed and its weights freed; "
+                     "load the model again with jaxvt.load(...)")
+
+  __getitem__ = __iter__ = __len__ = keys = values = items = _refuse
+
+
+jax.tree_util.register_pytree_node(ClosedWeights, ClosedWeights._refuse,
+                                   lambda aux, children: ClosedWeights(""))
+
+
 @dataclasses.dataclass
 class Engine:
+  """A loaded model. Every method refuses (JaxvtError) once `close()` has run; close waits for
+  the device work in flight, deletes the weights' arrays and frees the host tier, so a stale
+  reference to a weight fails in JAX ("deleted") instead of reading freed memory."""
   cfg: ModelConfig
   ex: Exec
   weights: dict
@@ -179,9 +200,18 @@ class Engine:
   prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill call (the plan's RunShape.prefill_chunk)
   check_seconds: float = 0.0  # load's XLA memory check (ahead-of-time compiles), not in load
   warmed: set = dataclasses.field(default_factory=set, repr=False)  # Engine.warm_up's record
+  _closed: bool = dataclasses.field(default=False, init=False, repr=False)
+  _inflight: object = dataclasses.field(default=None, init=False, repr=False)
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise JaxvtError(f"this Engine ({escape(self.path)}) was closed; load the model again "
+                       "with jaxvt.load(...)")
 
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
+    self._check_open()
+    batch = inputs.whole("batch", batch, 1, 1 << 16)
     # ggml numerics: llama.cpp's default KV cache (type_k = type_v = f16); q and the attention
     # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
     kv = jnp.float16 if self.ex.ggml else jnp.float32
@@ -189,6 +219,7 @@ class Engine:
     return sharding.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
 
   def kv_len(self, n: int) -> int:
+    self._check_open()
     return bucket(n, KV_BUCKETS, self.max_context)
 
   def prefill_shapes(self, n: int, start: int = 0) -> tuple[tuple[int, int], ...]:
@@ -215,7 +246,12 @@ class Engine:
     """Runs `tokens` (one sequence) from position `start`, in calls of at most
     `self.prefill_chunk` tokens (prefill_chunks); returns (logits [vocab] after the last token,
     cache)."""
+    self._check_open()
+    tokens = inputs.token_ids(tokens, self.cfg.vocab_size, "the tokens")
+    start = inputs.whole("start", start, 0, self.max_context)
     n = len(tokens)
+    if not n:
+      raise JaxvtError("prefill needs at least one token")
     if start + n > self.max_context:
       raise JaxvtError(f"the prompt has {n} tokens, more than --max-context {self.max_context}"
                        f"{' allows after ' + str(start) + ' cached' if start else ''}; "
@@ -230,6 +266,7 @@ class Engine:
     args, kv_len = self._prefill_args(tokens, start, T)
     logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
                                kv_len=kv_len)
+    self._inflight = logits
     return logits[0], cache
 
   def _prefill_args(self, tokens: list[int], start: int, T: int):
@@ -244,9 +281,13 @@ class Engine:
 
   def decode_step(self, cache: dict, token: int, position: int):
     """One token at `position`; returns (logits [vocab], cache)."""
+    self._check_open()
+    (token,) = inputs.token_ids([token], self.cfg.vocab_size, "the token")
+    position = inputs.whole("position", position, 0, self.max_context - 1)
     logits, cache = decode_fn(self.weights, cache, jnp.asarray([[token]], jnp.int32),
                               jnp.asarray([[position]], jnp.int32), cfg=self.cfg, ex=self.ex,
                               kv_len=self.kv_len(position + 1))
+    self._inflight = logits
     return logits[0], cache
 
   # ---- generation ----------------------------------------------------------------------
@@ -254,7 +295,18 @@ class Engine:
                sampling: SamplingParams = SamplingParams(), seed: int = 0, chat: bool = False,
                on_text: Callable[[str], None] | None = None) -> Generation:
     """Generates up to `max_tokens` after `prompt` (text, or token ids), stopping early at the
-    tokenizer's end-of-generation tokens; streams via on_text."""
+    tokenizer's end-of-generation tokens; streams via on_text. The arguments are checked as the
+    CLI checks its flags (jaxvt.inputs): a text prompt must be valid UTF-8 (str, or UTF-8
+    bytes), ids must be in the vocabulary, and a `sampling.top_k` at or above the vocabulary
+    keeps every token (it becomes 0)."""
+    self._check_open()
+    max_tokens = inputs.max_tokens(max_tokens)
+    seed = inputs.seed(seed)
+    if not isinstance(sampling, SamplingParams):
+      raise JaxvtError(f"sampling must be a jaxvt.SamplingParams, not {type(sampling).__name__}")
+    top_k = inputs.top_k_for(sampling.top_k, self.cfg.vocab_size)
+    if top_k != sampling.top_k:
+      sampling = dataclasses.replace(sampling, top_k=top_k)
     tok = self.tokenizer
     ids = self.encode_prompt(prompt, chat)
     stats = GenerationStats(prompt_tokens=len(ids))
@@ -296,6 +348,7 @@ class Engine:
         toks, cache, key = decode_loop_fn(
             self.weights, cache, jnp.asarray([nxt], jnp.int32), jnp.int32(pos), key,
             cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + n), params=sampling, steps=n)
+        self._inflight = toks
         pending = np.asarray(toks)[:, 0].tolist()
         stats.decode_steps += n
       nxt = pending.pop(0)
@@ -309,13 +362,16 @@ class Engine:
     return Generation(out, tok.decode(out), stats, stopped_by)
 
   def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-    """Token ids of `prompt` (text, wrapped in the chat template with `chat`, or ids as given)."""
-    if isinstance(prompt, str):
+    """Token ids of `prompt` (text, wrapped in the chat template with `chat`, or ids as given),
+    checked as the CLI checks its flags (jaxvt.inputs): text must be valid UTF-8 (str, or UTF-8
+    bytes), ids must be in the vocabulary."""
+    if isinstance(prompt, (str, bytes, bytearray, memoryview)):
+      prompt = inputs.text(prompt)
       if chat:
         prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
       ids = self.tokenizer.encode(prompt)
     else:
-      ids = list(prompt)
+      ids = inputs.token_ids(prompt, self.cfg.vocab_size)
     if not ids:
       raise JaxvtError("the prompt is empty; pass --prompt TEXT")
     return ids
@@ -386,12 +442,27 @@ class Engine:
     return thread
 
   def close(self) -> None:
-    """Frees the host tier's pinned buffers (the weights that live there become invalid)."""
+    """Waits for the device work in flight, deletes the weights' arrays and frees the host
+    tier's pinned buffers; idempotent. The Engine refuses every call afterwards."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      if self._inflight is not None:
+        jax.block_until_ready(self._inflight)
+    except Exception:  # deleted or donated since: nothing of it is running
+      pass
+    self._inflight = None
+    weights, self.weights = self.weights, ClosedWeights(self.path)
+    for leaf in jax.tree_util.tree_leaves(weights):
+      if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+        leaf.delete()
     if self.host_tier is not None:
       self.host_tier.close()
       self.host_tier = None
 
   def __enter__(self):
+    self._check_open()
     return self
 
   def __exit__(self, *exc):
@@ -503,6 +574,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   off) or ~/.cache/jaxvt ($XDG_CACHE_HOME/jaxvt); False: off. A cache configured in JAX
   already is left as it is."""
   t0 = time.perf_counter()
+  max_context = inputs.max_context(max_context)
+  offload_gb = inputs.offload_gb(offload_gb)
+  device_gb = inputs.device_gb(device_gb)
   programs.use_compile_cache(programs.cache_root(compile_cache, os.environ))
   m = open_model(model)
   cfg = m.cfg
@@ -513,7 +587,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   device = par.devices[0]
   if kernels is None:
     kernels = ffi.available(device.platform)
-  tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata)
+  Tokenizer.check_metadata(m.gguf.metadata)  # built last (below), checked before anything is placed
   ex = exec_for(device.platform, kernels, par, deterministic)
   # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
   # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
@@ -540,7 +614,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     if host_tier is not None:
       host_tier.close()
     raise
-  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer, max_context=max_context,
+  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=None, max_context=max_context,
                path=m.path, load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,
                host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk,
                check_seconds=sum(seconds))
@@ -548,14 +622,21 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   # --device-gb), the estimate of the program's workspace is replaced by XLA's own analysis of the
   # largest prefill (per device) and the plan checked again before anything runs. (One device
   # settles its plan with that analysis before placing anything: workspace_of above.)
-  if par.size > 1 and (placed.host_bytes or device_gb is not None):
-    try:
+  # The tokenizer is built last, from the file: its vocabulary is tens of thousands of small
+  # Python objects, and alive while the weights were placed they would share the heap's arenas
+  # with small objects JAX keeps for the life of the process, which would then keep those
+  # arenas (1 MiB each) after close: RSS grew by about 1 MiB per load/close.
+  try:
+    if par.size > 1 and (placed.host_bytes or device_gb is not None):
       ws = xla_workspace_bytes(eng)
       if ws is not None:
         placed.recheck(ws, force=force)
-    except BaseException:
-      eng.close()
-      raise
+    t1 = time.perf_counter()
+    eng.tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path)
+    eng.load_seconds += time.perf_counter() - t1
+  except BaseException:
+    eng.close()
+    raise
   eng.memory = placed.breakdown
   return eng
 

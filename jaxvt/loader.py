@@ -76,7 +76,7 @@ class Model:
 def open_model(path: str | None = None) -> Model:
   """Opens the GGUF file at `path` (default: the embedded SmolLM2-135M-Instruct Q4_1). Raises
   JaxvtError, naming the tensor, for a file that does not hold the model its metadata describes."""
-  path = path or default_model_path()
+  path = default_model_path() if path is None else path  # "" is an error, not the default
   gf = open_gguf(path)
   cfg = from_gguf_metadata(gf.metadata, gf.tensors)
   decls = declare(cfg)

@@ -2,17 +2,23 @@
 
 With no flags it answers a short chat prompt with the embedded default model. Generated text
 streams to stdout; progress, the placement and timings go to stderr. Errors a user can cause are
-one line on stderr and exit status 2.
+one line on stderr and exit status 2; Ctrl-C at any moment is one line and exit status 130.
+Everything printed that did not come from jaxvt itself (generated text, paths, anything from the
+model file) goes through jaxvt.errors.escape: no control character or terminal escape sequence
+reaches the terminal (generated text keeps its newlines and tabs).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from absl import flags
 
-from jaxvt.errors import JaxvtError
+from jaxvt import inputs
+from jaxvt.errors import JaxvtError, escape
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -61,36 +67,30 @@ flags.DEFINE_boolean("compile_cache", None, "Keep compiled programs in JAX's per
                      "JAXVT_COMPILE_CACHE=0 turns it off, =DIR moves it).", flag_values=FLAGS)
 
 
-def _validate(F) -> None:
-  if F.max_tokens < 1:
-    raise JaxvtError(f"--max-tokens must be at least 1 (got {F.max_tokens})")
-  if F.temperature < 0:
-    raise JaxvtError(f"--temperature must be >= 0 (got {F.temperature})")
-  if F.top_k < 0:
-    raise JaxvtError(f"--top-k must be >= 0 (got {F.top_k})")
-  if not 0.0 < F.top_p <= 1.0:
-    raise JaxvtError(f"--top-p must be in (0, 1] (got {F.top_p})")
-  if F.max_context < 1:
-    raise JaxvtError(f"--max-context must be at least 1 (got {F.max_context})")
-  if F.device_gb is not None and F.device_gb <= 0:
-    raise JaxvtError(f"--device-gb must be positive (got {F.device_gb})")
+def _validate(F) -> float | str:
+  """Checks every flag before JAX starts, with the checks the Python API makes (jaxvt.inputs);
+  returns --offload-gb parsed (GiB or "auto")."""
+  inputs.max_tokens(F.max_tokens, cli=True)
+  inputs.sampling(F.temperature, F.top_k, F.top_p, cli=True)
+  inputs.seed(F.seed, cli=True)
+  inputs.max_context(F.max_context, cli=True)
+  inputs.device_gb(F.device_gb, cli=True)
+  offload = inputs.offload_gb(F.offload_gb, cli=True)
+  if F.prompt is not None:
+    inputs.text(F.prompt, "--prompt")
+  if F.model is not None and not F.model:
+    raise JaxvtError("--model is empty; pass --model PATH to a .gguf file (or leave it out for "
+                     "the default model)")
+  if F.offload_pattern:
+    from jaxvt.offload.plan import parse_overrides
+    parse_overrides(F.offload_pattern)
   if F.mesh is not None:
     from jaxvt.parallel import mesh
     mesh.parse(F.mesh)
   if F.coordinator is None and (F.num_processes != 1 or F.process_id != 0):
     raise JaxvtError("--num-processes / --process-id need --coordinator HOST:PORT")
-
-
-def parse_offload(value: str) -> float | str:
-  if value.strip().lower() == "auto":
-    return "auto"
-  try:
-    gb = float(value)
-  except ValueError:
-    raise JaxvtError(f"--offload-gb takes a number of GiB or 'auto' (got {value!r})") from None
-  if gb < 0:
-    raise JaxvtError(f"--offload-gb must be >= 0 (got {value})")
-  return gb
+  inputs.processes(F.num_processes, F.process_id, cli=True)
+  return offload
 
 
 class _Bar:
@@ -156,40 +156,170 @@ def normalize_argv(argv: list[str]) -> list[str]:
   return out
 
 
+class _Interrupts:
+  """Ctrl-C, handled in one place. While main runs, SIGINT does not raise KeyboardInterrupt
+  (which JAX's start-up and callbacks can swallow: "Exception ignored in ... KeyboardInterrupt",
+  and the run went on); it stops the run:
+
+    1. the handler, in the main thread between two bytecodes, closes the engine (waits for the
+       step in flight, frees the host tier), ends a half-written line, prints one line on stderr
+       and exits with status 130 (os._exit: nothing else runs after it);
+    2. where the main thread is inside one long call that does not return to Python (an XLA
+       compile, a prefill), a watchdog thread woken by the signal does the same after GRACE_S
+       seconds without closing the engine: the process's exit frees its memory;
+    3. a second Ctrl-C exits at once.
+
+  Installed only in the main thread, and undone when main returns (tests call main in-process).
+  """
+
+  GRACE_S = 2.0
+  MESSAGE = "jaxvt: interrupted (Ctrl-C); the run stopped\n"
+
+  def __init__(self):
+    self.engine = None  # closed on an interrupt
+    self.bar = None  # a progress bar whose line must be ended first
+    self.stdout_open = False  # generated text was written without its final newline
+    self._count = 0
+    self._exiting = threading.Lock()
+    self._installed = False
+
+  def __enter__(self) -> "_Interrupts":
+    if threading.current_thread() is not threading.main_thread():
+      return self
+    self._read, self._write = os.pipe()
+    os.set_blocking(self._write, False)
+    self._old_handler = signal.signal(signal.SIGINT, self._on_signal)
+    self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+    self._watchdog = threading.Thread(target=self._watch, name="jaxvt-interrupt", daemon=True)
+    self._watchdog.start()
+    self._installed = True
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if not self._installed:
+      return
+    signal.set_wakeup_fd(self._old_fd)
+    signal.signal(signal.SIGINT, self._old_handler)
+    os.close(self._write)  # the watchdog reads end-of-file and returns
+    self._watchdog.join(timeout=1.0)
+    os.close(self._read)
+    self._installed = False
+
+  def _on_signal(self, signum, frame) -> None:
+    self._count += 1
+    if self._count == 1 and self.engine is not None:
+      try:
+        self.engine.close()
+      except BaseException:  # exiting anyway; the process's exit frees what close did not
+        pass
+    self.exit(flush=True)
+
+  def _watch(self) -> None:
+    while True:
+      try:
+        got = os.read(self._read, 64)
+      except OSError:
+        return
+      if not got:
+        return
+      if signal.SIGINT in got:
+        threading.Event().wait(self.GRACE_S)  # the handler normally exits before this ends
+        self.exit(flush=False)
+
+  def exit(self, flush: bool) -> None:
+    """Ends the output's open lines, prints the one line and exits with status 130."""
+    if not self._exiting.acquire(blocking=False):  # the other path is already exiting
+      return
+    if flush:
+      try:
+        sys.stdout.flush()
+      except BaseException:  # interrupted in the middle of a write: what is buffered is lost
+        pass
+    tail = b""
+    if self.bar is not None and self.bar.shown >= 0:
+      tail = b"\n"
+    try:
+      if self.stdout_open:
+        os.write(1, b"\n")
+      os.write(2, tail + self.MESSAGE.encode())
+    finally:
+      os._exit(130)
+
+
 def main(argv: list[str]) -> int:
+  with _Interrupts() as interrupts:
+    try:
+      return _main(argv, interrupts)
+    except KeyboardInterrupt:  # only where no handler could be installed (not the main thread)
+      print(_Interrupts.MESSAGE, end="", file=sys.stderr)
+      return 130
+
+
+def _print_escaped(text: str, file=None) -> None:
+  """Prints text that holds paths or file contents, line by line through escape."""
+  print("\n".join(escape(line, None) for line in text.split("\n")), file=file)
+
+
+def _preflight(path: str, prompt: str, chat: bool, plan: bool) -> str:
+  """Before JAX starts: the file's header and config are checked, then (unless only a `plan` is
+  asked for) its tokenizer, and with `chat` the prompt is rendered through the file's chat
+  template (in a limited child process: jaxvt.gguf.chat_template); returns the prompt to
+  encode. So a bad file or template is one line within a second or two, not after the weights
+  have loaded."""
+  from jaxvt.gguf.reader import open_gguf
+  from jaxvt.gguf.tokenizer import Tokenizer
+  from jaxvt.model.config import from_gguf_metadata
+  gf = open_gguf(path)
+  from_gguf_metadata(gf.metadata)
+  if plan:
+    return prompt
+  if not chat:
+    Tokenizer.check_metadata(gf.metadata)
+    return prompt
+  tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=path)
+  return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def _main(argv: list[str], interrupts: _Interrupts) -> int:
   try:
+    FLAGS.unparse_flags()  # main may run more than once in a process (tests): start from defaults
     FLAGS(normalize_argv(argv))
   except flags.Error as e:
-    print(f"jaxvt: error: {e}", file=sys.stderr)
+    print(f"jaxvt: error: {escape(e, 2000)}", file=sys.stderr)
     return 2
   F = FLAGS
   bar = None
   try:
-    _validate(F)
-    offload = parse_offload(F.offload_gb)
-    # jaxvt's modules are imported here, not at the top: a bad flag or path is reported before
-    # JAX starts
+    offload = _validate(F)
+    # jaxvt's modules are imported here, not at the top: a bad flag, path or file is reported
+    # before JAX starts
     from jaxvt.gguf.default_model import default_model_path
     from jaxvt.model.presets import PRESETS
 
-    path = F.model or default_model_path()
+    path = F.model if F.model is not None else default_model_path()
+    chat = F.chat if F.chat is not None else F.prompt is None
+    prompt = F.prompt if F.prompt is not None else DEFAULT_PROMPT
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
-      from jaxvt.gguf.reader import check_path
-      check_path(path)  # before JAX starts: a bad path is reported at once
+      prompt = _preflight(path, prompt, chat, F.plan)
     if F.coordinator is not None and not F.plan:
       from jaxvt.parallel import mesh
       mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
     if F.plan:
-      print(engine_mod.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                                   max_context=F.max_context, mesh=F.mesh,
-                                   offload_pattern=tuple(F.offload_pattern)))
+      text = engine_mod.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
+                                    max_context=F.max_context, mesh=F.mesh,
+                                    offload_pattern=tuple(F.offload_pattern))
+      _print_escaped(text)
+      unsafe = [l for l in text.splitlines() if l.startswith("UNSAFE:")]
+      if unsafe and not F.force:
+        raise JaxvtError(f"the plan above is unsafe ({unsafe[0][len('UNSAFE: '):]}); use a safe "
+                         "budget, or pass --force to accept it")
       return 0
-    bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
+    bar = interrupts.bar = _Bar(os.path.getsize(path)) if os.path.isfile(path) else None
 
     def show_plan(placed):
-      print(placed.report(), file=sys.stderr)
+      _print_escaped(placed.report(), file=sys.stderr)
 
     from jaxvt import programs
     counter = programs.compile_counter()
@@ -202,30 +332,29 @@ def main(argv: list[str]) -> int:
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
                           mesh=F.mesh, offload_pattern=tuple(F.offload_pattern),
                           deterministic=deterministic, compile_cache=cache)
+    interrupts.engine = eng
     if bar:
       bar.finish()
     with eng:
-      chat = F.chat if F.chat is not None else F.prompt is None
-      prompt = F.prompt if F.prompt is not None else DEFAULT_PROMPT
       params = SamplingParams(F.temperature, F.top_k, F.top_p)
 
       def emit(text):
-        sys.stdout.write(text)
+        sys.stdout.write(escape(text, None, keep="\n\t"))
         sys.stdout.flush()
+        interrupts.stdout_open = not text.endswith("\n")
 
       before = counter.snapshot()
       out = eng.generate(prompt, max_tokens=F.max_tokens, sampling=params, seed=F.seed,
-                         chat=chat, on_text=emit)
+                         on_text=emit)  # the chat template was applied by _preflight
       sys.stdout.write("\n")
       sys.stdout.flush()
+      interrupts.stdout_open = False
       print(timing_report(eng, out, before, counter.snapshot()), file=sys.stderr)
   except JaxvtError as e:
     if bar:
       bar.finish()
     print(f"jaxvt: error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
-    return 130
   return 0
 
 

@@ -7,12 +7,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxvt import inputs
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+  """Checked when built (jaxvt.inputs.sampling): a value out of range is a JaxvtError here,
+  never a NaN or an XLA error at the first step."""
   temperature: float = 0.0  # 0: greedy (argmax)
-  top_k: int = 0  # 0: no top-k cut
+  top_k: int = 0  # 0: no top-k cut (a k at or above the vocabulary is the same: see Engine)
   top_p: float = 1.0  # 1: no nucleus cut
+
+  def __post_init__(self):
+    t, k, p = inputs.sampling(self.temperature, self.top_k, self.top_p)
+    object.__setattr__(self, "temperature", t)
+    object.__setattr__(self, "top_k", k)
+    object.__setattr__(self, "top_p", p)
 
   @property
   def greedy(self) -> bool:

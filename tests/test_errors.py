@@ -40,6 +40,8 @@ def _write_gguf(path, arch="llama", tensors=(), kv=None):
       w.add_uint32(k, v)
     elif isinstance(v, float):
       w.add_float32(k, v)
+    elif isinstance(v, list):
+      w.add_array(k, v)
     else:
       w.add_string(k, v)
   for name, arr, raw_dtype in tensors:
@@ -116,7 +118,8 @@ def test_cli_unsupported_tensor_type(tmp_path):
   d, ff, V = 256, 256, 64
   kv = {"llama.block_count": 1, "llama.embedding_length": d, "llama.feed_forward_length": ff,
         "llama.attention.head_count": 2, "llama.attention.head_count_kv": 2,
-        "llama.context_length": 128, "llama.vocab_size": V}
+        "llama.context_length": 128, "llama.vocab_size": V, "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(V)], "tokenizer.ggml.merges": ["t 0"]}
   f32 = lambda *s: np.ones(s, np.float32) * 0.01
   q2k_rows = np.zeros((d, 84 * d // 256), np.uint8)  # Q2_K: 84 bytes per 256 weights
   tensors = [("token_embd.weight", f32(V, d), None), ("output_norm.weight", f32(d), None),
@@ -128,8 +131,8 @@ def test_cli_unsupported_tensor_type(tmp_path):
              ("blk.0.ffn_down.weight", f32(d, ff), None)]
   p = tmp_path / "q2k.gguf"
   _write_gguf(p, tensors=tensors, kv=kv)
-  assert_user_error(run_cli("--model", str(p), "--max-context", "64"), "unsupported format",
-                    "Q2_K")
+  assert_user_error(run_cli("--model", str(p), "--max-context", "64", "--prompt", "t0"),
+                    "unsupported format", "Q2_K")
 
 
 def test_cli_prompt_longer_than_context():

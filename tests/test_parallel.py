@@ -276,9 +276,11 @@ def test_cli_errors_are_one_line(tmp_path):
 def test_cli_plan_per_device():
   """`--plan --mesh` plans one device's shards: expert parallelism over 2 devices halves the
   routed experts' bytes, and the budget is per device."""
-  full = _cli("--model", "qwen3.6-35b-a3b", "--plan", "--device-gb", "16", "--max-context", "4096")
+  # Both budgets are unsafe on 16 GiB: --force prints the plan with exit status 0.
+  full = _cli("--model", "qwen3.6-35b-a3b", "--plan", "--device-gb", "16", "--max-context", "4096",
+              "--force")
   ep = _cli("--model", "qwen3.6-35b-a3b", "--plan", "--device-gb", "16", "--max-context", "4096",
-            "--mesh", "ep=2", "--offload-gb", "2")
+            "--mesh", "ep=2", "--offload-gb", "2", "--force")
   assert full.returncode == 0 and ep.returncode == 0, ep.stderr
   assert "per device (--mesh ep=2: 2 devices)" in ep.stdout
   gib = lambda text: float(text.split("routed_experts")[1].split()[1])

@@ -35,7 +35,7 @@ def test_round_trip_uses_gemv_rate_not_streaming(tmp_path):
   assert probe.ProbeResult.from_json(path.read_text()) == res
   assert json.loads(path.read_text())["version"] == probe.CACHE_VERSION
   r = probe.load_rates(platform="cuda", device_kind="NVIDIA H200", path=path)
-  assert r.source.startswith("measured: ") and str(path) in r.source
+  assert r.source.startswith("measured at an unknown time on NVIDIA H200: ") and str(path) in r.source
   assert (r.host_read_gbps, r.device_read_gbps, r.zero_copy_gbps) == (40.0, 1500.0, 51.3)
   assert r.managed_migrates is True
   # Without a GEMV arm the host rate is the platform default, never the streaming number.
@@ -74,11 +74,13 @@ def test_run_probe_with_fake_extension(monkeypatch, tmp_path):
   ext = FakeExt((7.0, 4000.0))
   monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_ffi", ext)
   monkeypatch.setattr(probe, "time_qmatmul", lambda w, iters: 123.0)
+  monkeypatch.setattr(probe, "platform_of", lambda device: "cuda")  # a link to measure
   closed = []
   r = probe.run_probe(nbytes=1 << 16, iters=2,
                       make_host_weight=lambda n: ("host weight", lambda: closed.append(n)))
   assert ext.calls == [("dma", 1 << 16, 2)] and closed == [1 << 16]
-  assert (r.platform, r.dma_h2d_gbps, r.zero_copy_gbps) == ("cpu", 55.0, 50.0)
+  assert (r.platform, r.dma_h2d_gbps, r.zero_copy_gbps) == ("cuda", 55.0, 50.0)
+  assert r.measured_at.endswith(" UTC")
   assert (r.host_gemv_gbps, r.device_gemv_gbps, r.managed_migrates) == (123.0, 123.0, True)
   monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_ffi", FakeExt(None))
 
@@ -94,6 +96,35 @@ def test_run_probe_with_fake_extension(monkeypatch, tmp_path):
   out = tmp_path / "c.json"
   assert probe.main(["--bytes", "65536", "--iters", "1", "--cache", str(out)]) == 0
   assert probe.ProbeResult.from_json(out.read_text()).zero_copy_gbps == 50.0
+
+
+def test_cpu_backend_has_no_link_and_prints_a_table(monkeypatch, tmp_path, capsys):
+  """On the CPU backend the link arms are not run (a memcpy timed as DMA read 17,573,515 GB/s);
+  the table says there is no link, and the GEMV rates the cost model uses are still measured."""
+  import ctypes
+  ext = FakeExt((7.0, 4000.0))
+  buf = ctypes.create_string_buffer(1 << 16)
+  ext.host_alloc = lambda n, coherent, gpu: (ctypes.addressof(buf), ctypes.addressof(buf))
+  ext.host_free = lambda address, gpu: None
+  monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_ffi", ext)
+  monkeypatch.setattr(probe, "time_qmatmul", lambda w, iters: 12.5)
+  monkeypatch.setattr(probe, "time_launch", lambda device: 3.0)
+  out = tmp_path / "c.json"
+  assert probe.main(["--bytes", "65536", "--iters", "1", "--cache", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert ext.calls == []
+  r = probe.ProbeResult.from_json(out.read_text())
+  assert r.dma_h2d_gbps is r.zero_copy_gbps is r.managed_migrates is None
+  assert probe.NO_LINK in r.notes and r.host_gemv_gbps == 12.5
+  lines = text.splitlines()
+  assert lines[0].startswith("probe of ") and "(cpu)" in lines[0] and "UTC" in lines[0]
+  assert "no link (CPU)" in next(l for l in lines if "(DMA)" in l)
+  assert "12.5 GB/s" in next(l for l in lines if "host tier" in l)
+  assert not text.lstrip().startswith("{")
+  r2 = probe.load_rates(platform="cpu", path=out)
+  assert r2.source.startswith(f"measured {r.measured_at} on ") and str(out) in r2.source
+  assert probe.main(["--bytes", "65536", "--iters", "1", "--cache", str(out), "--json"]) == 0
+  assert json.loads(capsys.readouterr().out.split("\ncached at")[0])["host_gemv_gbps"] == 12.5
 
 
 def test_missing_extension_is_a_clear_error(monkeypatch, capsys):

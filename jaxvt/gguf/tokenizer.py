@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import datetime
-import json
 import re
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from jaxvt.errors import JaxvtError
+from jaxvt import inputs
+from jaxvt.errors import JaxvtError, escape
+from jaxvt.gguf.chat_template import render as render_template
+from jaxvt.gguf.reader import read_metadata
 
 # gguf.TokenType
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(7)
@@ -138,9 +139,7 @@ _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 def _md_int(md: Mapping[str, Any], key: str) -> int | None:
   v = md.get(key)
-  if v is None or isinstance(v, (list, str)):
-    return None
-  return int(v)
+  return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _md_bool(md: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -148,75 +147,56 @@ def _md_bool(md: Mapping[str, Any], key: str, default: bool) -> bool:
   return default if v is None else bool(v)
 
 
-# GGUF metadata value types -> struct format (8 string, 9 array are handled apart).
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-                11: "<q", 12: "<d"}
-
-
 def read_tokenizer_metadata(path: str) -> dict[str, Any]:
-  """The `tokenizer.*` and `general.*` metadata of a GGUF file, decoded as the reader's dict.
+  """The `tokenizer.*` and `general.*` metadata of a GGUF file, decoded as the reader's dict
+  (jaxvt.gguf.reader.read_metadata: the key/value section only; tensor data is never touched)."""
+  return read_metadata(path, ("tokenizer.", "general."))
 
-  A direct walk of the key/value section (strings as str, arrays as lists): about 50x faster
-  than `gguf.GGUFReader`, which builds a numpy view per array element (seconds for a 150k-token
-  vocabulary). Tensor data is never touched.
-  """
-  import mmap
-  import os
-  import struct
 
-  import numpy as np
+def _vocab_metadata(md: Mapping[str, Any]) -> tuple[list, list | None, list, str]:
+  """(tokens, token types or None, merges, pre-tokenizer name) from GGUF metadata, each of the
+  type GGUF gives it; JaxvtError otherwise."""
+  model = md.get("tokenizer.ggml.model")
+  if model is None:
+    raise JaxvtError("the GGUF file has no tokenizer (tokenizer.ggml.model missing); "
+                     "use a GGUF converted with its tokenizer")
+  if model != "gpt2":
+    raise JaxvtError(f"tokenizer.ggml.model={escape(repr(model), 80)} is not supported (only "
+                     "'gpt2' byte-level BPE); use a model with a BPE vocabulary")
+  tokens = md.get("tokenizer.ggml.tokens")
+  merges = md.get("tokenizer.ggml.merges")
+  types = md.get("tokenizer.ggml.token_type")
+  pre = md.get("tokenizer.ggml.pre")
+  fix = "the file is corrupt; convert the model again"
+  if not isinstance(tokens, list) or not isinstance(merges, list):
+    raise JaxvtError("the GGUF tokenizer lacks tokenizer.ggml.tokens or tokenizer.ggml.merges; "
+                     "convert the model again")
+  if not all(isinstance(t, str) for t in tokens) or not all(isinstance(m, str) for m in merges):
+    raise JaxvtError(f"tokenizer.ggml.tokens and .merges must be arrays of strings; {fix}")
+  if types is not None and not (isinstance(types, list) and all(
+      isinstance(t, int) and not isinstance(t, bool) for t in types)):
+    raise JaxvtError(f"tokenizer.ggml.token_type must be an array of integers; {fix}")
+  if pre is not None and not isinstance(pre, str):
+    raise JaxvtError(f"tokenizer.ggml.pre must be a string; {fix}")
+  return tokens, types, merges, pre or "default"
 
-  if not os.path.isfile(path):
-    raise JaxvtError(f"model file not found: {path} (pass the path of a .gguf file)")
-  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-    if mm[:4] != b"GGUF":
-      raise JaxvtError(f"{path} is not a GGUF file; convert the model with llama.cpp's "
-                       "convert_hf_to_gguf.py")
-    version, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
-    if version < 2:
-      raise JaxvtError(f"{path} is GGUF version {version}; convert the model again (version >= 2)")
-    pos = 24
-    out: dict[str, Any] = {}
 
-    def string(at: int) -> tuple[str, int]:
-      (n,) = struct.unpack_from("<Q", mm, at)
-      return mm[at + 8:at + 8 + n].decode("utf-8", errors="replace"), at + 8 + n
-
-    try:
-      for _ in range(n_kv):
-        key, pos = string(pos)
-        (vtype,) = struct.unpack_from("<I", mm, pos)
-        pos += 4
-        keep = key.startswith(("tokenizer.", "general."))
-        if vtype == 8:
-          value, pos = string(pos)
-        elif vtype == 9:
-          etype, count = struct.unpack_from("<IQ", mm, pos)
-          pos += 12
-          if etype == 8:
-            value = []
-            for _ in range(count):
-              (n,) = struct.unpack_from("<Q", mm, pos)
-              if keep:
-                value.append(mm[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
-              pos += 8 + n
-          elif etype in _GGUF_SCALAR:
-            dt = np.dtype(_GGUF_SCALAR[etype])
-            value = np.frombuffer(mm, dt, count, pos).tolist() if keep else None
-            pos += dt.itemsize * count
-          else:
-            raise ValueError(f"array of type {etype} under {key}")
-        elif vtype in _GGUF_SCALAR:
-          (value,) = struct.unpack_from(_GGUF_SCALAR[vtype], mm, pos)
-          pos += struct.calcsize(_GGUF_SCALAR[vtype])
-        else:
-          raise ValueError(f"value type {vtype} under {key}")
-        if keep:
-          out[key] = value
-    except (struct.error, ValueError, IndexError) as e:
-      raise JaxvtError(f"{path} is truncated or corrupt in its metadata ({e}); download or "
-                       "convert it again") from None
-  return out
+def _check_vocab(tokens: Sequence[str], types: Sequence[int], pre: str) -> str:
+  """The pre-tokenizer family of a vocabulary, after the checks a converted one passes."""
+  n = len(tokens)
+  if n == 0:
+    raise JaxvtError("the GGUF file's vocabulary is empty; convert the model again")
+  if len(types) != n:
+    raise JaxvtError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens; "
+                     "the file is corrupt, convert the model again")
+  family = PRE_NAMES.get(pre or "default")
+  if family is None:
+    known = ", ".join(sorted(PRE_NAMES))
+    raise JaxvtError(f"unsupported pre-tokenizer tokenizer.ggml.pre={escape(repr(pre), 80)} "
+                     f"(known: {known}); use a model whose GGUF names one of these")
+  if len(set(tokens)) != n:
+    raise JaxvtError("the GGUF vocabulary holds duplicate token texts; convert the model again")
+  return family
 
 
 class Tokenizer:
@@ -225,33 +205,21 @@ class Tokenizer:
   Attributes: `bos_id`, `eos_id`, `eot_id`, `eom_id` (int or None), `eog_ids` (frozenset: every
   id that ends generation by llama.cpp's rule), `add_bos`, `add_eos`, `pre` (the file's
   `tokenizer.ggml.pre`), `chat_template` (str or None), `tokens` (token texts as stored),
-  `token_types` (after llama.cpp's by-text overrides).
+  `token_types` (after llama.cpp's by-text overrides), `source` (the file, for messages).
   """
 
   def __init__(self, tokens: Sequence[str], token_types: Sequence[int] | None,
-               merges: Sequence[str], pre: str, md: Mapping[str, Any]):
+               merges: Sequence[str], pre: str, md: Mapping[str, Any],
+               source: str = "the model file"):
     from tokenizers import Regex, Tokenizer as _HFTokenizer, models, pre_tokenizers
 
+    self.source = source
     n = len(tokens)
-    if n == 0:
-      raise JaxvtError("the GGUF file's vocabulary is empty; convert the model again")
     self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     types = list(token_types) if token_types is not None else [NORMAL] * n
-    if len(types) != n:
-      raise JaxvtError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens; "
-                       "the file is corrupt, convert the model again")
     self.pre = pre
-    family = PRE_NAMES.get(pre or "default")
-    if family is None:
-      known = ", ".join(sorted(PRE_NAMES))
-      raise JaxvtError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r} (known: {known}); "
-                       "use a model whose GGUF names one of these")
-    self.pre_tokenizer = PRE_TOKENIZERS[family]
-    self._id: dict[str, int] = {}
-    for i, t in enumerate(self.tokens):
-      self._id[t] = i
-    if len(self._id) != n:
-      raise JaxvtError("the GGUF vocabulary holds duplicate token texts; convert the model again")
+    self.pre_tokenizer = PRE_TOKENIZERS[_check_vocab(self.tokens, types, pre)]
+    self._id: dict[str, int] = {t: i for i, t in enumerate(self.tokens)}
 
     def meta_id(key: str) -> int | None:
       v = _md_int(md, f"tokenizer.ggml.{key}")
@@ -341,33 +309,28 @@ class Tokenizer:
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     self._hf = hf
     self._pieces: list[bytes | None] = [None] * n
-    self._template = None
 
   # ---------------------------------------------------------------------------------------------
   @classmethod
-  def from_gguf_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
-    """Builds the tokenizer from a decoded GGUF metadata dict; JaxvtError if it has none."""
-    model = md.get("tokenizer.ggml.model")
-    if model is None:
-      raise JaxvtError("the GGUF file has no tokenizer (tokenizer.ggml.model missing); "
-                       "use a GGUF converted with its tokenizer")
-    if model != "gpt2":
-      raise JaxvtError(f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2' byte-level "
-                       "BPE); use a model with a BPE vocabulary")
-    tokens = md.get("tokenizer.ggml.tokens")
-    merges = md.get("tokenizer.ggml.merges")
-    if not isinstance(tokens, list) or not isinstance(merges, list):
-      raise JaxvtError("the GGUF tokenizer lacks tokenizer.ggml.tokens or tokenizer.ggml.merges; "
-                       "convert the model again")
-    types = md.get("tokenizer.ggml.token_type")
-    pre = md.get("tokenizer.ggml.pre")
-    return cls(tokens, [int(t) for t in types] if isinstance(types, list) else None, merges,
-               str(pre) if pre else "default", md)
+  def from_gguf_metadata(cls, md: Mapping[str, Any],
+                         source: str = "the model file") -> "Tokenizer":
+    """Builds the tokenizer from a decoded GGUF metadata dict; JaxvtError if it has none or if
+    its values are not of the types GGUF gives them. `source` names the file in messages."""
+    tokens, types, merges, pre = _vocab_metadata(md)
+    return cls(tokens, types, merges, pre, md, source)
+
+  @staticmethod
+  def check_metadata(md: Mapping[str, Any]) -> None:
+    """Raises the JaxvtError from_gguf_metadata would raise for `md`, without building the
+    tokenizer or keeping anything (jaxvt.engine.load checks a file early and builds last)."""
+    tokens, types, _, pre = _vocab_metadata(md)
+    _check_vocab([t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)],
+                 types if types is not None else [NORMAL] * len(tokens), pre)
 
   @classmethod
   def from_gguf(cls, path: str) -> "Tokenizer":
     """Reads the tokenizer metadata of `path` (a GGUF file) and builds its tokenizer."""
-    return cls.from_gguf_metadata(read_tokenizer_metadata(path))
+    return cls.from_gguf_metadata(read_tokenizer_metadata(path), source=path)
 
   # ---------------------------------------------------------------------------------------------
   @property
@@ -419,7 +382,10 @@ class Tokenizer:
 
     add_bos / add_eos: None follows the file (`tokenizer.ggml.add_bos_token` / `add_eos_token`).
     parse_special: recognise control tokens such as `<|im_start|>` written in the text.
+    `text` must be valid Unicode (jaxvt.inputs.text: UTF-8 bytes are decoded, text holding
+    undecodable bytes is refused).
     """
+    text = inputs.text(text, "the text")
     ids: list[int] = []
     if self.add_bos if add_bos is None else add_bos:
       if self.bos_id is None:
@@ -485,27 +451,22 @@ class Tokenizer:
   # ---------------------------------------------------------------------------------------------
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                           add_generation_prompt: bool = True, **kwargs: Any) -> str:
-    """Renders `tokenizer.chat_template` (jinja2, sandboxed, HF conventions) for `messages`.
+    """Renders `tokenizer.chat_template` (jinja2, sandboxed, HF conventions) for `messages`, in
+    a process of its own with time, memory and output limits (jaxvt.gguf.chat_template).
 
     Variables: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, plus `kwargs`
     (e.g. `tools=`, `enable_thinking=`); helpers `raise_exception`, `strftime_now`, filter `tojson`.
     The result is text: encode it with parse_special=True and add_bos=None.
     """
     if self.chat_template is None:
-      raise JaxvtError("this GGUF file has no chat template (tokenizer.chat_template); pass a raw "
-                       "prompt instead of chat messages, or use a model file that carries one")
-    if self._template is None or self._template[0] != self.chat_template:
-      self._template = (self.chat_template, _compile_template(self.chat_template))
+      raise JaxvtError(f"{escape(self.source)} has no chat template (tokenizer.chat_template); "
+                       "pass a raw prompt instead of chat messages, or use a model file that "
+                       "carries one")
     variables = dict(bos_token=self.bos_token, eos_token=self.eos_token)
     variables.update(kwargs)
     variables.update(messages=[dict(m) for m in messages],
                      add_generation_prompt=add_generation_prompt)
-    import jinja2
-
-    try:
-      return self._template[1].render(**variables)
-    except jinja2.TemplateError as e:
-      raise JaxvtError(f"the model's chat template failed on these messages: {e}") from None
+    return render_template(self.chat_template, variables, self.source)
 
 
 class StreamDecoder:
@@ -522,42 +483,3 @@ class StreamDecoder:
 
   def flush(self) -> str:
     return self._dec.decode(b"", final=True)
-
-
-def _raise_exception(message: str):
-  raise JaxvtError(f"the model's chat template refused the messages: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-  return datetime.datetime.now().strftime(fmt)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                    sort_keys=sort_keys)
-
-
-def _compile_template(source: str):
-  import jinja2
-  import jinja2.ext
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  class GenerationTags(jinja2.ext.Extension):
-    """HF's `{% generation %}...{% endgeneration %}` (marks assistant spans): rendered as is."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-      parser.stream.skip(1)
-      return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[GenerationTags, "jinja2.ext.loopcontrols"])
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = _strftime_now
-  try:
-    return env.from_string(source)
-  except jinja2.TemplateSyntaxError as e:
-    raise JaxvtError(f"the model's chat template does not parse ({e}); pass a raw prompt "
-                     "instead of chat messages") from None

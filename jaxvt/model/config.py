@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection, Mapping
 
-from jaxvt.errors import JaxvtError
+from jaxvt.errors import JaxvtError, escape
 from jaxvt.gguf.names import gguf_name
 
 ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
@@ -103,6 +103,75 @@ class ModelConfig:
     return 2 * self.ssm_qk_dim + self.ssm_inner_dim
 
 
+# The numbers from_gguf_metadata reads, as (key under "{arch}.", low, high): the metadata is
+# untrusted, and a wrong type, a NaN or an absurd size must be the one-line error, not a
+# ZeroDivisionError or an allocation of billions of layers. High bounds are far beyond any model.
+_DIM = 1 << 24
+_INT_KEYS = (("block_count", 1, 1 << 16), ("nextn_predict_layers", 0, 1 << 16),
+             ("embedding_length", 1, _DIM), ("feed_forward_length", 0, _DIM),
+             ("attention.head_count", 1, 1 << 16), ("attention.head_count_kv", 1, 1 << 16),
+             ("attention.key_length", 1, 1 << 16), ("attention.value_length", 1, 1 << 16),
+             ("vocab_size", 1, _DIM), ("full_attention_interval", 0, 1 << 16),
+             ("rope.dimension_count", 0, 1 << 16), ("context_length", 1, 1 << 31),
+             ("expert_count", 0, 1 << 16), ("expert_used_count", 0, 1 << 16),
+             ("expert_feed_forward_length", 0, _DIM),
+             ("expert_shared_feed_forward_length", 0, _DIM), ("ssm.conv_kernel", 0, 1 << 10),
+             ("ssm.group_count", 0, 1 << 16), ("ssm.time_step_rank", 0, 1 << 16),
+             ("ssm.state_size", 0, 1 << 16), ("ssm.inner_size", 0, _DIM))
+_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")
+
+
+def check_metadata(md: Mapping[str, Any]) -> None:
+  """Raises JaxvtError, naming the key, for metadata from_gguf_metadata cannot build a config
+  from: an unsupported architecture, a number of the wrong type or out of range, a value that
+  is not finite, more trunk layers than blocks."""
+  arch = md.get("general.architecture")
+  if arch not in ARCHITECTURES:
+    raise JaxvtError(f"unsupported architecture {escape(repr(arch), 60)}: jaxvt runs "
+                     f"{', '.join(ARCHITECTURES)}")
+  fix = "the file is corrupt or not a model file; re-convert it"
+  for key, lo, hi in _INT_KEYS:
+    v = md.get(f"{arch}.{key}")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+      raise JaxvtError(f"GGUF metadata '{arch}.{key}' is {escape(repr(v), 60)}, not a whole "
+                       f"number in {lo}..{hi}; {fix}")
+  for key in _FLOAT_KEYS:
+    v = md.get(f"{arch}.{key}")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                          not 0 <= v < float("inf")):
+      raise JaxvtError(f"GGUF metadata '{arch}.{key}' is {escape(repr(v), 60)}, not a finite "
+                       f"number >= 0; {fix}")
+  blocks, nextn = md.get(f"{arch}.block_count"), md.get(f"{arch}.nextn_predict_layers", 0)
+  if isinstance(blocks, int) and nextn >= blocks:
+    raise JaxvtError(f"GGUF metadata gives {blocks} blocks of which {nextn} are MTP layers, "
+                     f"leaving no trunk; {fix}")
+  heads = md.get(f"{arch}.attention.head_count")
+  kv = md.get(f"{arch}.attention.head_count_kv", heads)
+  if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+    raise JaxvtError(f"GGUF metadata gives {heads} attention heads for {kv} KV heads, which do "
+                     f"not divide them; {fix}")
+  d_model = md.get(f"{arch}.embedding_length")
+  head_dim = md.get(f"{arch}.attention.key_length",
+                    d_model // heads if isinstance(d_model, int) and isinstance(heads, int)
+                    else None)
+  rope = md.get(f"{arch}.rope.dimension_count")
+  if isinstance(rope, int) and isinstance(head_dim, int) and (rope > head_dim or rope % 2):
+    raise JaxvtError(f"GGUF metadata gives {rope} rotary dimensions for heads of {head_dim}: "
+                     f"not an even number up to the head size; {fix}")
+  used, experts = md.get(f"{arch}.expert_used_count", 0), md.get(f"{arch}.expert_count", 0)
+  if used > experts or (experts and not used):
+    raise JaxvtError(f"GGUF metadata routes each token to {used} of {experts} experts; {fix}")
+  recurrent = md.get(f"{arch}.attention.recurrent_layers")
+  if recurrent is not None and not (isinstance(recurrent, list) and all(
+      isinstance(r, (bool, int)) for r in recurrent)):
+    raise JaxvtError(f"GGUF metadata '{arch}.attention.recurrent_layers' is not an array of "
+                     f"flags; {fix}")
+  for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+    v = md.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+      raise JaxvtError(f"GGUF metadata '{key}' is {escape(repr(v), 60)}, not a token id; {fix}")
+
+
 def _req(md: Mapping[str, Any], key: str):
   if key not in md:
     raise JaxvtError(f"GGUF metadata lacks '{key}': the file is incomplete or not a model file; "
@@ -118,6 +187,7 @@ def from_gguf_metadata(md: Mapping[str, Any],
   arch = md.get("general.architecture")
   if arch not in ARCHITECTURES:
     raise JaxvtError(f"unsupported architecture '{arch}': jaxvt runs {', '.join(ARCHITECTURES)}")
+  check_metadata(md)
   p = arch + "."
   g = lambda k, d=None: md.get(p + k, d)
   n_blocks = int(_req(md, p + "block_count"))

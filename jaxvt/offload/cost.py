@@ -172,5 +172,5 @@ def auto_budget(plan: Plan, facts: memory.DeviceFacts, rates: Rates, cfg: ModelC
   else:
     why = f"predicted fastest on these rates (the smallest safe, {ceil_gib(safe):.1f} GiB, is slower)"
   reason = (f"--offload-gb auto: {ceil_gib(best):.1f} GiB, {why}; predicted "
-            f"{pred.tokens_per_s:.1f} tok/s ({rates.source.split(':')[0]})")
+            f"{pred.tokens_per_s:.1f} tok/s (an estimate from rates {rates.source.split(':')[0]})")
   return AutoBudget(best, first, pred, reason)

@@ -43,12 +43,18 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.2f} GiB"
 
 
+_FREED = ("this host-tier buffer was freed (its HostTier was closed); load the weights again "
+          "with a new HostTier")
+
+
 class HostBuffer:
-  """One host-tier allocation. `array` is a writable uint8 numpy view of its `nbytes` bytes."""
+  """One host-tier allocation. `array` is a writable uint8 numpy view of its `nbytes` bytes.
+  Once freed, `array`, `host_address` and `device_address` raise JaxvtError: an address of
+  freed memory is never handed out."""
 
   def __init__(self, host_address: int, device_address: int, nbytes: int):
-    self.host_address = host_address
-    self.device_address = device_address
+    self._host_address = host_address
+    self._device_address = device_address
     self.nbytes = nbytes
     self._array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(host_address),
                                 dtype=np.uint8)
@@ -57,12 +63,23 @@ class HostBuffer:
   @property
   def array(self) -> np.ndarray:
     if self.closed:
-      raise JaxvtError("this host-tier buffer was freed (its HostTier was closed); load the "
-                       "weights again with a new HostTier")
+      raise JaxvtError(_FREED)
     return self._array
 
+  @property
+  def host_address(self) -> int:
+    if self.closed:
+      raise JaxvtError(_FREED)
+    return self._host_address
+
+  @property
+  def device_address(self) -> int:
+    if self.closed:
+      raise JaxvtError(_FREED)
+    return self._device_address
+
   def __repr__(self) -> str:
-    state = "freed" if self.closed else f"device_address=0x{self.device_address:x}"
+    state = "freed" if self.closed else f"device_address=0x{self._device_address:x}"
     return f"HostBuffer(nbytes={self.nbytes}, {state})"
 
 
@@ -75,7 +92,7 @@ def _free_all(records: list, gpu: bool, lock: threading.Lock) -> None:
       if not buf.closed:
         buf.closed = True
         buf._array = None
-        ext.host_free(buf.host_address, gpu)
+        ext.host_free(buf._host_address, gpu)  # pylint: disable=protected-access
 
 
 class HostTier:
@@ -161,12 +178,23 @@ class HostTier:
 
 
 class ManagedBuffer:
-  """Managed (unified) memory; freed by close() / garbage collection / exit."""
+  """Managed (unified) memory; freed by close() / garbage collection / exit. Once freed,
+  `address` raises JaxvtError."""
 
   def __init__(self, address: int, nbytes: int):
-    self.address = address
+    self._address = address
     self.nbytes = nbytes
     self._finalizer = weakref.finalize(self, _ext().managed_free, address)
+
+  @property
+  def closed(self) -> bool:
+    return not self._finalizer.alive
+
+  @property
+  def address(self) -> int:
+    if self.closed:
+      raise JaxvtError("this managed buffer was freed; allocate a new one")
+    return self._address
 
   def close(self) -> None:
     self._finalizer()

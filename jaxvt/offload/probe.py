@@ -11,9 +11,13 @@ Arms (GB/s = 1e9 bytes/s):
                 rate stays flat)
 
 The first three and `managed` call the nanobind extension `jaxvt.ffi._jaxvt_ffi`; this module
-imports without it and says at run time what is missing. Results are cached as JSON at
+imports without it and says at run time what is missing. On the CPU backend host and "device"
+memory are the same DRAM: there is no link, so the DMA, streaming and managed arms are not run
+(a host-to-host memcpy timed as "DMA" reads petabytes per second) and a note says so. Results
+are cached as JSON, with the time they were taken, at
 `~/.cache/jaxvt/probe-<platform>-<device_kind>.json`; `load_rates` returns them, or the
-platform's defaults when there is no cache, and `Rates.source` says which.
+platform's defaults when there is no cache, and `Rates.source` says which, and when.
+`python -m jaxvt.offload.probe` prints a table (`--json`: the cache's JSON).
 This is the one module of jaxvt.offload that touches a JAX device.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import datetime
 import importlib
 import json
 import os
@@ -35,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvt import inputs
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
@@ -76,6 +82,7 @@ class ProbeResult:
   managed_migrates: bool | None = None  # None: no managed allocator on this build/device
   launch_us: float | None = None
   notes: tuple[str, ...] = ()
+  measured_at: str | None = None  # when run_probe ran: "YYYY-MM-DD HH:MM UTC"
 
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
@@ -110,12 +117,15 @@ def rates_from_probe(r: ProbeResult, source: str) -> cost.Rates:
   d = cost.default_rates(r.platform)
   defaulted = [n for n, v in (("host GEMV", r.host_gemv_gbps), ("device GEMV", r.device_gemv_gbps),
                               ("launch", r.launch_us)) if not v]
-  note = f" (defaults for {', '.join(defaulted)})" if defaulted else ""
+  note = f"; defaults for {', '.join(defaulted)}" if defaulted else ""
+  when = r.measured_at or "at an unknown time"
   return cost.Rates(
       platform=r.platform, device_read_gbps=r.device_gemv_gbps or d.device_read_gbps,
       host_read_gbps=r.host_gemv_gbps or d.host_read_gbps, launch_us=r.launch_us or d.launch_us,
       dma_h2d_gbps=r.dma_h2d_gbps, zero_copy_gbps=r.zero_copy_gbps,
-      managed_migrates=r.managed_migrates, source=f"measured: {source}{note}",
+      managed_migrates=r.managed_migrates,
+      source=f"measured {when} on {r.device_kind or r.platform}: python -m jaxvt.offload.probe, "
+             f"cached in {source}{note}",
       op_us=d.op_us, step_ms=d.step_ms)
 
 
@@ -242,16 +252,19 @@ def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
   platform = platform_of(device)
   ext = _extension()
   notes = []
-  kw = {}
-  kw["dma_h2d_gbps"] = float(ext.measure_dma_h2d(nbytes, iters))
-  kw["zero_copy_gbps"] = float(ext.measure_zero_copy_read(nbytes, iters))
-  managed = ext.measure_managed(nbytes)
-  if managed is None:
-    notes.append("no managed allocator: placement never uses managed memory")
+  kw = {"measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+  if platform == "cpu":
+    notes.append(NO_LINK)
   else:
-    first, repeat = (float(v) for v in managed)
-    kw.update(managed_first_gbps=first, managed_repeat_gbps=repeat,
-              managed_migrates=managed_migrates(first, repeat, kw["dma_h2d_gbps"]))
+    kw["dma_h2d_gbps"] = float(ext.measure_dma_h2d(nbytes, iters))
+    kw["zero_copy_gbps"] = float(ext.measure_zero_copy_read(nbytes, iters))
+    managed = ext.measure_managed(nbytes)
+    if managed is None:
+      notes.append("no managed allocator: placement never uses managed memory")
+    else:
+      first, repeat = (float(v) for v in managed)
+      kw.update(managed_first_gbps=first, managed_repeat_gbps=repeat,
+                managed_migrates=managed_migrates(first, repeat, kw["dma_h2d_gbps"]))
   gemv_bytes = min(nbytes, 256 << 20)
   try:
     kw["device_gemv_gbps"] = time_qmatmul(device_qweight(gemv_bytes, device=device), iters * 5)
@@ -276,23 +289,55 @@ def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
   return ProbeResult(platform, str(device.device_kind), nbytes, notes=tuple(notes), **kw)
 
 
+NO_LINK = ("the CPU backend reads host memory as its device memory: there is no host-device "
+           "link to measure (no DMA, streaming or managed-memory rate)")
+
+
+def format_table(r: ProbeResult) -> str:
+  """The probe's result as a few aligned lines: what was read, how fast, and what it is for."""
+  def rate(v: float | None) -> str:
+    return f"{v:10.1f} GB/s" if v is not None else "  not measured"
+
+  link = "  no link (CPU)" if r.platform == "cpu" else None
+  managed = ("  not measured" if r.managed_first_gbps is None else
+             f"{r.managed_first_gbps:.1f} then {r.managed_repeat_gbps:.1f} GB/s ("
+             f"{'migrates' if r.managed_migrates else 'stays in host memory'})")
+  rows = [("pinned host -> device copy (DMA)", link or rate(r.dma_h2d_gbps)),
+          ("kernel streaming host memory", link or rate(r.zero_copy_gbps)),
+          ("managed memory, first then repeated read", link or managed),
+          ("matrix kernel reading the host tier", rate(r.host_gemv_gbps) + "  (cost model: host)"),
+          ("matrix kernel reading device memory",
+           rate(r.device_gemv_gbps) + "  (cost model: device)"),
+          ("one small kernel call", f"{r.launch_us:10.1f} us" if r.launch_us is not None
+           else "  not measured")]
+  size = (f"{r.nbytes / 2**30:.2f} GiB" if r.nbytes >= 2**30 else f"{r.nbytes / 2**20:.1f} MiB")
+  lines = [f"probe of {r.device_kind or r.platform} ({r.platform}), {size} buffers, measured "
+           f"{r.measured_at or 'at an unknown time'}"]
+  lines += [f"  {name:<42}{value}" for name, value in rows]
+  lines += [f"  note: {n}" for n in r.notes]
+  return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jaxvt.offload.probe", description=__doc__.split(
       "\n")[0])
   ap.add_argument("--bytes", type=int, default=1 << 30, help="buffer size per arm")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--cache", default=None, help="cache file (default ~/.cache/jaxvt/...)")
+  ap.add_argument("--json", action="store_true", help="print the result as the cache's JSON")
   args = ap.parse_args(argv)
   try:
+    inputs.whole("--bytes", args.bytes, 4096, 1 << 36)
+    inputs.whole("--iters", args.iters, 1, 1 << 20)
     dev = jax.devices()[0]
     r = run_probe(dev, args.bytes, args.iters)
   except JaxvtError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"jaxvt: error: {e}", file=sys.stderr)
     return e.exit_code
   path = Path(args.cache) if args.cache else cache_path(r.platform, r.device_kind)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(r.to_json(), encoding="utf-8")
-  print(r.to_json())
+  print(r.to_json() if args.json else format_table(r))
   print(f"cached at {path}")
   return 0
 

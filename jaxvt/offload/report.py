@@ -56,7 +56,7 @@ def format_plan(plan: Plan, bd: Breakdown, facts: DeviceFacts, pred: Prediction,
                f"({pred.device_read_bytes / 1e9:.3f} GB) + host {pred.host_ms:.2f} "
                f"({pred.host_read_bytes / 1e9:.3f} GB) + fixed {pred.fixed_ms:.2f} "
                f"({pred.kernel_calls} calls)")
-  lines.append(f"rates: device {rates.device_read_gbps:g} GB/s, host tier "
+  lines.append(f"rates behind the prediction: device {rates.device_read_gbps:g} GB/s, host tier "
                f"{rates.host_read_gbps:g} GB/s, launch {rates.launch_us:g} us; {rates.source}")
   if safe_budget is None:
     lines.append("safe offload budgets: none (the device is short even with everything "
