@@ -24,6 +24,7 @@ import pytest
 
 from jaxvt.bench import determinism
 from jaxvt import synth
+from jaxvt.model.presets import qwen36_35b_a3b_config
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +35,7 @@ CONFIGS = "0,2,all,auto@4,2.5@4"
 @pytest.fixture(scope="module")
 def model_path() -> str:
   if not os.path.exists(MODEL):
-    cfg = synth.qwen36_35b_a3b_config(n_nextn=0)
+    cfg = qwen36_35b_a3b_config(n_nextn=0)
     cfg = dataclasses.replace(cfg, n_layers=8, layer_types=cfg.layer_types[:8])
     part = MODEL + ".part"
     synth.write_model(part, cfg, "q4_k_m", seed=0)
