@@ -1,4 +1,4 @@
-"""The grouped routed-experts product (ops.qmatmul_grouped, qmatmul_tiled, moe_grouped) on CPU.
+"""The grouped routed-experts product (jaxvt.ffi.grouped.qmatmul_grouped, qmatmul_tiled, moe_grouped) on CPU.
 
 Contract ("bf16" arithmetic): y[t, j] = bf16(W[layer, ids[t, j]]) @ bf16(x[t] or x[t, j]), each
 weight dequantized exactly (gguf-py's floats) and rounded to bf16, as is each activation; sums in
@@ -9,9 +9,9 @@ check the kernel against
   * float64 numpy on the bf16-rounded operands, with that bound (tight: one wrong element, scale
     or nibble is far outside it), and against the unrounded float64 product with the bf16 bound
     (2^-8 + 2^-17) * sum|w x| on top (the two roundings, relative 2^-9 each);
-  * the jnp reference beside the op (ops.qmatmul_grouped_ref), same bound.
+  * the jnp reference beside the op (gops.qmatmul_grouped_ref), same bound.
 Routing: ids above range are clamped, a negative id gives a zero row and reads nothing; slots
-are sorted by expert on the device (ops.group_slots) and the rows land back in slot order.
+are sorted by expert on the device (gops.group_slots) and the rows land back in slot order.
 test_grouped_gpu.py runs these tests on a GPU by overriding the `device` and `tier` fixtures.
 """
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
                                 reason="jaxvt's extension is not built (pip install -e .)")
 
 if ffi.available("cpu"):
-  from jaxvt.ffi import ops
+  from jaxvt.ffi import grouped as gops, ops
   from jaxvt.offload.host_tier import HostTier
 
 from test_ffi_cases import (ALL, BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: F401
@@ -102,13 +102,13 @@ def check(y, ref) -> None:
   assert np.all(np.abs(y - exact) <= tol_exact)
 
 
-grouped = jax.jit(lambda x, w, l, i: ops.qmatmul_grouped(x, w, l, i))
-tiled = jax.jit(lambda x, w, l: ops.qmatmul_tiled(x, w, l))
+grouped = jax.jit(lambda x, w, l, i: gops.qmatmul_grouped(x, w, l, i))
+tiled = jax.jit(lambda x, w, l: gops.qmatmul_tiled(x, w, l))
 
 
 def test_group_slots_sorts_by_expert(rng, device):
   ids = routing(rng)
-  order, offsets = jax.jit(ops.group_slots, static_argnums=1)(put(ids, device), E)
+  order, offsets = jax.jit(gops.group_slots, static_argnums=1)(put(ids, device), E)
   order, offsets = np.asarray(order), np.asarray(offsets)
   flat = ids.reshape(-1)
   key = np.where(flat < 0, E, np.minimum(flat, E - 1))
@@ -126,7 +126,7 @@ def test_grouped_formats(fmt, per_slot, rng, device, ulps):
   y = np.asarray(grouped(put(x, device), put(s.w, device), 1, put(ids, device)))
   check(y, grouped_ref(x, s.mats[1], ids, ulps))
   assert not y[3, 1].any() and not y[7, 0].any()  # routed nowhere: exactly 0
-  ref = np.asarray(jax.jit(ops.qmatmul_grouped_ref)(put(x, device), put(s.w, device), 1,
+  ref = np.asarray(jax.jit(gops.qmatmul_grouped_ref)(put(x, device), put(s.w, device), 1,
                                                     put(ids, device)))
   check(ref, grouped_ref(x, s.mats[1], ids, ulps))
 
@@ -173,7 +173,7 @@ def test_grouped_host_tier_bitwise_equal_to_device_tier(rng, device, tier, ulps)
 
   @jax.jit
   def scan(w):
-    body = lambda c, l: (c, ops.qmatmul_grouped(x, w, l, ids))
+    body = lambda c, l: (c, gops.qmatmul_grouped(x, w, l, ids))
     return jax.lax.scan(body, None, jnp.arange(len(fmts), dtype=jnp.int32))[1]
 
   outs = [np.asarray(scan(put(v.w, device))) for v in variants]
@@ -194,7 +194,7 @@ def test_tiled_dense(fmt, lead, rng, device, tier, ulps):
   want = grouped_ref(x.reshape(-1, COLS), s.mats[1], ids, ulps)
   check(y.reshape(-1, 1, ROWS), want)
   np.testing.assert_array_equal(np.asarray(tiled(put(x, device), put(d.w, device), 1)), y)
-  ref = jax.jit(ops.qmatmul_tiled_ref)(put(x, device), put(d.w, device), 1)
+  ref = jax.jit(gops.qmatmul_tiled_ref)(put(x, device), put(d.w, device), 1)
   check(np.asarray(ref).reshape(-1, 1, ROWS), want)
 
 
@@ -210,8 +210,8 @@ def test_moe_grouped(rng, device):
   ids[5, 2] = -1
   gate = rng.uniform(0, 1, (t, k)).astype(np.float32)
   args = put((x, wg.w, wu.w, wd.w, 0, ids, gate), device)
-  out = np.asarray(jax.jit(ops.moe_grouped)(*args))
-  ref = np.asarray(jax.jit(ops.moe_grouped_ref)(*args))
+  out = np.asarray(jax.jit(gops.moe_grouped)(*args))
+  ref = np.asarray(jax.jit(gops.moe_grouped_ref)(*args))
   want = np.zeros((t, d))
   bf = lambda a: _bf16(a).astype(np.float64)
   for i in range(t):
@@ -236,8 +236,8 @@ def test_grouped_user_errors(rng):
   s = make_stack(rng, [Q4_K], ROWS, COLS, experts=E)
   dense = make_stack(rng, [Q4_K], ROWS, COLS)
   with pytest.raises(JaxvtError, match="stacked-experts"):
-    ops.qmatmul_grouped(np.zeros((2, COLS), np.float32), dense.w, 0, np.zeros((2, 1), np.int32))
+    gops.qmatmul_grouped(np.zeros((2, COLS), np.float32), dense.w, 0, np.zeros((2, 1), np.int32))
   with pytest.raises(JaxvtError, match="must be"):
-    ops.qmatmul_grouped(np.zeros((2, COLS + 32), np.float32), s.w, 0, np.zeros((2, 1), np.int32))
+    gops.qmatmul_grouped(np.zeros((2, COLS + 32), np.float32), s.w, 0, np.zeros((2, 1), np.int32))
   with pytest.raises(JaxvtError, match="qmatmul_tiled got a stacked-experts"):
-    ops.qmatmul_tiled(np.zeros((2, COLS), np.float32), s.w, 0)
+    gops.qmatmul_tiled(np.zeros((2, COLS), np.float32), s.w, 0)

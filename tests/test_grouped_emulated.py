@@ -186,7 +186,7 @@ def kernel(request, tmp_path_factory):
 def run(lib, x: np.ndarray, s, layer: int, ids: np.ndarray | None) -> np.ndarray:
   """The emulated kernel on stack s: experts routed by ids [T, k], or (ids None) a dense matrix
   times every row of x. -> float32 [slots, rows]."""
-  from jaxvt.ffi import ops
+  from jaxvt.ffi import grouped as gops, ops
   m = s.w.meta
   data, table, fmts = (np.ascontiguousarray(np.asarray(a)) for a in (s.w.data, s.w.table, s.w.fmts))
   xb = np.ascontiguousarray(np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16))
@@ -197,7 +197,7 @@ def run(lib, x: np.ndarray, s, layer: int, ids: np.ndarray | None) -> np.ndarray
   else:
     slots = ids.size
     order, offsets = (np.ascontiguousarray(np.asarray(a))
-                      for a in ops.group_slots(jnp.asarray(ids), m.experts))
+                      for a in gops.group_slots(jnp.asarray(ids), m.experts))
   y = np.full((slots, m.rows), np.nan, np.float32)
   rc = lib.run_grouped(data.ctypes.data, data.shape[1], table.ctypes.data, fmts.ctypes.data,
                        len(fmts), layer, xb.ctypes.data, slots // xb.shape[0], order.ctypes.data,

@@ -59,7 +59,7 @@ def test_gpu_kernel_equals_cpu_backend(fmt, rng, device, tier, ulps):
   """Every format: the GPU kernel against the CPU backend's kernel and jnp reference on the same
   operands (within the float32-sum bound), and a host-tier copy of the layer against its
   device-tier copy, bit for bit."""
-  from jaxvt.ffi import ops
+  from jaxvt.ffi import grouped as gops, ops
   cpu = jax.devices("cpu")[0]
   n, rows, cols, t, k = 16, 80, 1024, 96, 4
   dev = make_stack(rng, [Q4_K, fmt], rows, cols, experts=n)
@@ -72,7 +72,7 @@ def test_gpu_kernel_equals_cpu_backend(fmt, rng, device, tier, ulps):
   h = np.asarray(grouped(put(x, device), put(host.w, device), 1, put(ids, device)))
   np.testing.assert_array_equal(h, g)
   c = np.asarray(grouped(put(x, cpu), put(dev.w, cpu), 1, put(ids, cpu)))
-  r = np.asarray(jax.jit(ops.qmatmul_grouped_ref)(put(x, cpu), put(dev.w, cpu), 1, put(ids, cpu)))
+  r = np.asarray(jax.jit(gops.qmatmul_grouped_ref)(put(x, cpu), put(dev.w, cpu), 1, put(ids, cpu)))
   _, tol, _, _ = want
   assert np.all(np.abs(g - c) <= 2 * tol) and np.all(np.abs(g - r) <= 2 * tol)
 

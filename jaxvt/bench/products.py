@@ -4,10 +4,10 @@ For each dense matrix shape of Qwen3.6-35B-A3B (rows x cols: 2048x512, 512x2048,
 2048x4096, 4096x2048) in Q4_K and Q6_K, with the layers in the device tier and in the host tier,
 it times one layer's product with x of 1 ... 512 rows three ways, each as the model runs it
 (layers.linear under an Exec that forces the path): "matvec" (ops.qmatmul, the weights read in
-place once per 16 rows), "tiled" (ops.qmatmul_tiled: once per 32 rows, tensor cores) and
+place once per 16 rows), "tiled" (grouped.qmatmul_tiled: once per 32 rows, tensor cores) and
 "staged" (ops.qdequant to bf16, then XLA's GEMM). The routed experts (256 experts, top 8,
 gate/up 512 x 2048 with x per token, down 2048 x 512 with x per slot) are timed the same way for
-1 ... 512 tokens: "matvec" (ops.qmatmul_experts), "grouped" (ops.qmatmul_grouped) and "staged"
+1 ... 512 tokens: "matvec" (ops.qmatmul_experts), "grouped" (grouped.qmatmul_grouped) and "staged"
 (every expert of the layer dequantized to bf16, then jax.lax.ragged_dot over the sorted slots).
 
 Times are ms per layer: the best of a few runs of one jitted lax.scan over L copies of the layer
@@ -27,7 +27,7 @@ import numpy as np
 from jaxvt import ffi
 from jaxvt.bench import kernels as kb
 from jaxvt.bench import report
-from jaxvt.ffi import ops
+from jaxvt.ffi import grouped, ops
 from jaxvt.model import layers
 from jaxvt.model.layers import Exec, Products
 from jaxvt.offload.host_tier import HostTier
@@ -115,7 +115,7 @@ def _expert_stack(raw: np.ndarray, fmt: int, rows: int, cols: int, n_layers: int
 
 def _staged_experts(x, w: QWeight, l, ids):
   """Every expert of the layer as bf16 (qdequant), the slots sorted by expert, ragged_dot."""
-  order, offsets = ops.group_slots(ids, w.meta.experts)
+  order, offsets = grouped.group_slots(ids, w.meta.experts)
   xs = x.reshape(-1, w.meta.cols) if x.ndim == 3 else x
   xs = xs[order // (ids.size // xs.shape[0])].astype(jnp.bfloat16)
   sizes = jnp.diff(offsets)
@@ -131,7 +131,7 @@ def experts(rng, device, tiers: tuple[str, ...]) -> tuple[list[str], list[dict]]
            "|---|---|" + "---|" * len(ROWS)]
   found = []
   paths = {"matvec": lambda x, w, l, i: ops.qmatmul_experts(x, w, l, i, "f32"),
-           "grouped": lambda x, w, l, i: ops.qmatmul_grouped(x, w, l, i),
+           "grouped": lambda x, w, l, i: grouped.qmatmul_grouped(x, w, l, i),
            "staged": _staged_experts}
   for tier_name in tiers:
     for fmt, rows, cols, per_slot in EXPERT_MATS:

@@ -7,7 +7,7 @@ optional shared expert behind a sigmoid gate.
     + sigmoid(shexp_gate . x) * down_s(silu(gate_s x) * up_s x)  (shared expert, if any)
 
 The routed experts go through `jaxvt.ffi.ops.moe_experts` (kernels: reads only the routed
-experts' bytes, from either memory tier; for many slots on a GPU `ops.moe_grouped`, the slots
+experts' bytes, from either memory tier; for many slots on a GPU `grouped.moe_grouped`, the slots
 sorted by expert and multiplied on tensor cores, Exec.products) or, without kernels, its jnp
 reference (few tokens) or a one-pass-per-expert reference (many tokens; see below). Letters:
 T tokens, k routed slots, e experts, f expert hidden, d model dim.
@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import numerics, ops
+from jaxvt.ffi import grouped, numerics, ops
 from jaxvt.gguf import quants
 from jaxvt.model import layers
 from jaxvt.model.config import ModelConfig
@@ -92,7 +92,7 @@ def _routed(ex: Exec, n_tokens: int, k: int, n_experts: int):
   with kernels, the grouped kernel (many slots on a GPU, Exec.products) or the matvec kernels;
   without, the gathered reference (few slots) or one pass per expert."""
   if ex.kernels and ex.products.experts(n_tokens * k) == "grouped":
-    return ops.moe_grouped
+    return grouped.moe_grouped
   if ex.kernels:
     fn = ops.moe_experts
   else:
