@@ -201,7 +201,6 @@ class Engine:
   check_seconds: float = 0.0  # load's XLA memory check (ahead-of-time compiles), not in load
   warmed: set = dataclasses.field(default_factory=set, repr=False)  # Engine.warm_up's record
   _closed: bool = dataclasses.field(default=False, init=False, repr=False)
-  _inflight: object = dataclasses.field(default=None, init=False, repr=False)
 
   def _check_open(self) -> None:
     if self._closed:
@@ -231,12 +230,14 @@ class Engine:
 
   def prefill_shapes(self, n: int, start: int = 0) -> tuple[tuple[int, int], ...]:
     """(T, kv_len) of each prefill_fn call that prefill makes for `n` tokens from `start`."""
+    self._check_open()
     return tuple((T, self.kv_len(start + off + T)) for off, _, T in
                  prefill_chunks(n, start, self.prefill_chunk, self.max_context))
 
   def decode_steps(self, remaining: int) -> int:
     """Steps of generate's next decode program with `remaining` tokens still to make: a power
     of two up to decode_chunk (few distinct programs, little waste)."""
+    self._check_open()
     return min(self.decode_chunk, 1 << (remaining - 1).bit_length())
 
   def decode_calls(self, first: int, max_tokens: int) -> tuple[tuple[int, int, int], ...]:
@@ -273,7 +274,6 @@ class Engine:
     args, kv_len = self._prefill_args(tokens, start, T)
     logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.prefill_ex,
                                kv_len=kv_len)
-    self._inflight = logits
     return logits[0], cache
 
   def _prefill_args(self, tokens: list[int], start: int, T: int):
@@ -294,7 +294,6 @@ class Engine:
     logits, cache = decode_fn(self.weights, cache, jnp.asarray([[token]], jnp.int32),
                               jnp.asarray([[position]], jnp.int32), cfg=self.cfg, ex=self.ex,
                               kv_len=self.kv_len(position + 1))
-    self._inflight = logits
     return logits[0], cache
 
   # ---- generation ----------------------------------------------------------------------
@@ -355,7 +354,6 @@ class Engine:
         toks, cache, key = decode_loop_fn(
             self.weights, cache, jnp.asarray([nxt], jnp.int32), jnp.int32(pos), key,
             cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + n), params=sampling, steps=n)
-        self._inflight = toks
         pending = np.asarray(toks)[:, 0].tolist()
         stats.decode_steps += n
       nxt = pending.pop(0)
@@ -372,6 +370,7 @@ class Engine:
     """Token ids of `prompt` (text, wrapped in the chat template with `chat`, or ids as given),
     checked as the CLI checks its flags (jaxvt.inputs): text must be valid UTF-8 (str, or UTF-8
     bytes), ids must be in the vocabulary."""
+    self._check_open()
     if isinstance(prompt, (str, bytes, bytearray, memoryview)):
       prompt = inputs.text(prompt)
       if chat:
@@ -390,7 +389,9 @@ class Engine:
     chunk, the first token's sampling, and each decode program (decode_calls). Runs nothing on
     the model. Returns the seconds it took; 0 when this engine has them all. generate calls it
     first, so that its prefill and decode times hold no compile."""
-    n = prompt_tokens
+    self._check_open()
+    n = inputs.whole("prompt_tokens", prompt_tokens, 1, inputs.INT32_MAX)
+    max_tokens = inputs.max_tokens(max_tokens)
     if n > self.max_context:
       self.prefill([0] * n)  # raises the prompt-too-long error
     pre = ("prefill", self.prefill_shapes(n), sampling)
@@ -434,6 +435,7 @@ class Engine:
     prompts change length pays no compile later (each bucket compiles once, or loads from the
     compilation cache). With `background` it runs on a thread (XLA compiles without holding
     the GIL; nothing runs on the device) and returns the thread; else the seconds it took."""
+    self._check_open()
     lengths = sorted({min(b, self.max_context) for b in PREFILL_BUCKETS})  # one per bucket
 
     def work() -> float:
@@ -454,12 +456,14 @@ class Engine:
     if self._closed:
       return
     self._closed = True
-    try:
-      if self._inflight is not None:
-        jax.block_until_ready(self._inflight)
-    except Exception:  # deleted or donated since: nothing of it is running
-      pass
-    self._inflight = None
+    # Every computation dispatched so far has its outputs among the live arrays, also one
+    # dispatched an instant before an interrupt closed the engine (before generate could note
+    # it): waiting for them all means no kernel still reads the host tier when it is freed.
+    for a in jax.live_arrays():
+      try:
+        a.block_until_ready()
+      except Exception:  # deleted or donated since: nothing of it is running
+        pass
     weights, self.weights = self.weights, ClosedWeights(self.path)
     for leaf in jax.tree_util.tree_leaves(weights):
       if isinstance(leaf, jax.Array) and not leaf.is_deleted():

@@ -56,6 +56,10 @@ def test_every_engine_method_refuses_after_close():
            "new_cache": e.new_cache, "prefill": lambda: e.prefill([1, 2, 3]),
            "decode_step": lambda: e.decode_step(cache, 1, 0), "kv_len": lambda: e.kv_len(5),
            "with": lambda: e.__enter__(), "weights[...]": lambda: e.weights["embed"],
+           "encode_prompt": lambda: e.encode_prompt("Hello"), "warm_up": lambda: e.warm_up(4),
+           "warm_up_buckets": lambda: e.warm_up_buckets(background=False),
+           "prefill_shapes": lambda: e.prefill_shapes(4), "decode_calls":
+           lambda: e.decode_calls(4, 8),
            "iterate weights": lambda: list(e.weights)}
   for name, call in calls.items():
     with pytest.raises(JaxvtError, match="closed"):
