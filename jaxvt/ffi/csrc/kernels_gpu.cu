@@ -14,7 +14,7 @@ namespace {
 
 // grid.y: batch group g covers rows [g*BT, g*BT + BT) of x / y. Each warp of the block (blockDim.x
 // / 32 of them: fewer for small matrices, so the rows spread over every SM) has its own slot of
-// the dynamic shared memory; the block's staged activation rows (XM) follow the slots.
+// the dynamic shared memory; the block's held activation rows (XM) follow the slots.
 template <int BT>
 __device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t batch, float* y,
                                                int64_t rows, int64_t cols) {
@@ -37,22 +37,22 @@ __device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t batch, fl
   return R;
 }
 
-// The block's activations as XM says (matvec.cuh): staged float32 rows (the loads in flight while
+// The block's activations as XM says (matvec.cuh): held float32 rows (the loads in flight while
 // the layer's address is read), quantized rows for a quantized format under ggml's arithmetic, or
 // nothing (read from global memory).
 template <int BT, int XM>
-__device__ __forceinline__ LayerRef stage_and_resolve(const WeightArgs& w, Rows<BT>& R, uint4* after_slots) {
+__device__ __forceinline__ LayerRef hold_and_resolve(const WeightArgs& w, Rows<BT>& R, uint4* after_slots) {
   XLoad xl;
-  if (XM == 1) xl = stage_x_load<BT>(R, R.nb);
+  if (XM == 1) xl = hold_x_load<BT>(R, R.nb);
   const LayerRef L = layer_ref(w);
   const bool quantized = L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16;
   if (XM == 1 || (XM == 2 && !quantized)) {
     float4* xs = reinterpret_cast<float4*>(after_slots);
-    stage_x_store<BT>(xs, XM == 1 ? xl : stage_x_load<BT>(R, R.nb), R, R.nb);
+    hold_x_store<BT>(xs, XM == 1 ? xl : hold_x_load<BT>(R, R.nb), R, R.nb);
     R.xs = xs;
   } else if (XM == 2) {
     uint8_t* xq = reinterpret_cast<uint8_t*>(after_slots);
-    stage_xq<BT>(xq, R, R.nb, act_type(L.fmt));
+    hold_xq<BT>(xq, R, R.nb, act_type(L.fmt));
     R.xq = xq;
   }
   return L;
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(Wei
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = dense_rows<BT>(x, batch, y, rows, cols);
-  const LayerRef L = stage_and_resolve<BT, XM>(w, R, smem_slots + wpb * kSlotU4);
+  const LayerRef L = hold_and_resolve<BT, XM>(w, R, smem_slots + wpb * kSlotU4);
   matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                      static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
 }
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kern
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
   Rows<BT> R = dense_rows<BT>(x, batch, m.y[i], m.rows[i], cols);
-  const LayerRef L = stage_and_resolve<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4);
+  const LayerRef L = hold_and_resolve<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4);
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
   matvec_fmt<BT, XM>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
                      (m.block0[i + 1] - m.block0[i]) * wpb);
@@ -193,11 +193,11 @@ __global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t n, unsig
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
-// The streaming read through the Hopper bulk-copy engine: each block keeps kStages chunks of
+// The streaming read through the Hopper bulk-copy engine: each block keeps kBufs chunks of
 // kBulk bytes in flight (cp.async.bulk global -> shared, completion counted on an mbarrier) and
 // folds each chunk once it lands. A probe: does the copy engine of the SM read host memory over
 // the bus faster than SM loads do?
-constexpr int kBulk = 8192, kStages = 4;
+constexpr int kBulk = 8192, kBufs = 4;
 #if defined(JAXVT_GPU_CUDA)
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -207,10 +207,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p, int64_t nchunks,
                                                                unsigned* sink) {
 #if defined(JAXVT_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ alignas(128) uint4 buf[kStages][kBulk / 16];
-  __shared__ alignas(8) uint64_t bar[kStages];
+  __shared__ alignas(128) uint4 buf[kBufs][kBulk / 16];
+  __shared__ alignas(8) uint64_t bar[kBufs];
   if (threadIdx.x == 0)
-    for (int i = 0; i < kStages; ++i)
+    for (int i = 0; i < kBufs; ++i)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[i])) : "memory");
   __syncthreads();
   auto fetch = [&](int st, int64_t c) {
@@ -222,11 +222,11 @@ __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p,
   };
   const int64_t mine = nchunks > blockIdx.x ? (nchunks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   if (threadIdx.x == 0)
-    for (int i = 0; i < kStages && i < mine; ++i) fetch(i, blockIdx.x + i * static_cast<int64_t>(gridDim.x));
+    for (int i = 0; i < kBufs && i < mine; ++i) fetch(i, blockIdx.x + i * static_cast<int64_t>(gridDim.x));
   unsigned acc = 0;
   for (int64_t j = 0; j < mine; ++j) {
-    const int st = static_cast<int>(j % kStages);
-    const uint32_t parity = static_cast<uint32_t>((j / kStages) & 1), a = smem_addr(&bar[st]);
+    const int st = static_cast<int>(j % kBufs);
+    const uint32_t parity = static_cast<uint32_t>((j / kBufs) & 1), a = smem_addr(&bar[st]);
     uint32_t done = 0;
     while (!done)
       asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; "
@@ -235,9 +235,9 @@ __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p,
       const uint4 v = buf[st][i];
       acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
-    __syncthreads();  // every thread is done with the stage before it is refilled
-    if (threadIdx.x == 0 && j + kStages < mine)
-      fetch(st, blockIdx.x + (j + kStages) * static_cast<int64_t>(gridDim.x));
+    __syncthreads();  // every thread is done with the buffer before it is refilled
+    if (threadIdx.x == 0 && j + kBufs < mine)
+      fetch(st, blockIdx.x + (j + kBufs) * static_cast<int64_t>(gridDim.x));
   }
   if (acc == 0x9e3779b9u) atomicAdd(sink, 1u);
 #else
@@ -268,8 +268,8 @@ namespace {
 constexpr int64_t kSlotBytes = kSlotU4 * sizeof(uint4);  // shared memory per warp
 
 // How a qmatmul launch runs: rows per pass (BT), warps per block, dynamic shared memory, and how
-// the activations are read (XM, matvec.cuh). ggml's arithmetic stages quantized rows, 4 at most
-// per pass; float32 stages rows (at most 4) when they fit and reads them from global memory
+// the activations are read (XM, matvec.cuh). ggml's arithmetic holds quantized rows, 4 at most
+// per pass; float32 holds rows (at most 4) when they fit and reads them from global memory
 // otherwise: the values are the same either way, so the bits are too.
 struct Launch {
   int bt, wpb, xm;
@@ -303,9 +303,9 @@ Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small, 
     l.smem = slots + l.bt * row;
     return l;
   }
-  const int64_t staged = slots + l.bt * xs_stride(cols) * 16;
-  l.xm = l.bt <= 4 && staged <= allowed ? 1 : 0;
-  l.smem = l.xm ? staged : slots;
+  const int64_t held = slots + l.bt * xs_stride(cols) * 16;
+  l.xm = l.bt <= 4 && held <= allowed ? 1 : 0;
+  l.smem = l.xm ? held : slots;
   return l;
 }
 

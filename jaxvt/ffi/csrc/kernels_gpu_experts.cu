@@ -19,7 +19,7 @@ __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? 
 // grid.y: (matrix m, slot s) = (y / slots, y % slots); m picks w0 / y0 or w1 / y1 (two stacks of
 // the same shape that read the same x: a MoE's gate and up). The first slot routed to an expert
 // owns it and serves every slot routed to it, BT at a time; the other slots' blocks exit at once.
-// Non-routed experts are never touched. Each group's activation rows are staged in dynamic
+// Non-routed experts are never touched. Each group's activation rows are held in dynamic
 // shared memory as XM says (matvec.cuh) before the warps stream the expert.
 // Routed ids are cached in shared memory for calls of up to this many slots (decode and short
 // prompts); larger calls read them from global memory.
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
   // Every thread of the block runs the same group loop (it depends on ids only), so the
   // barriers below are reached uniformly.
   for (int64_t pos = s; pos < slots;) {
-    __syncthreads();  // the previous group's readers are done with `served` and the staged rows
+    __syncthreads();  // the previous group's readers are done with `served` and the held rows
     if (threadIdx.x == 0) {
       int n = 0;
       for (int64_t t = pos; t < slots && n < BT; ++t)
@@ -92,10 +92,10 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     __syncthreads();
     R.nb = served_n;
     if (XM == 1 || (XM == 2 && !quantized)) {
-      stage_x_store<BT>(xs_dyn, stage_x_load<BT>(R, R.nb), R, R.nb);
+      hold_x_store<BT>(xs_dyn, hold_x_load<BT>(R, R.nb), R, R.nb);
       R.xs = xs_dyn;
     } else if (XM == 2) {
-      stage_xq<BT>(reinterpret_cast<uint8_t*>(xs_dyn), R, R.nb, act_type(L.fmt));
+      hold_xq<BT>(reinterpret_cast<uint8_t*>(xs_dyn), R, R.nb, act_type(L.fmt));
       R.xq = reinterpret_cast<const uint8_t*>(xs_dyn);
     }
     pos = static_cast<int64_t>(served[R.nb - 1]) + 1;
@@ -124,8 +124,8 @@ gpuError_t launch(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArg
   return gpuGetLastError();
 }
 
-// The activation rows are staged in shared memory when they fit (at most 4 per group): as
-// float32 rows, or quantized under ggml's arithmetic (which needs them staged).
+// The activation rows are held in shared memory when they fit (at most 4 per group): as
+// float32 rows, or quantized under ggml's arithmetic (which needs them held).
 template <int BT>
 gpuError_t launch_bt(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
                      const float* x, bool x_per_slot, const int32_t* ids, int64_t slots, int64_t k,

@@ -18,7 +18,9 @@
 //     cover PCIe latency; runs go round-robin over the warps, so the grid's size never depends on
 //     the format.
 // Both tiers take the same path (reading device-tier layers directly from HBM, without the
-// staging, measured no faster on the H200: docs/BENCHMARKS.md), so both give the same bits.
+// shared-memory windows, measured no faster on the H200: docs/BENCHMARKS.md), so both give the
+// same bits. Two arithmetics (XM below): float32 (dequantize, float32 dot) and ggml's (activations
+// quantized in shared memory to the format's vec-dot type, integer dots per 32-element unit).
 // Accumulation is float32 throughout. Batches above 16 rows re-stream the weights once per group
 // of 16 rows (grid.y); large-batch prefill should stage weights with qdequant instead.
 #ifndef JAXVT_FFI_CSRC_MATVEC_CUH_
@@ -85,7 +87,8 @@ struct Traits {
 };
 
 // Which activation / output rows a warp works on: dense rows b0 + b, or routed slots.
-// xs: when not null, the block's activation rows staged in shared memory (stage_x below), read
+// xs: when not null, the block's activation rows held in shared memory (hold_x_load /
+// hold_x_store below), read
 // there instead of from global memory; both give the same values, so the same bits.
 template <int BT>
 struct Rows {
@@ -98,9 +101,9 @@ struct Rows {
   int x_per_slot;    // experts: x holds one row per slot
   int dense;
   const int32_t* slot;  // experts: the slots served (shared memory, BT entries)
-  const float4* xs;     // staged rows (or null), xs_stride float4 per row
+  const float4* xs;     // held rows (or null), xs_stride float4 per row
   int64_t xs_stride;
-  const uint8_t* xq;    // ggml arithmetic: quantized staged rows (stage_xq), xq_stride bytes each
+  const uint8_t* xq;    // ggml arithmetic: quantized held rows (hold_xq), xq_stride bytes each
   int64_t xq_stride, xq_upad;
   __device__ __forceinline__ const float* xrow(int b) const {
     const int64_t r = dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
@@ -109,9 +112,9 @@ struct Rows {
   __device__ __forceinline__ float* yrow(int b) const { return y + (dense ? b0 + b : slot[b]) * rows; }
 };
 
-// Staged activations. Lane g % 32 is the only reader of unit g (32 elements) of a row, and reads
+// Activations held in shared memory. Lane g % 32 is the only reader of unit g (32 elements) of a row, and reads
 // it as 8 float4; reading it from global memory puts the 32 lanes of a warp on 32 different cache
-// lines per load. Staged here, float4 c (0..7) of unit g sits at ((g / 32) * 8 + c) * 32 + g % 32,
+// lines per load. Held in shared memory, float4 c (0..7) of unit g sits at ((g / 32) * 8 + c) * 32 + g % 32,
 // so a warp's load is 32 consecutive float4 (no bank conflict) and every warp of the block
 // shares one copy.
 __host__ __device__ __forceinline__ int64_t xs_stride(int64_t cols) {
@@ -119,8 +122,8 @@ __host__ __device__ __forceinline__ int64_t xs_stride(int64_t cols) {
 }
 
 // Copies activation rows 0..nb-1 of R into xs, in two parts so a kernel can do other loads (its
-// layer's address) while the first part's loads are in flight: stage_x_load issues the first
-// kXBatch float4 of each thread, stage_x_store stores them, copies the rest kXBatch at a time
+// layer's address) while the first part's loads are in flight: hold_x_load issues the first
+// kXBatch float4 of each thread, hold_x_store stores them, copies the rest kXBatch at a time
 // (each batch's loads issued before its stores) and ends with a barrier. All threads of the block
 // take part.
 constexpr int kXBatch = 4;
@@ -139,7 +142,7 @@ __device__ __forceinline__ int64_t xs_index(int64_t i, int64_t n4, int64_t st) {
 }
 
 template <int BT>
-__device__ __forceinline__ XLoad stage_x_load(const Rows<BT>& R, int nb) {
+__device__ __forceinline__ XLoad hold_x_load(const Rows<BT>& R, int nb) {
   XLoad l;
   const int64_t n4 = R.cols / 4, total = nb * n4;
 #pragma unroll
@@ -151,7 +154,7 @@ __device__ __forceinline__ XLoad stage_x_load(const Rows<BT>& R, int nb) {
 }
 
 template <int BT>
-__device__ __forceinline__ void stage_x_store(float4* xs, const XLoad& first, const Rows<BT>& R,
+__device__ __forceinline__ void hold_x_store(float4* xs, const XLoad& first, const Rows<BT>& R,
                                               int nb) {
   const int64_t n4 = R.cols / 4, total = nb * n4, st = xs_stride(R.cols);
   const int64_t step = static_cast<int64_t>(kXBatch) * blockDim.x;
@@ -189,7 +192,7 @@ __device__ __forceinline__ void stage_x_store(float4* xs, const XLoad& first, co
 // (sums over the unit's 32 elements, Q6_K's two 16-element halves with q - 32), and a lane adds
 // its units in order as the float32 path does, so both tiers give the same bits.
 //
-// A staged quantized row (shared memory, xq_stride bytes; upad = units rounded up to 32):
+// A held quantized row (shared memory, xq_stride bytes; upad = units rounded up to 32):
 //   uint4 [upad * 2]   the q bytes: chunk c (16 bytes) of unit g at ((g / 32) * 2 + c) * 32 + g % 32
 //   float du[upad]     the unit's d (Q8_0 / Q8_1: its own, f16-rounded; Q8_K: its 256-block's)
 //   float ss[upad]     Q8_1's s
@@ -215,7 +218,7 @@ __device__ __forceinline__ int warp_isum(int v, int width = 32) {
 
 // Quantizes activation rows 0..nb-1 of R into xq (all threads of the block; ends with a barrier).
 template <int BT>
-__device__ void stage_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
+__device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int64_t nu = R.cols / 32, upad = xq_upad(R.cols), st = xq_bytes(R.cols);
   if (act < 2) {  // Q8_0 / Q8_1: a warp per 32-element block, a lane per element
@@ -360,7 +363,7 @@ __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int6
 }
 
 // acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]); XS: x_b is
-// read from the staged rows R.xs, else from global memory (the same values, so the same bits);
+// read from the held rows R.xs, else from global memory (the same values, so the same bits);
 // RX: x_b is first rounded to F16 / BF16 (ggml's arithmetic for such weights). The row's
 // unit g goes to lane g % 32, and each lane takes its units in increasing order, so a row's float32
 // order does not depend on how the row was cut into windows (nor on the tier, the address or the
@@ -421,9 +424,9 @@ __device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~ui
 //     next is read by two warps.
 //   * The next window (of this run or of the warp's next run) is loaded into registers before
 //     the warp computes on the current one.
-// XM, how a kernel reads activations: 0 float32 from global memory, 1 float32 staged in shared
-// memory (stage_x), 2 ggml's arithmetic over quantized staged rows (stage_xq; quantized formats),
-// 3 ggml's arithmetic for float formats (float32 staged rows, rounded for F16 / BF16).
+// XM, how a kernel reads activations: 0 float32 from global memory, 1 float32 held in shared
+// memory (hold_x_load / hold_x_store), 2 ggml's arithmetic over quantized held rows (hold_xq; quantized formats),
+// 3 ggml's arithmetic for float formats (float32 held rows, rounded for F16 / BF16).
 template <int F, int BT, int XM>
 __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
@@ -530,7 +533,7 @@ __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, i
 template <int BT, int XM>
 __device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, const Rows<BT>& R, int64_t rows,
                            int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
-  // ggml's arithmetic takes float formats' activations as staged float32 rows (XM 3).
+  // ggml's arithmetic takes float formats' activations as held float32 rows (XM 3).
   constexpr int XF = XM == 2 ? 3 : XM;
 #define JV_CASE(F, X) \
   case F: matvec<F, BT, X>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
