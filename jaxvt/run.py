@@ -276,8 +276,7 @@ def _preflight(path: str, prompt: str, chat: bool, plan: bool) -> str:
   if not chat:
     Tokenizer.check_metadata(gf.metadata)
     return prompt
-  tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=path)
-  return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+  return Tokenizer.render_chat(gf.metadata, [{"role": "user", "content": prompt}], source=path)
 
 
 def _main(argv: list[str], interrupts: _Interrupts) -> int:

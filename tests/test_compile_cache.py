@@ -122,3 +122,26 @@ def test_warm_up_leaves_nothing_to_compile_in_generate():
       assert eng.generate([1] * n, max_tokens=4).stats.compile_seconds == 0
     assert eng.warm_up(250, 4) == eng.warm_up(300, 4) == 0.0  # the larger buckets too
     assert counter.snapshot()[0] == before[0]
+
+
+@needs_ext
+def test_first_token_before_decode_compiles():
+  """generate compiles only prefill's programs before the first token; each decode program
+  compiles when first needed (crossing a KV-cache bucket compiles the next one then), is
+  counted in compile_seconds, and a second generate of the same shape compiles nothing."""
+  from jaxvt.bench.arms import no_stops
+  counter = programs.compile_counter()
+  with no_stops(jaxvt.load(max_context=300)) as eng:
+    seen = []
+    programs_of = lambda kind: sorted(k for k in eng.warmed if k[0] == kind)
+    g = eng.generate([1] * 240, max_tokens=30, on_text=lambda _: seen.append(
+        (programs_of("prefill"), programs_of("decode"))))
+    assert seen and seen[0][0] and seen[0][1] == []  # prefill's, nothing of decode, at token 1
+    want = {kv for kv, _, _ in eng.decode_calls(240, 30)}
+    assert want == {256, 300} and {k[1] for k in programs_of("decode")} == want  # once needed
+    assert [k[1] for k in seen[-1][1]] == [256, 300]  # the second when decoding crossed 256
+    assert g.stats.compile_seconds > 0 and len(g.tokens) == 30
+    before = counter.snapshot()
+    again = eng.generate([1] * 240, max_tokens=30)
+    assert again.stats.compile_seconds == 0 and counter.snapshot()[0] == before[0]
+    assert again.tokens == g.tokens

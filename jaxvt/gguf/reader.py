@@ -151,6 +151,9 @@ class _Corrupt(Exception):
   """A header that does not hold together; open_gguf turns it into the one-line error."""
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Walk:
   """A cursor over the header bytes; every read is bounded by the file's end."""
 
@@ -176,6 +179,26 @@ class _Walk:
     self.pos += n
     return s
 
+  def strings(self, count: int, what: str, keep: bool) -> list[str] | None:
+    """`count` strings in a row (a vocabulary: tens of thousands), as `string` reads them one
+    at a time, in one tight loop."""
+    buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+    out = [] if keep else None
+    for _ in range(count):
+      if pos + 8 > size:
+        self.pos = pos
+        self.need(8, what)
+      (n,) = unpack(buf, pos)
+      pos += 8
+      if n > size - pos:
+        self.pos = pos
+        self.need(n, what)
+      if keep:
+        out.append(str(buf[pos:pos + n], "utf-8", "replace"))
+      pos += n
+    self.pos = pos
+    return out
+
   def value(self, vtype: int, what: str, keep: bool, depth: int = 0) -> Any:
     if vtype == _STRING:
       return self.string(what, keep)
@@ -197,6 +220,8 @@ class _Walk:
     if etype not in (_STRING, _ARRAY):
       raise _Corrupt(f"{what} is an array of unknown value type {etype}")
     self.need(count * 8, what)  # every element takes at least its 8-byte length
+    if etype == _STRING:
+      return self.strings(count, what, keep)
     out = [] if keep else None
     for _ in range(count):
       v = self.value(etype, what, keep, depth + 1)

@@ -147,6 +147,33 @@ def _md_bool(md: Mapping[str, Any], key: str, default: bool) -> bool:
   return default if v is None else bool(v)
 
 
+def _bos_eos(md: Mapping[str, Any], n: int) -> tuple[int | None, int | None]:
+  """The BOS and EOS ids of a vocabulary of `n` tokens: the file's, else llama.cpp's default."""
+  default = _BPE_DEFAULT_SPECIAL if _BPE_DEFAULT_SPECIAL < n else None
+  ids = [_md_int(md, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")]
+  bos, eos = (v if v is not None and 0 <= v < n else default for v in ids)
+  return bos, eos
+
+
+def _chat_template(md: Mapping[str, Any]) -> str | None:
+  template = md.get("tokenizer.chat_template")
+  return template if isinstance(template, str) and template else None
+
+
+def _render_chat(template: str | None, bos_token: str, eos_token: str,
+                 messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                 kwargs: Mapping[str, Any], source: str) -> str:
+  if template is None:
+    raise JaxvtError(f"{escape(source)} has no chat template (tokenizer.chat_template); "
+                     "pass a raw prompt instead of chat messages, or use a model file that "
+                     "carries one")
+  variables = dict(bos_token=bos_token, eos_token=eos_token)
+  variables.update(kwargs)
+  variables.update(messages=[dict(m) for m in messages],
+                   add_generation_prompt=add_generation_prompt)
+  return render_template(template, variables, source)
+
+
 def read_tokenizer_metadata(path: str) -> dict[str, Any]:
   """The `tokenizer.*` and `general.*` metadata of a GGUF file, decoded as the reader's dict
   (jaxvt.gguf.reader.read_metadata: the key/value section only; tensor data is never touched)."""
@@ -225,17 +252,10 @@ class Tokenizer:
       v = _md_int(md, f"tokenizer.ggml.{key}")
       return v if v is not None and 0 <= v < n else None
 
-    default = _BPE_DEFAULT_SPECIAL if _BPE_DEFAULT_SPECIAL < n else None
-    self.bos_id: int | None = meta_id("bos_token_id")
-    self.eos_id: int | None = meta_id("eos_token_id")
-    if self.bos_id is None:
-      self.bos_id = default
-    if self.eos_id is None:
-      self.eos_id = default
+    self.bos_id, self.eos_id = _bos_eos(md, n)
     self.add_bos = _md_bool(md, "tokenizer.ggml.add_bos_token", self.pre_tokenizer.add_bos)
     self.add_eos = _md_bool(md, "tokenizer.ggml.add_eos_token", False)
-    template = md.get("tokenizer.chat_template")
-    self.chat_template: str | None = template if isinstance(template, str) and template else None
+    self.chat_template: str | None = _chat_template(md)
 
     # llama.cpp's by-text detection: a detected token becomes control type.
     def detect(texts: Iterable[str]) -> int | None:
@@ -323,9 +343,27 @@ class Tokenizer:
   def check_metadata(md: Mapping[str, Any]) -> None:
     """Raises the JaxvtError from_gguf_metadata would raise for `md`, without building the
     tokenizer or keeping anything (jaxvt.engine.load checks a file early and builds last)."""
+    Tokenizer._checked_texts(md)
+
+  @staticmethod
+  def _checked_texts(md: Mapping[str, Any]) -> list[str]:
     tokens, types, _, pre = _vocab_metadata(md)
-    _check_vocab([t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)],
-                 types if types is not None else [NORMAL] * len(tokens), pre)
+    texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    _check_vocab(texts, types if types is not None else [NORMAL] * len(tokens), pre)
+    return texts
+
+  @staticmethod
+  def render_chat(md: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                  source: str = "the model file", add_generation_prompt: bool = True,
+                  **kwargs: Any) -> str:
+    """`from_gguf_metadata(md, source).apply_chat_template(messages, ...)`, checking the
+    metadata as check_metadata does, without building the tokenizer (the CLI renders the prompt
+    before JAX starts and builds the tokenizer once, after the weights are placed)."""
+    texts = Tokenizer._checked_texts(md)
+    bos, eos = _bos_eos(md, len(texts))
+    return _render_chat(_chat_template(md), texts[bos] if bos is not None else "",
+                        texts[eos] if eos is not None else "", messages, add_generation_prompt,
+                        kwargs, source)
 
   @classmethod
   def from_gguf(cls, path: str) -> "Tokenizer":
@@ -458,15 +496,8 @@ class Tokenizer:
     (e.g. `tools=`, `enable_thinking=`); helpers `raise_exception`, `strftime_now`, filter `tojson`.
     The result is text: encode it with parse_special=True and add_bos=None.
     """
-    if self.chat_template is None:
-      raise JaxvtError(f"{escape(self.source)} has no chat template (tokenizer.chat_template); "
-                       "pass a raw prompt instead of chat messages, or use a model file that "
-                       "carries one")
-    variables = dict(bos_token=self.bos_token, eos_token=self.eos_token)
-    variables.update(kwargs)
-    variables.update(messages=[dict(m) for m in messages],
-                     add_generation_prompt=add_generation_prompt)
-    return render_template(self.chat_template, variables, self.source)
+    return _render_chat(self.chat_template, self.bos_token, self.eos_token, messages,
+                        add_generation_prompt, kwargs, self.source)
 
 
 class StreamDecoder:
