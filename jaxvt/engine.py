@@ -12,8 +12,8 @@
     weights = place(model, placed, par, host=HostTier())   # jaxvt.loader: the weights pytree
     engine = Engine(model.cfg, exec_for(platform, kernels, par), weights, tokenizer, max_context)
 
-`prefill_fn` and `decode_fn` are pure jitted functions of (weights, cache, tokens, ...); the
-Engine only holds what they need and does the bookkeeping (buckets, positions, sampling keys).
+`prefill_fn` and `decode_fn` (jaxvt.model_fns) are pure jitted functions of (weights, cache,
+tokens, ...); the Engine only holds what they need and does the bookkeeping (buckets, positions, sampling keys).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,10 @@ from jaxvt.model.declare import UnitBytes, declare
 from jaxvt.model.layers import GPU_DEFAULT_PRODUCTS, Exec, Products
 from jaxvt.model.presets import PRESETS
 from jaxvt.model.sharding import Par
+# The jitted programs live in jaxvt.model_fns; engine.prefill_fn and the like stay importable here.
+from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
+                             decode_fn, decode_loop_fn, decode_sample_fn, prefill_chunks,
+                             prefill_fn)
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
@@ -47,96 +51,11 @@ from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import SamplingParams, sample
 
-PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-# Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
-# --max-context), so the largest prefill program, whose workspace the planner budgets and XLA's
-# memory analysis re-checks, is this many tokens, not the prompt's length.
-PREFILL_CHUNK = 2048
-KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
-DECODE_CHUNK = 16  # decode steps generate runs per device program
-
-
-def bucket(n: int, buckets: Iterable[int], cap: int) -> int:
-  """The smallest bucket >= n, capped at `cap` (which must be >= n)."""
-  for b in buckets:
-    if b >= n:
-      return min(b, cap)
-  return cap
-
-
-def prefill_chunks(n: int, start: int, chunk: int, max_context: int) -> list[tuple[int, int, int]]:
-  """The prefill calls that run n tokens from position `start` (start + n <= max_context) in
-  chunks of at most `chunk` tokens: (offset into the tokens, tokens, program length T) each, T the
-  chunk's bucket, never more than `chunk` nor past max_context."""
-  out, i = [], 0
-  while i < n:
-    m = min(chunk, n - i)
-    out.append((i, m, bucket(m, PREFILL_BUCKETS, min(chunk, max_context - start - i))))
-    i += m
-  return out
-
-
-def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_len: int,
-             valid=None, logits_at=None):
-  """decoder.forward as a shard_map over `ex.par`'s mesh (jaxvt.model.sharding; one device is
-  the 1 x 1 mesh)."""
-  return sharding.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
-                          logits_at=logits_at)
-
-
-# programs.jit: jax.jit with the compiler options `ex.deterministic` asks for (jaxvt.programs)
-@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
-def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConfig, ex: Exec,
-               kv_len: int):
-  """tokens/positions/valid [b, T]; last int32 [b] (index of each row's last real token).
-  Returns (logits float32 [b, vocab] at `last`, cache)."""
-  return _forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid, logits_at=last)
-
-
-@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
-def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int):
-  """One decode step: tokens/positions int32 [b, 1] -> (logits float32 [b, vocab], cache)."""
-  logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
-  return logits[:, 0], cache
-
-
-@programs.jit(static_argnames=("cfg", "ex", "kv_len", "params"), donate_argnames=("cache",))
-def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig, ex: Exec,
-                     kv_len: int, params: SamplingParams):
-  """decode_fn fused with sampling: returns (next tokens int32 [b], cache)."""
-  logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
-  return sample(logits[:, 0], key, params), cache
-
-
-@programs.jit(static_argnames=("cfg", "ex", "kv_len", "params", "steps"),
-              donate_argnames=("cache",))
-def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex: Exec,
-                   kv_len: int, params: SamplingParams, steps: int):
-  """`steps` decode steps in one device program, each sampling the token the next one feeds.
-
-  token int32 [b]: the last sampled token (not yet in the cache); position int32 []: where it
-  goes; key: the sampling key, split once per step as generate splits it. Returns (tokens int32
-  [steps, b]: the sampled tokens in order, cache, key). Positions past the cache are dropped, so
-  a caller stops consuming tokens at the context's end."""
-  b = token.shape[0]
-
-  def step(i, carry):
-    cache, tok, key, out = carry
-    key, sub = jax.random.split(key)
-    pos = jnp.broadcast_to(position + i, (b, 1)).astype(jnp.int32)
-    logits, cache = _forward(weights, cache, tok[:, None], pos, cfg, ex, kv_len)
-    nxt = sample(logits[:, 0], sub, params)
-    return cache, nxt, key, out.at[i].set(nxt)
-
-  out = jnp.zeros((steps, b), jnp.int32)
-  cache, _, key, out = jax.lax.fori_loop(0, steps, step, (cache, token.astype(jnp.int32), key, out))
-  return out, cache, key
-
-
 @dataclasses.dataclass
 class GenerationStats:
   """What a generate call did. The rates are steady-state: compiling the programs new to this
-  engine (Engine.warm_up, ahead of time) is `compile_seconds`, counted apart."""
+  engine (prefill's before it runs, each decode program when first needed) is
+  `compile_seconds`, counted apart."""
   prompt_tokens: int = 0
   generated_tokens: int = 0
   prefill_seconds: float = 0.0

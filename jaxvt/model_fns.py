@@ -1,0 +1,102 @@
+"""The model's jitted programs, pure functions of (weights, cache, tokens, ...): prefill_fn,
+decode_fn, decode_sample_fn and decode_loop_fn (jaxvt.engine.Engine drives them; a notebook can
+call them directly), and the bucket rules that pick their static lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jaxvt import programs
+from jaxvt.model import sharding
+from jaxvt.model.config import ModelConfig
+from jaxvt.model.layers import Exec
+from jaxvt.sampling import SamplingParams, sample
+
+PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+# Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
+# --max-context), so the largest prefill program, whose workspace the planner budgets and XLA's
+# memory analysis re-checks, is this many tokens, not the prompt's length.
+PREFILL_CHUNK = 2048
+KV_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
+DECODE_CHUNK = 16  # decode steps generate runs per device program
+
+
+def bucket(n: int, buckets: Iterable[int], cap: int) -> int:
+  """The smallest bucket >= n, capped at `cap` (which must be >= n)."""
+  for b in buckets:
+    if b >= n:
+      return min(b, cap)
+  return cap
+
+
+def prefill_chunks(n: int, start: int, chunk: int, max_context: int) -> list[tuple[int, int, int]]:
+  """The prefill calls that run n tokens from position `start` (start + n <= max_context) in
+  chunks of at most `chunk` tokens: (offset into the tokens, tokens, program length T) each, T the
+  chunk's bucket, never more than `chunk` nor past max_context."""
+  out, i = [], 0
+  while i < n:
+    m = min(chunk, n - i)
+    out.append((i, m, bucket(m, PREFILL_BUCKETS, min(chunk, max_context - start - i))))
+    i += m
+  return out
+
+
+def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_len: int,
+             valid=None, logits_at=None):
+  """decoder.forward as a shard_map over `ex.par`'s mesh (jaxvt.model.sharding; one device is
+  the 1 x 1 mesh)."""
+  return sharding.forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid,
+                          logits_at=logits_at)
+
+
+# programs.jit: jax.jit with the compiler options `ex.deterministic` asks for (jaxvt.programs)
+@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConfig, ex: Exec,
+               kv_len: int):
+  """tokens/positions/valid [b, T]; last int32 [b] (index of each row's last real token).
+  Returns (logits float32 [b, vocab] at `last`, cache)."""
+  return _forward(weights, cache, tokens, positions, cfg, ex, kv_len, valid=valid, logits_at=last)
+
+
+@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int):
+  """One decode step: tokens/positions int32 [b, 1] -> (logits float32 [b, vocab], cache)."""
+  logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
+  return logits[:, 0], cache
+
+
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "params"), donate_argnames=("cache",))
+def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig, ex: Exec,
+                     kv_len: int, params: SamplingParams):
+  """decode_fn fused with sampling: returns (next tokens int32 [b], cache)."""
+  logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
+  return sample(logits[:, 0], key, params), cache
+
+
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "params", "steps"),
+              donate_argnames=("cache",))
+def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex: Exec,
+                   kv_len: int, params: SamplingParams, steps: int):
+  """`steps` decode steps in one device program, each sampling the token the next one feeds.
+
+  token int32 [b]: the last sampled token (not yet in the cache); position int32 []: where it
+  goes; key: the sampling key, split once per step as generate splits it. Returns (tokens int32
+  [steps, b]: the sampled tokens in order, cache, key). Positions past the cache are dropped, so
+  a caller stops consuming tokens at the context's end."""
+  b = token.shape[0]
+
+  def step(i, carry):
+    cache, tok, key, out = carry
+    key, sub = jax.random.split(key)
+    pos = jnp.broadcast_to(position + i, (b, 1)).astype(jnp.int32)
+    logits, cache = _forward(weights, cache, tok[:, None], pos, cfg, ex, kv_len)
+    nxt = sample(logits[:, 0], sub, params)
+    return cache, nxt, key, out.at[i].set(nxt)
+
+  out = jnp.zeros((steps, b), jnp.int32)
+  cache, _, key, out = jax.lax.fori_loop(0, steps, step, (cache, token.astype(jnp.int32), key, out))
+  return out, cache, key
