@@ -13,7 +13,10 @@ from jaxvt.offload import probe
 
 def test_cache_path(monkeypatch, tmp_path):
   monkeypatch.setenv("HOME", str(tmp_path))
+  monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
   assert probe.cache_path("cuda", "NVIDIA H200") == tmp_path / ".cache/jaxvt/probe-cuda-NVIDIA_H200.json"
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # as the compilation cache
+  assert probe.cache_path("cuda", "NVIDIA H200") == tmp_path / "xdg/jaxvt/probe-cuda-NVIDIA_H200.json"
   assert probe.cache_path("ROCM", "AMD Radeon RX 9060 XT", tmp_path).name == \
       "probe-rocm-AMD_Radeon_RX_9060_XT.json"
   assert probe.cache_path("cpu", "").name == "probe-cpu-unknown.json"

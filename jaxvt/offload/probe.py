@@ -15,7 +15,7 @@ imports without it and says at run time what is missing. On the CPU backend host
 memory are the same DRAM: there is no link, so the DMA, streaming and managed arms are not run
 (a host-to-host memcpy timed as "DMA" reads petabytes per second) and a note says so. Results
 are cached as JSON, with the time they were taken, at
-`~/.cache/jaxvt/probe-<platform>-<device_kind>.json`; `load_rates` returns them, or the
+`~/.cache/jaxvt/probe-<platform>-<device_kind>.json` (`$XDG_CACHE_HOME/jaxvt/...` where set); `load_rates` returns them, or the
 platform's defaults when there is no cache, and `Rates.source` says which, and when.
 `python -m jaxvt.offload.probe` prints a table (`--json`: the cache's JSON).
 This is the one module of jaxvt.offload that touches a JAX device.
@@ -47,6 +47,7 @@ from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import Q4_K, row_bytes
 from jaxvt.offload import cost
 from jaxvt.offload.memory import DeviceFacts
+from jaxvt.programs import default_cache_root
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 CACHE_VERSION = 1
@@ -62,9 +63,10 @@ def platform_of(device) -> str:
 
 
 def cache_path(platform: str, device_kind: str, cache_dir: str | os.PathLike | None = None) -> Path:
-  """`<cache_dir or ~/.cache/jaxvt>/probe-<platform>-<device_kind>.json` (kind made file-safe)."""
+  """`<cache_dir or $XDG_CACHE_HOME/jaxvt or ~/.cache/jaxvt>/probe-<platform>-<device_kind>.json`
+  (kind made file-safe): the compilation cache's root (jaxvt.programs.default_cache_root)."""
   kind = re.sub(r"[^A-Za-z0-9._-]+", "_", device_kind).strip("_") or "unknown"
-  base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "jaxvt"
+  base = Path(cache_dir if cache_dir is not None else default_cache_root())
   return base / f"probe-{platform.lower()}-{kind}.json"
 
 
