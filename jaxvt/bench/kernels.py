@@ -46,8 +46,10 @@ def random_matrix(rng, fmt: int, rows: int, cols: int) -> np.ndarray:
   return raw.reshape(-1)
 
 
-def stack(raw: np.ndarray, fmt: int, rows: int, cols: int, layers: int, tier, device) -> QWeight:
-  """`layers` copies of raw: in `tier` (host) when given, else device-tier slots."""
+def stack(raw: np.ndarray, fmt: int, rows: int, cols: int, layers: int, tier, device,
+          experts: int = 0) -> QWeight:
+  """`layers` copies of raw (a matrix, or `experts` matrices of rows x cols): in `tier` (host)
+  when given, else device-tier slots."""
   table = np.zeros(layers, np.uint64)
   fmts = np.full(layers, fmt, np.int32)
   if tier is not None:
@@ -60,7 +62,7 @@ def stack(raw: np.ndarray, fmt: int, rows: int, cols: int, layers: int, tier, de
   else:
     table[:] = np.arange(layers)
     data = jax.device_put(np.broadcast_to(raw, (layers, raw.size)), device)
-  meta = QMeta(rows, cols, 0, (fmt,), layers, tuple(range(layers)) if tier is not None else ())
+  meta = QMeta(rows, cols, experts, (fmt,), layers, tuple(range(layers)) if tier is not None else ())
   return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device), meta)
 
 

@@ -31,7 +31,7 @@ from jaxvt.ffi import grouped, ops
 from jaxvt.model import layers
 from jaxvt.model.layers import Exec, Products
 from jaxvt.offload.host_tier import HostTier
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.qweight import QWeight
 
 MIB = 1 << 20
 SHAPES = [(2048, 512), (512, 2048), (8192, 2048), (2048, 4096), (4096, 2048)]
@@ -95,24 +95,6 @@ def dense(rng, device, total_mib: int, tiers: tuple[str, ...]) -> tuple[list[str
   return lines, found
 
 
-def _expert_stack(raw: np.ndarray, fmt: int, rows: int, cols: int, n_layers: int, tier, device):
-  table = np.zeros(n_layers, np.uint64)
-  fmts = np.full(n_layers, fmt, np.int32)
-  if tier is not None:
-    for l in range(n_layers):
-      buf = tier.alloc(raw.size)
-      buf.array[:] = raw
-      table[l] = buf.device_address
-    fmts |= HOST_BIT
-    data = jnp.zeros((1, 1), jnp.uint8, device=device)
-  else:
-    table[:] = np.arange(n_layers)
-    data = jax.device_put(np.broadcast_to(raw, (n_layers, raw.size)), device)
-  meta = QMeta(rows, cols, EXPERTS, (fmt,), n_layers,
-               tuple(range(n_layers)) if tier is not None else ())
-  return QWeight(data, jax.device_put(split_u64(table), device), jax.device_put(fmts, device), meta)
-
-
 def _staged_experts(x, w: QWeight, l, ids):
   """Every expert of the layer as bf16 (qdequant), the slots sorted by expert, ragged_dot."""
   order, offsets = grouped.group_slots(ids, w.meta.experts)
@@ -138,8 +120,8 @@ def experts(rng, device, tiers: tuple[str, ...]) -> tuple[list[str], list[dict]]
       raw = kb.random_matrix(rng, fmt, EXPERTS * rows, cols)
       n_layers = 4
       with HostTier() as tier:
-        w = _expert_stack(raw, fmt, rows, cols, n_layers, tier if tier_name == "host" else None,
-                          device)
+        w = kb.stack(raw, fmt, rows, cols, n_layers, tier if tier_name == "host" else None,
+                     device, experts=EXPERTS)
         times = {p: [] for p in paths}
         for n in ROWS:
           ids = jax.device_put(np.stack([np.stack([rng.permutation(EXPERTS)[:TOP_K]
