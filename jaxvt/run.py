@@ -31,7 +31,8 @@ flags.DEFINE_boolean("chat", None, "Wrap the prompt in the model's chat template
                      "for the default prompt, off for --prompt).", flag_values=FLAGS)
 flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate.", flag_values=FLAGS)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", flag_values=FLAGS)
-flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).",
+flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0, or a k at or above "
+                     "the vocabulary: all).",
                      flag_values=FLAGS)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Random seed for sampling.", flag_values=FLAGS)
