@@ -63,9 +63,23 @@ for arch in "${archs[@]}"; do
       cxx=(hipcc --offload-arch="$arch")
       ;;
   esac
+  # The arch's sources compile side by side (a CI machine's cores; each needs well under 2 GiB);
+  # a failure prints that compiler's output.
+  pids=()
   for f in "${files[@]}"; do
     echo "${cxx[0]} --offload-arch=$arch $src/$f"
-    "${cxx[@]}" "${flags[@]}" -c "$src/$f" -o "$out/${f%.cu}-$arch.o"
+    "${cxx[@]}" "${flags[@]}" -c "$src/$f" -o "$out/${f%.cu}-$arch.o" \
+      > "$out/${f%.cu}-$arch.log" 2>&1 &
+    pids+=($!)
   done
+  failed=0
+  for i in "${!files[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      echo "check_hip: ${files[$i]} failed for $arch:"
+      cat "$out/${files[$i]%.cu}-$arch.log"
+      failed=1
+    fi
+  done
+  [ "$failed" = 0 ] || exit 1
   echo "HIP compile check passed ($arch)"
 done
