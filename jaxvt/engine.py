@@ -13,7 +13,7 @@
     engine = Engine(model.cfg, exec_for(platform, kernels, par), weights, tokenizer, max_context)
 
 `prefill_fn` and `decode_fn` (jaxvt.model_fns) are pure jitted functions of (weights, cache,
-tokens, ...); the Engine only holds what they need and does the bookkeeping (buckets, positions, sampling keys).
+tokens, ...); the Engine holds what they need and keeps the books (buckets, positions, keys).
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from jaxvt.model.declare import UnitBytes, declare
 from jaxvt.model.layers import GPU_DEFAULT_PRODUCTS, Exec, Products
 from jaxvt.model.presets import PRESETS
 from jaxvt.model.sharding import Par
-# The jitted programs live in jaxvt.model_fns; engine.prefill_fn and the like stay importable here.
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
                              decode_fn, decode_loop_fn, decode_sample_fn, prefill_chunks,
-                             prefill_fn)
+                             prefill_fn)  # noqa: F401 (engine.decode_sample_fn etc. stay public)
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed

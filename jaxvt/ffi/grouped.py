@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.errors import JaxvtError
-from jaxvt.ffi.ops import _check, _ids, _layer, _moe, _switch_formats, _vmappable
+from jaxvt.ffi.ops import (_check, _check_x_ids, _ids, _layer, _moe, _switch_formats,
+                           _vmappable)
 from jaxvt.gguf import quants
 from jaxvt.qweight import QWeight
 
@@ -68,9 +69,7 @@ def qmatmul_grouped(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   m = w.meta
   x = jnp.asarray(x, jnp.float32)
   ids = _ids(ids)
-  if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
-    raise JaxvtError(f"qmatmul_grouped: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] or "
-                     f"[T, k, {m.cols}] with ids [T, k]")
+  _check_x_ids(x, ids, m.cols, "qmatmul_grouped")
   order, offsets = group_slots(ids, m.experts) if groups is None else groups
   y = _grouped_call(m.rows, m.cols, m.experts)(_bf16(x).reshape(-1, m.cols), w.data, w.table,
                                                w.fmts, _layer(layer), order, offsets)

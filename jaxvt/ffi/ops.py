@@ -80,6 +80,13 @@ def _act_bytes(w: QWeight) -> int:
   return max(numerics.act_row_bytes(f, w.meta.cols) for f in w.meta.formats)
 
 
+def _check_x_ids(x, ids, cols: int, name: str) -> None:
+  """x [T, cols] or [T, k, cols] with ids [T, k] (an experts product's operands)."""
+  if ids.ndim != 2 or x.shape[-1] != cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
+    raise JaxvtError(f"{name}: x {x.shape} and ids {ids.shape} must be [T, {cols}] or "
+                     f"[T, k, {cols}] with ids [T, k]")
+
+
 def _layer(layer) -> jax.Array:
   layer = jnp.asarray(layer)
   if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
@@ -289,9 +296,7 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   m = w.meta
   x = jnp.asarray(x, jnp.float32)
   ids = _ids(ids)
-  if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
-    raise JaxvtError(f"qmatmul_experts: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] or "
-                     f"[T, k, {m.cols}] with ids [T, k]")
+  _check_x_ids(x, ids, m.cols, "qmatmul_experts")
   act = _act_bytes(w) if numerics.integer_products(_mode(mode)) else 0
   return _experts_call(m.rows, m.cols, m.experts, act)(x, w.data, w.table, w.fmts, _layer(layer),
                                                        ids)
@@ -328,9 +333,7 @@ def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Arr
   m = w0.meta
   x = jnp.asarray(x, jnp.float32)
   ids = _ids(ids)
-  if ids.ndim != 2 or x.shape[-1] != m.cols or x.shape[:-1] not in ((ids.shape[0],), ids.shape):
-    raise JaxvtError(f"qmatmul_experts2: x {x.shape} and ids {ids.shape} must be [T, {m.cols}] "
-                     f"or [T, k, {m.cols}] with ids [T, k]")
+  _check_x_ids(x, ids, m.cols, "qmatmul_experts2")
   acts = (_act_bytes(w0), _act_bytes(w1)) if numerics.integer_products(mode) else None
   fused, separate = _experts2_call(m.rows, m.cols, m.experts, acts)
   args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids)
