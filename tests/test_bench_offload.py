@@ -30,9 +30,10 @@ def test_budgets_cover_the_safe_range_in_steps_of_at_most_one_gib():
 
 def test_plan_points_order_and_coverage():
   pts = plan_points(3.55, 18.61)
-  assert pts[:3] == [("jaxvt", "auto", False), ("jaxvt", 3.55, False), ("jaxvt", 18.61, False)]
-  assert [p[0] for p in pts[3:5]] == ["jax_pinned", "jaxvt@experts"]
-  assert pts[5:7] == [("jaxvt", 3.05, True), ("jaxvt", 2.55, True)]
+  assert pts[:4] == [("jaxvt", "auto", False), ("jaxvt@experts", "experts", False),
+                     ("jaxvt", 3.55, False), ("jaxvt", 18.61, False)]
+  assert pts[4:7] == [("jaxvt", 3.05, True), ("jaxvt", 2.55, True),
+                      ("jax_pinned", "experts", False)]
   mids = [p[1] for p in pts[7:]]
   assert sorted(mids) == [float(b) for b in range(4, 19)]
   assert len(pts) == len({(a, b) for a, b, _ in pts})
@@ -107,10 +108,33 @@ def test_render_and_plot(tmp_path):
   table = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| arm")]
   assert len(table) == len(rows)
   assert table[0].startswith("| device |") and "| forced |" in md and "(auto)" in md
-  assert md.count("**MET**") + md.count("**MISSED**") + md.count("**NOT RUN**") == 5
+  assert md.count("**MET**") + md.count("**MISSED**") + md.count("**NOT RUN**") == 5 + 8
   pytest.importorskip("matplotlib")
   out = tmp_path / "sweep.png"
   assert offload_report.plot(rows, str(out)) and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_peer_goals_pair_rows_of_one_run():
+  """#14 / #15 ratios: each jaxvt row against its llama.cpp configuration."""
+  rows = [Run("device", 0.0, True, prefill_tok_s=5000.0, decode_tok_s=160.0,
+              prefill16_tok_s=200.0),
+          Run("jaxvt", 3.5, True, auto=True, prefill_tok_s=2600.0, decode_tok_s=120.0),
+          Run("jaxvt@experts", 17.3, True, prefill_tok_s=900.0, decode_tok_s=61.0),
+          Run("llama.cpp", 0.0, True, point="llama.cpp:-ngl 99", prefill_tok_s=5000.0,
+              decode_tok_s=240.0, prefill16_tok_s=500.0),
+          Run("llama.cpp", 3.4, True, point="llama.cpp:-ngl 99 --n-cpu-moe 8",
+              prefill_tok_s=1000.0, decode_tok_s=150.0),
+          Run("llama.cpp", 17.3, True, point="llama.cpp:-ngl 99 -ot exps=CPU",
+              prefill_tok_s=240.0, decode_tok_s=60.0)]
+  g = offload_report.peer_goals(rows)
+  assert [v for _, v, _ in g] == ["MISSED", "MISSED", "MISSED", "MET", "MISSED", "MET", "MET",
+                                  "MISSED"], g
+  assert "160.0 vs 240.0 tok/s = 0.67x (-ngl 99)" in g[0][2]
+  assert "--n-cpu-moe 8" in g[1][2] and "0.80x" in g[1][2] and "1.02x" in g[2][2]
+  assert "0.40x" in g[7][2]
+  g = offload_report.peer_goals(rows[:3])
+  assert [v for _, v, _ in g] == ["NOT RUN"] * 3 + ["NOT RUN", "MISSED", "NOT RUN", "NOT RUN",
+                                                     "NOT RUN"]
 
 
 # ---- llama.cpp arm -----------------------------------------------------------------------------
@@ -159,6 +183,14 @@ def test_parse_failures_and_configs():
   assert c[1][1][2:] == ["-ot", "exps=CPU"] and c[1][2] == pytest.approx(18.0)
   assert c[2][1][2:] == ["--n-cpu-moe", "8"] and c[2][2] == pytest.approx(3.6)
   assert len(offload_llama.configs(meta, has_ncmoe=False)) == 2
+  c = offload_llama.configs(dict(meta, routed=18.45), has_ncmoe=False)  # the MTP's experts too
+  assert c[1][2] == pytest.approx(18.45)
+  cmd = offload_llama.command("lb", "m.gguf", 512, 128, [])
+  assert cmd[cmd.index("-p") + 1] == "512,16"
+  recs = [dict(n_prompt=512, n_gen=0, avg_ts=5000.0), dict(n_prompt=16, n_gen=0, avg_ts=700.0),
+          dict(n_prompt=0, n_gen=128, avg_ts=200.0, n_threads=16)]
+  r = offload_llama.parse(json.dumps(recs), "-ngl 99", 0.0)
+  assert (r.prefill_tok_s, r.prefill16_tok_s, r.decode_tok_s) == (5000.0, 700.0, 200.0)
   assert offload_llama.find("/nonexistent/bin/llama-bench") is None
 
 

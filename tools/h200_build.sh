@@ -11,7 +11,8 @@ t_build=$(date +%s)
 # A prebuilt extension (carried: built here with nvcc 13.0 for this Python) is used when it
 # imports and sees the GPU; otherwise CMake builds one (about 5 minutes on that machine).
 # (It must register every GPU op of this checkout: jaxvt.ffi.GPU_TARGETS.)
-if python3 -c "from jaxvt import ffi; from jaxvt.ffi import _jaxvt_ffi as e; assert e.gpu_device_count() > 0
+# JAXVT_REBUILD=1 builds from source even so (the GPU sources changed, the registrations not).
+if [ -z "${JAXVT_REBUILD:-}" ] && python3 -c "from jaxvt import ffi; from jaxvt.ffi import _jaxvt_ffi as e; assert e.gpu_device_count() > 0
 assert set(ffi.GPU_TARGETS) <= set(e.registrations().get(e.gpu_platform(), {}))" 2>/dev/null; then
   echo "prebuilt extension: $(ls jaxvt/ffi/_jaxvt_ffi*.so)"
 else

@@ -58,6 +58,7 @@ MODEL = "/tmp/jaxvt-qwen36-35b-a3b-shape.gguf"
 LOCK = "/tmp/jaxvt-bench-gpu.lock"
 LLAMA_BENCH = "/tmp/llama-build/bin/llama-bench"  # tools/build_llamacpp.sh's output
 LLAMA_RESERVE_S = 110  # kept for the llama.cpp arm (3 llama-bench runs) when it exists
+SHORT_PROMPT = 16  # the device arm's short prompt (issue #15: llama-bench -p 16)
 PINNED_GEN = 16  # the JAX pinned_host arm copies every expert per token: fewer tokens suffice
 
 
@@ -99,7 +100,8 @@ class Session:
     n = len({u.layer for u in exps}) or 1
     return dict(safe=(base.safe_budget or 0) / GiB, top=base.plan.max_useful_budget / GiB,
                 auto=self.plan("auto").plan.host_bytes / GiB,
-                expert_layer_bytes=sum(u.nbytes for u in exps) / n, n_layers=self.cfg.n_layers)
+                expert_layer_bytes=sum(u.nbytes for u in exps) / n, n_layers=self.cfg.n_layers,
+                routed=sum(u.nbytes for u in self.model.units if u.name in routed) / GiB)
 
   def weights(self, placed, pinned: bool = False) -> dict:
     """The weights as `placed` puts them: jaxvt's host tier (this session's KeptTier), or with
@@ -127,7 +129,8 @@ class Session:
                          load_seconds=time.perf_counter() - t, plan=placed)
 
   def measure(self, arm: str, budget, *, forced: bool = False, host_kind: str = "host",
-              pattern=(), gen: int | None = None) -> Run:
+              pattern=(), gen: int | None = None, short: int = 0) -> Run:
+    """One point; `short` > 0 also times a warm prefill of the prompt's first `short` tokens."""
     gen = min(gen or self.gen, self.gen)
     r = Run(arm, 0.0, False, gen_tokens=gen, auto=budget == "auto", forced=forced)
     t0 = time.perf_counter()
@@ -150,6 +153,10 @@ class Session:
       g = eng.generate(self.ids, max_tokens=gen)
       r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
       r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
+      if short:
+        eng.generate(self.ids[:short], max_tokens=1)  # compiles the short prompt's bucket
+        r.prefill16_tok_s = max(eng.generate(self.ids[:short], max_tokens=1).stats.prefill_tok_s
+                                for _ in range(3))
       st = jax.devices()[0].memory_stats() or {}
       r.peak_gib = st.get("peak_bytes_in_use", 0) / GiB
       r.in_use_gib = st.get("bytes_in_use", 0) / GiB
@@ -233,7 +240,7 @@ def child(args) -> None:
     with gpu_lock():
       print("LOCKED", flush=True)
       print("RATES " + json.dumps(_rates()), flush=True)
-      r = s.measure("device", 0.0)
+      r = s.measure("device", 0.0, short=SHORT_PROMPT)
       r.open_s = s.open_s
       print_row(r)
     return
@@ -241,12 +248,15 @@ def child(args) -> None:
   while args.after and not os.path.exists(args.after) and time.time() < deadline:
     time.sleep(0.2)  # the device arm measures first
   with gpu_lock():
+    facts = s.facts()
     if args.points:
       points = [tuple(p) for p in json.loads(args.points)]
     else:
-      facts = s.facts()
       print("META " + json.dumps(facts), flush=True)
       points = plan_points(facts["safe"], facts["top"], auto=facts["auto"])
+    # the pinned_host pair: every routed expert in the host tier (forced by the pattern, the
+    # budget exactly their bytes), the rest on the device, as llama.cpp's -ot exps=CPU
+    routed = facts["routed"]
     print(f"SWEEP open {s.open_s:.1f} s; {len(points)} points: {points}", flush=True)
     took: list[float] = []
     for arm, budget, forced in points:
@@ -256,9 +266,9 @@ def child(args) -> None:
         continue
       t = time.perf_counter()
       if arm == "jax_pinned":
-        r = s.measure(arm, 64.0, host_kind="jax_pinned", pattern=("exps",), gen=PINNED_GEN)
+        r = s.measure(arm, routed, host_kind="jax_pinned", pattern=("exps",), gen=PINNED_GEN)
       elif arm == "jaxvt@experts":
-        r = s.measure(arm, 64.0, pattern=("exps",))
+        r = s.measure(arm, routed, pattern=("exps",))
       else:
         r = s.measure(arm, budget, forced=forced)
       r.point = f"{arm}:{budget}"

@@ -19,6 +19,7 @@ from jaxvt.bench.offload_report import Run
 
 GiB = 1 << 30
 DEFAULT = "/tmp/llama-build/bin/llama-bench"
+SHORT = 16  # the short prompt of issue #15 (jaxvt's device arm times the same length)
 BUILDING = ".building"  # tools/h200_run.sh leaves this in the build folder while it builds
 
 
@@ -36,7 +37,9 @@ def parse(text: str, label: str, budget_gib: float) -> Run:
   """One Run from llama-bench's JSON (a list of records) for one configuration."""
   start = text.find("[")
   recs = json.loads(text[start:]) if start >= 0 else []
-  pp = next((r for r in recs if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0), None)
+  pps = [r for r in recs if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0]
+  pp = max(pps, key=lambda r: r["n_prompt"], default=None)  # the long prompt
+  short = next((r for r in pps if r["n_prompt"] == SHORT), None)
   tg = next((r for r in recs if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0), None)
   if pp is None and tg is None:
     return Run("llama.cpp", budget_gib, False, note=f"{label}: no pp/tg records")
@@ -47,6 +50,8 @@ def parse(text: str, label: str, budget_gib: float) -> Run:
           point=f"llama.cpp:{label}")
   if pp:
     r.prefill_tok_s = float(pp["avg_ts"])
+  if short and short is not pp:
+    r.prefill16_tok_s = float(short["avg_ts"])
   if tg:
     r.decode_tok_s = float(tg["avg_ts"])
     r.gen_tokens = int(tg["n_gen"])
@@ -58,8 +63,9 @@ def configs(meta: dict, has_ncmoe: bool) -> list[tuple[str, list[str], float]]:
   the CPU, and the first N layers' experts on the CPU with N near jaxvt's auto budget."""
   per = meta.get("expert_layer_bytes", 0.0)
   n_layers = int(meta.get("n_layers", 0))
+  every = meta.get("routed") or n_layers * per / GiB  # the MTP block's experts too, if known
   out = [("-ngl 99", ["-ngl", "99"], 0.0),
-         ("-ngl 99 -ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"], n_layers * per / GiB)]
+         ("-ngl 99 -ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"], every)]
   if has_ncmoe and per and n_layers:
     n = min(n_layers, max(1, round(meta.get("auto", 0.0) * GiB / per)))
     out.append((f"-ngl 99 --n-cpu-moe {n}", ["-ngl", "99", "--n-cpu-moe", str(n)], n * per / GiB))
@@ -75,7 +81,10 @@ def _has_flag(binary: str, flag: str) -> bool:
 
 
 def command(binary: str, model: str, prompt: int, gen: int, extra: list[str]) -> list[str]:
-  return [binary, "-m", model, "-p", str(prompt), "-n", str(gen), "-r", "2", "-o", "json", *extra]
+  """llama-bench for one configuration: pp `prompt` and pp 16 (issue #15's short prompt), tg
+  `gen`, 2 repetitions each."""
+  pp = f"{prompt},{SHORT}" if prompt != SHORT else str(prompt)
+  return [binary, "-m", model, "-p", pp, "-n", str(gen), "-r", "2", "-o", "json", *extra]
 
 
 def run_all(binary: str, model: str, meta: dict, prompt: int, gen: int, deadline: float,

@@ -3,7 +3,8 @@
 Pure functions over `Run` rows (no JAX, no GPU), so tests check them on synthetic rows. The
 goals are issue #6's item 6: decode ms/token <= 1.15x the roofline at every safe budget; tok/s
 never rising with the budget inside the safe range; `--offload-gb auto` within 5% of the best
-safe point; jaxvt >= 2x JAX's pinned_host arm; prefill with offload >= 50% of all-device.
+safe point; jaxvt >= 2x JAX's pinned_host arm; prefill with offload >= 50% of all-device; and
+the jaxvt / llama.cpp ratios of issues #14 (decode) and #15 (prefill).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Run:
   load_s: float = 0.0
   compile_s: float = 0.0  # the warm-up generate: compiles prefill and decode, runs them once
   measure_s: float = 0.0
+  prefill16_tok_s: float = 0.0  # a warm 16-token prompt (the device arm; llama-bench -p 16)
 
   @property
   def ms(self) -> float:
@@ -95,17 +97,18 @@ def budgets(safe: float, top: float, step: float = 1.0) -> tuple[list[float], li
 
 def plan_points(safe: float, top: float, step: float = 1.0,
                 auto: float | None = None) -> list[tuple]:
-  """(arm, budget, forced) in run order: auto, the smallest safe budget (unless auto placed
-  exactly that: `auto` is its host GiB), everything, the JAX pinned_host pair, the forced unsafe
-  budgets, then the budgets between, spread."""
+  """(arm, budget, forced) in run order: auto, every routed expert in the host tier (llama.cpp's
+  `-ot exps=CPU`), the smallest safe budget (unless auto placed exactly that: `auto` is its host
+  GiB), everything, the forced unsafe budgets, JAX's pinned_host arm on the routed experts,
+  then the budgets between, spread."""
   safe_b, unsafe = budgets(safe, top, step)
-  pts = [("jaxvt", "auto", False)]
+  pts = [("jaxvt", "auto", False), ("jaxvt@experts", "experts", False)]
   if auto is None or abs(auto - safe) > 1e-6:
     pts.append(("jaxvt", safe_b[0], False))
   if len(safe_b) > 1:
     pts.append(("jaxvt", safe_b[-1], False))
-  pts += [("jax_pinned", "experts", False), ("jaxvt@experts", "experts", False)]
   pts += [("jaxvt", b, True) for b in sorted(unsafe, reverse=True)]
+  pts.append(("jax_pinned", "experts", False))
   pts += [("jaxvt", b, False) for b in spread(safe_b[1:-1])]
   return pts
 
@@ -179,6 +182,49 @@ def goals(runs: list[Run], rates: dict) -> list[tuple[str, str, str]]:
   return out
 
 
+def _ratio_goal(goal: str, a: Run | None, b: Run | None, key: str, least: float,
+                what: str) -> tuple[str, str, str]:
+  """`goal` met when a.key / b.key >= least (both rows measured in this run)."""
+  x, y = (getattr(a, key) if a else 0.0), (getattr(b, key) if b else 0.0)
+  if not (x and y):
+    return goal, "NOT RUN", f"{what}: a row is missing or failed"
+  q = x / y
+  return goal, "MET" if q >= least else "MISSED", f"{x:.1f} vs {y:.1f} tok/s = {q:.2f}x ({what})"
+
+
+def peer_goals(runs: list[Run]) -> list[tuple[str, str, str]]:
+  """Issues #14 (decode) and #15 (prefill): jaxvt / llama.cpp ratios from the same run's rows.
+  Pairs: all in HBM with `-ngl 99`; `--offload-gb auto` with `--n-cpu-moe N`; every routed
+  expert in the host tier (jaxvt@experts) with `-ot exps=CPU`."""
+  ok = [r for r in runs if r.ok]
+  one = lambda f: next((r for r in ok if f(r)), None)
+  dev = one(lambda r: r.arm == "device")
+  auto = one(lambda r: r.arm == "jaxvt" and r.auto)
+  exps = one(lambda r: r.arm == "jaxvt@experts")
+  ngl = one(lambda r: r.point == "llama.cpp:-ngl 99")
+  ncm = one(lambda r: r.point.startswith("llama.cpp:-ngl 99 --n-cpu-moe"))
+  ot = one(lambda r: r.point == "llama.cpp:-ngl 99 -ot exps=CPU")
+  lab = lambda r, d: r.point.split(":", 1)[1] if r else d
+  return [
+      _ratio_goal("#14 decode, all in HBM >= 1.0x llama.cpp", dev, ngl, "decode_tok_s", 1.0,
+                  lab(ngl, "-ngl 99")),
+      _ratio_goal("#14 decode at auto >= 1.3x llama.cpp", auto, ncm, "decode_tok_s", 1.3,
+                  lab(ncm, "--n-cpu-moe")),
+      _ratio_goal("#14 decode, every routed expert in the host tier >= 1.2x llama.cpp", exps, ot,
+                  "decode_tok_s", 1.2, lab(ot, "-ot exps=CPU")),
+      _ratio_goal("#15 prefill, all in HBM >= 1.0x llama.cpp", dev, ngl, "prefill_tok_s", 1.0,
+                  lab(ngl, "-ngl 99")),
+      _ratio_goal("#15 prefill at auto >= 0.9x jaxvt all in HBM", auto, dev, "prefill_tok_s", 0.9,
+                  "auto vs the device arm"),
+      _ratio_goal("#15 prefill at auto >= 1.5x llama.cpp", auto, ncm, "prefill_tok_s", 1.5,
+                  lab(ncm, "--n-cpu-moe")),
+      _ratio_goal("#15 prefill, every routed expert in the host tier >= 2x llama.cpp", exps, ot,
+                  "prefill_tok_s", 2.0, lab(ot, "-ot exps=CPU")),
+      _ratio_goal("#15 warm 16-token prefill within 2x of llama.cpp's time (>= 0.5x its tok/s)",
+                  dev, ngl, "prefill16_tok_s", 0.5, lab(ngl, "-ngl 99") + ", -p 16"),
+  ]
+
+
 # ---- the markdown and the plot ---------------------------------------------------------------
 
 def _row(r: Run, rates: dict) -> str:
@@ -226,6 +272,9 @@ def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, mach
   lines += [f"\nNote: {n}." for n in notes]
   lines.append("\nGoals (issue #6, item 6), from the rows above:\n")
   lines += [f"- {g}: **{v}** ({n})" for g, v, n in goals(runs, rates)]
+  lines.append("\nGoals of issues #14 and #15 (jaxvt / llama.cpp, rows of this run; the device "
+               "arm's 16-token prompt and llama-bench -p 16 warm):\n")
+  lines += [f"- {g}: **{v}** ({n})" for g, v, n in peer_goals(runs)]
   return "\n".join(lines)
 
 

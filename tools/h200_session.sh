@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The device calls of one session on the lent H200 (carry .whl, .llama and the prebuilt
+# extension), back to back on one warm machine:
+#   bash tools/h200_session.sh checks   # llama-bench built in the background (setsid: it outlives
+#                                       # the call), the tile kernels' GPU tests and diagnosis,
+#                                       # determinism's cost, the 35B first token cold and
+#                                       # cached, auto on the emulated 16 GiB card at the default
+#                                       # context, an 8k-token prompt there
+#   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
+# Logs come back under $OUT.
+set -uo pipefail
+what=${1:-checks}
+source tools/h200_build.sh
+M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf
+FRAC=0.1167  # XLA's pool at 16 GiB of the H200 (jaxvt.bench.offload.pool_fraction)
+t0=$(date +%s)
+if [ "$what" = checks ]; then
+  if [ ! -x /tmp/llama-build/bin/llama-bench ] && [ -d .llama/llama.cpp ]; then
+    mkdir -p /tmp/llama-build && touch /tmp/llama-build/.building
+    setsid nohup bash -c "LLAMA_JOBS=10 nice -n 10 bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1;
+      rm -f /tmp/llama-build/.building" > /dev/null 2>&1 < /dev/null &
+    echo "llama-bench: building in the background"
+  fi
+  timeout 100 python3 tools/grouped_diag.py > "$OUT/grouped_diag.txt" 2>&1
+  echo "diag exit $?"; grep -v ": ok (" "$OUT/grouped_diag.txt" | head -40
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_grouped_gpu.py \
+    > "$OUT/grouped_tests.txt" 2>&1
+  tail -3 "$OUT/grouped_tests.txt"
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)"
+  timeout 130 python3 -m jaxvt.bench determinism --model $M --cost-only --prompt 512 --tokens 128 \
+    --repeats 3 > "$OUT/determinism_cost.txt" 2>&1; tail -12 "$OUT/determinism_cost.txt"
+  timeout 150 python3 tools/first_token.py --runs 2 -- --model $M --max-tokens 32 \
+    > "$OUT/first_token.txt" 2>&1; tail -12 "$OUT/first_token.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 80 python3 -m jaxvt.run --model $M --offload-gb auto \
+    --device-gb 16 --max-tokens 16 > "$OUT/auto16.txt" 2>&1; echo "auto16 exit $?"; tail -8 "$OUT/auto16.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 100 python3 tools/long_prompt.py --model $M \
+    --tokens 8192 --device-gb 16 > "$OUT/long_prompt.txt" 2>&1; echo "long exit $?"; tail -8 "$OUT/long_prompt.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = sweep ]; then
+  for _ in $(seq 60); do [ -e /tmp/llama-build/.building ] || break; sleep 5; done
+  cp /tmp/llama_build.log "$OUT/" 2>/dev/null
+  python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-500} 2>&1 | tee "$OUT/offload.txt" | tail -40
+  cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png "$OUT/" 2>/dev/null
+fi
+echo "total $(( $(date +%s) - t0 )) s"
