@@ -36,7 +36,7 @@ from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import UnitBytes, declare
-from jaxvt.model.layers import GPU_DEFAULT_PRODUCTS, Exec, Products
+from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
 from jaxvt.model.presets import PRESETS
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
@@ -445,11 +445,11 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True)
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
   it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
-  kernels or staging by layers.GPU_DEFAULT_PRODUCTS (Exec.products). `deterministic`
+  kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic`
   fixes XLA's algorithm choices (jaxvt.programs)."""
   gpu = platform != "cpu"
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              products=GPU_DEFAULT_PRODUCTS if gpu and kernels else Products(),
+              products=GPU_PRODUCTS if gpu and kernels else Products(),
               deterministic=deterministic)
 
 

@@ -6,6 +6,7 @@
 #                                       # determinism's cost, the 35B first token cold and
 #                                       # cached, auto on the emulated 16 GiB card at the default
 #                                       # context, an 8k-token prompt there
+#   bash tools/h200_session.sh verify   # the GPU kernel tests and the determinism test
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -14,13 +15,17 @@ source tools/h200_build.sh
 M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf
 FRAC=0.1167  # XLA's pool at 16 GiB of the H200 (jaxvt.bench.offload.pool_fraction)
 t0=$(date +%s)
-if [ "$what" = checks ]; then
-  if [ ! -x /tmp/llama-build/bin/llama-bench ] && [ -d .llama/llama.cpp ]; then
+start_llama() {  # llama-bench built in the background; setsid: the build outlives this call
+  if [ ! -x /tmp/llama-build/bin/llama-bench ] && [ ! -e /tmp/llama-build/.building ] &&
+     [ -d .llama/llama.cpp ]; then
     mkdir -p /tmp/llama-build && touch /tmp/llama-build/.building
     setsid nohup bash -c "LLAMA_JOBS=10 nice -n 10 bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1;
       rm -f /tmp/llama-build/.building" > /dev/null 2>&1 < /dev/null &
     echo "llama-bench: building in the background"
   fi
+}
+if [ "$what" = checks ]; then
+  start_llama
   timeout 100 python3 tools/grouped_diag.py > "$OUT/grouped_diag.txt" 2>&1
   echo "diag exit $?"; grep -v ": ok (" "$OUT/grouped_diag.txt" | head -40
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_grouped_gpu.py \
@@ -37,8 +42,15 @@ if [ "$what" = checks ]; then
     --tokens 8192 --device-gb 16 > "$OUT/long_prompt.txt" 2>&1; echo "long exit $?"; tail -8 "$OUT/long_prompt.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
 fi
+if [ "$what" = verify ]; then  # the GPU kernel tests, then determinism (processes x budgets)
+  start_llama
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_ffi_gpu.py \
+    tests/test_grouped_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+fi
 if [ "$what" = sweep ]; then
-  for _ in $(seq 60); do [ -e /tmp/llama-build/.building ] || break; sleep 5; done
+  start_llama  # the sweep runs llama-bench last and waits for a build in progress
   cp /tmp/llama_build.log "$OUT/" 2>/dev/null
   python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-500} 2>&1 | tee "$OUT/offload.txt" | tail -40
   cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png "$OUT/" 2>/dev/null

@@ -61,15 +61,12 @@ class Products:
     return "grouped" if self.grouped_slots and slots >= self.grouped_slots else "matvec"
 
 
+# What jaxvt.load runs on a GPU: dense products of 8-127 rows on the tile kernel, 128 rows or more
+# staged (bf16 + XLA's GEMM), routed experts of 64 slots or more on the grouped kernel. (Their GPU
+# tests first failed on the H200 on 2026-12-01 because the jnp references lost their bf16
+# rounding to XLA:GPU's excess precision, not the kernels: grouped._round_bf16.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
                         grouped_slots=GROUPED_SLOTS)
-# What jaxvt.load runs on a GPU today: every dense product of 8 rows or more staged (bf16 +
-# XLA's GEMM), the routed experts on the matvec kernels. The tile kernels of GPU_PRODUCTS (dense
-# `tiled`, experts `grouped`) measured 5.1k tok/s for a 512-token prompt of the 35B-shaped model
-# on the H200, but their GPU tests (tests/test_grouped_gpu.py) failed there on 2026-12-01 and
-# were not examined further, so they are not the default until those tests pass; compose an
-# Exec with GPU_PRODUCTS to run them (the benchmarks do).
-GPU_DEFAULT_PRODUCTS = Products(stage_rows=8, stage_max_bytes=STAGE_MAX_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +89,7 @@ class Exec:
     mesh (on whole weights).
   products: which kernel each matrix product takes, by its rows and bytes (Products; with
     kernels only). Products() on the CPU (the matvec kernels are the arithmetic contract);
-    GPU_DEFAULT_PRODUCTS on GPUs (GPU_PRODUCTS adds the tile kernels), where prefill's products of
-    many rows take the tile kernels (bf16 on
+    GPU_PRODUCTS on GPUs, where prefill's products of many rows take the tile kernels (bf16 on
     tensor cores) or stage the layer as bf16 for XLA's GEMM.
   deterministic: compile with XLA's algorithm choices fixed (jaxvt.programs): the same bits in
     every process and for every placement. The model code never reads it; jaxvt's jitted
