@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import numerics
 from jaxvt.ffi.ops import (_check, _check_x_ids, _ids, _layer, _moe, _switch_formats,
                            _vmappable)
 from jaxvt.gguf import quants
@@ -56,11 +57,9 @@ def _bf16(x) -> jax.Array:
 
 
 def _round_bf16(x) -> jax.Array:
-  """x rounded to bf16 (to nearest, ties to even), kept in float32, for the references. Not
-  `.astype(bfloat16).astype(float32)`: XLA:GPU, allowed excess precision by default, removes that
-  pair of converts, and the reference then multiplies unrounded operands (measured on the H200:
-  the references' outputs 3-6x outside the bound while the kernels were within 0.002x of it)."""
-  return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=8, mantissa_bits=7)
+  """x rounded to bf16, kept in float32, for the references (numerics.round_to: XLA:GPU's excess
+  precision would remove a pair of converts)."""
+  return numerics.round_to(x, jnp.bfloat16)
 
 
 def qmatmul_grouped(x: jax.Array, w: QWeight, layer, ids: jax.Array,
