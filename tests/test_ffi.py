@@ -421,6 +421,28 @@ def test_activation_quantizers_match_numpy(fmt, rng):
   np.testing.assert_array_equal(got.reshape(want.shape), want)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_round_to_is_exact_and_survives_excess_precision(dtype, rng):
+  """numerics.round_to equals numpy's / ml_dtypes' conversion (nearest even; float16's
+  subnormals, overflow to inf, NaN) and compiles to reduce-precision, not to a pair of converts
+  that XLA:GPU's excess precision removes (which made the GPU references multiply unrounded
+  operands)."""
+  import ml_dtypes
+  from jaxvt.ffi import numerics
+  x = (rng.standard_normal(20000) * 10.0 ** rng.uniform(-10, 6, 20000)).astype(np.float32)
+  ties = np.float32(1 + 2.0 ** -11) * np.arange(1, 65, dtype=np.float32)  # float16 ties
+  edge = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 2.0 ** -24,
+                   1.5 * 2.0 ** -24, 2.0 ** -25, 2.0 ** -26, 2.0 ** -14 * 0.999, 3e38,
+                   1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)
+  x = np.concatenate([x, ties, -ties, edge])
+  ref = x.astype(np.float16 if dtype == "float16" else ml_dtypes.bfloat16).astype(np.float32)
+  f = jax.jit(lambda v: numerics.round_to(v, jnp.dtype(dtype)))
+  with np.errstate(over="ignore"):
+    np.testing.assert_array_equal(np.asarray(f(x)), ref)
+  hlo = f.lower(x).as_text()
+  assert "reduce_precision" in hlo and "bf16" not in hlo and "f16>" not in hlo, hlo
+
+
 def test_ggml_norm_and_swiglu_kernels(rng):
   x = (rng.standard_normal((5, 7, 576)) * 3).astype(np.float32)
   x[0, 0] = 0

@@ -212,7 +212,7 @@ def test_moe_grouped(rng, device):
   args = put((x, wg.w, wu.w, wd.w, 0, ids, gate), device)
   out = np.asarray(jax.jit(gops.moe_grouped)(*args))
   ref = np.asarray(jax.jit(gops.moe_grouped_ref)(*args))
-  want = np.zeros((t, d))
+  want, step = np.zeros((t, d)), np.zeros((t, d))
   bf = lambda a: _bf16(a).astype(np.float64)
   for i in range(t):
     for j in range(k):
@@ -223,12 +223,16 @@ def test_moe_grouped(rng, device):
       u = bf(wu.mats[0][e]) @ bf(x[i])
       h = (g / (1 + np.exp(-g)) * u).astype(np.float32)
       want[i] += gate[i, j] * (bf(wd.mats[0][e]) @ bf(h))
+      step[i] += gate[i, j] * (np.abs(bf(wd.mats[0][e])) @ np.abs(h)) * 2.0 ** -8
   # The float32 h rounds to a different bf16 than float64's in a few elements (one bf16 step,
   # 2^-8 of that element): allow that on the down product's largest terms.
   scale = np.abs(want).max()
   np.testing.assert_allclose(out, want, atol=2e-3 * scale, rtol=0)
   np.testing.assert_allclose(ref, want, atol=2e-3 * scale, rtol=0)
-  np.testing.assert_allclose(out, ref, atol=1e-5 * scale, rtol=0)
+  # The kernel and the reference sum gate/up in different orders (tensor cores on a GPU), so
+  # their float32 h can straddle a bf16 rounding boundary too: at most one bf16 step of each h
+  # element apart (`step`), plus float32 sums (measured on the H200: 0.012 of 24684 apart).
+  assert np.all(np.abs(out - ref) <= step + 1e-5 * scale)
 
 
 def test_grouped_user_errors(rng):
