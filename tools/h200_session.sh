@@ -7,6 +7,7 @@
 #                                       # cached, auto on the emulated 16 GiB card at the default
 #                                       # context, an 8k-token prompt there
 #   bash tools/h200_session.sh verify   # the GPU kernel tests and the determinism test
+#   bash tools/h200_session.sh profile  # device-time profiles of the goals still missed
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -48,6 +49,18 @@ if [ "$what" = verify ]; then  # the GPU kernel tests, then determinism (process
     tests/test_grouped_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+fi
+if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-token prefill
+  # (#15: 0.33x llama-bench -p 16), 512 tokens at auto's budget on the 16 GiB card (#15: 0.55x of
+  # all in HBM), and a decode step all in HBM (#14: 0.68x)
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)"
+  timeout 150 python3 -m jaxvt.bench profile --model $M --prefill --prompt 16 > "$OUT/profile_prefill16.txt" 2>&1
+  tail -30 "$OUT/profile_prefill16.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
+    --prompt 512 --offload-gb 3.5 --device-gb 16 > "$OUT/profile_prefill512_auto.txt" 2>&1
+  tail -30 "$OUT/profile_prefill512_auto.txt"
+  timeout 150 python3 -m jaxvt.bench profile --model $M --steps 8 > "$OUT/profile_decode.txt" 2>&1
+  tail -30 "$OUT/profile_decode.txt"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress

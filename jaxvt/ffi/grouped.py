@@ -56,12 +56,6 @@ def _bf16(x) -> jax.Array:
   return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
 
 
-def _round_bf16(x) -> jax.Array:
-  """x rounded to bf16, kept in float32, for the references (numerics.round_to: XLA:GPU's excess
-  precision would remove a pair of converts)."""
-  return numerics.round_to(x, jnp.bfloat16)
-
-
 def qmatmul_grouped(x: jax.Array, w: QWeight, layer, ids: jax.Array,
                     groups: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows]: qmatmul_experts'
@@ -85,7 +79,7 @@ def qmatmul_grouped(x: jax.Array, w: QWeight, layer, ids: jax.Array,
 
 def _bf16_weights(raw, fmt, cols):
   """raw uint8 [..., row_bytes] -> its weights rounded to bf16, as float32 [..., cols]."""
-  return _round_bf16(quants.dequantize(raw, fmt, cols))
+  return numerics.round_to(quants.dequantize(raw, fmt, cols), jnp.bfloat16)
 
 
 def qmatmul_grouped_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.Array:
@@ -96,7 +90,7 @@ def qmatmul_grouped_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.
   ids = _ids(ids)
   routed = ids >= 0
   ids = jnp.clip(ids, 0, m.experts - 1)
-  xs = _round_bf16(x)
+  xs = numerics.round_to(x, jnp.bfloat16)
   xs = xs[:, None] if xs.ndim == 2 else xs  # [T, 1 or k, cols]
 
   def fn(raw, fmt):
@@ -128,7 +122,7 @@ def qmatmul_tiled_ref(x: jax.Array, w: QWeight, layer) -> jax.Array:
   """Reference for qmatmul_tiled (device-tier layers)."""
   _check(w, "qmatmul_tiled_ref", experts=False)
   m = w.meta
-  xs = _round_bf16(x)
+  xs = numerics.round_to(x, jnp.bfloat16)
   return _switch_formats(w, layer, lambda raw, f: jnp.einsum(
       "...c,rc->...r", xs, _bf16_weights(raw, f, m.cols), precision=jax.lax.Precision.HIGHEST))
 

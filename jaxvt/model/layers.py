@@ -64,7 +64,7 @@ class Products:
 # What jaxvt.load runs on a GPU: dense products of 8-127 rows on the tile kernel, 128 rows or more
 # staged (bf16 + XLA's GEMM), routed experts of 64 slots or more on the grouped kernel. (Their GPU
 # tests first failed on the H200 on 2026-12-01 because the jnp references lost their bf16
-# rounding to XLA:GPU's excess precision, not the kernels: grouped._round_bf16.)
+# rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
                         grouped_slots=GROUPED_SLOTS)
 
