@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.errors import JaxvtError
 from jaxvt.ffi import numerics
-from jaxvt.ffi.ops import (_check, _check_x_ids, _ids, _layer, _moe, _switch_formats,
+from jaxvt.ffi.ops import (_check, _check_x_ids, _dense_x, _ids, _layer, _moe, _switch_formats,
                            _vmappable)
 from jaxvt.gguf import quants
 from jaxvt.qweight import QWeight
@@ -104,11 +103,8 @@ def qmatmul_grouped_ref(x: jax.Array, w: QWeight, layer, ids: jax.Array) -> jax.
 def qmatmul_tiled(x: jax.Array, w: QWeight, layer) -> jax.Array:
   """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T in qmatmul_grouped's bf16 arithmetic and
   kernel (one group of every row of x): W's bytes read once per 32 rows, tensor cores on CUDA."""
-  _check(w, "qmatmul_tiled", experts=False)
+  x = _dense_x(x, w, "qmatmul_tiled")
   m = w.meta
-  x = jnp.asarray(x, jnp.float32)
-  if x.shape[-1:] != (m.cols,):
-    raise JaxvtError(f"qmatmul_tiled: x has {x.shape[-1:]} columns, the weight {m.cols}")
   lead = x.shape[:-1]
   n = int(np.prod(lead, dtype=np.int64))
   order = jnp.arange(n, dtype=jnp.int32)

@@ -87,6 +87,16 @@ def _check_x_ids(x, ids, cols: int, name: str) -> None:
                      f"[T, k, {cols}] with ids [T, k]")
 
 
+def _dense_x(x, w: QWeight, name: str) -> jax.Array:
+  """x as float32 [..., cols] for a dense product with `w` (checked: a dense weight, x's last
+  axis its columns)."""
+  _check(w, name, experts=False)
+  x = jnp.asarray(x, jnp.float32)
+  if x.shape[-1:] != (w.meta.cols,):
+    raise JaxvtError(f"{name}: x has {x.shape[-1:]} columns, the weight {w.meta.cols}")
+  return x
+
+
 def _layer(layer) -> jax.Array:
   layer = jnp.asarray(layer)
   if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
@@ -160,11 +170,8 @@ def _qmatmul_q8_call(rows: int, cols: int, act_bytes: int):
 def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
   """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T in arithmetic `mode`, reading W's
   blocks in place."""
-  _check(w, "qmatmul", experts=False)
+  x = _dense_x(x, w, "qmatmul")
   m = w.meta
-  x = jnp.asarray(x, jnp.float32)
-  if x.shape[-1:] != (m.cols,):
-    raise JaxvtError(f"qmatmul: x has {x.shape[-1:]} columns, the weight {m.cols}")
   lead = x.shape[:-1]
   args = (x.reshape(-1, m.cols), w.data, w.table, w.fmts, _layer(layer))
   if numerics.integer_products(_mode(mode)):
