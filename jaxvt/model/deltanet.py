@@ -87,10 +87,12 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
   decay = jnp.exp(jnp.where(causal, diff, -jnp.inf))  # 0 above the diagonal, no overflow
 
   a = jnp.where(strict, beta[..., :, None] * _ein("nbhik,nbhjk->nbhij", k, k) * decay, 0.0)
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(
-      a, rhs, left_side=True, lower=True, unit_diagonal=True)  # (I + A)^-1 rhs
-  u0 = solve(beta[..., None] * v)  # [n, b, h, C, dv]
-  w = solve((beta * jnp.exp(gam))[..., None] * k)  # [n, b, h, C, dk]
+  # (I + A)^-1 [beta v | beta e^gamma k] in one solve: two independent solves on XLA's CPU
+  # backend can both block its intra-op pool (LAPACK trsm waits there for its own batch tasks)
+  # and deadlock on a 2-core machine (seen in CI on 2026-12-01)
+  rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], axis=-1)
+  uw = jax.lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
+  u0, w = uw[..., :dv], uw[..., dv:]  # [n, b, h, C, dv], [n, b, h, C, dk]
   qd = q * jnp.exp(gam)[..., None]  # reads the entering state
   attn = _ein("nbhik,nbhjk->nbhij", q, k) * decay  # intra-chunk, diagonal included
   kd = k * jnp.exp(gam[..., -1:] - gam)[..., None]  # decayed to the chunk end
