@@ -64,8 +64,7 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress
-  cp /tmp/llama_build.log "$OUT/" 2>/dev/null
   python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-500} 2>&1 | tee "$OUT/offload.txt" | tail -40
-  cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png "$OUT/" 2>/dev/null
+  cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png /tmp/llama_build.log "$OUT/" 2>/dev/null
 fi
 echo "total $(( $(date +%s) - t0 )) s"

@@ -107,8 +107,9 @@ def quantize_q8k(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def round_to(x: jax.Array, dtype) -> jax.Array:
   """x rounded to `dtype` (bfloat16 or float16; nearest even, float16's subnormals too; float32:
-  x), kept in float32. Not `.astype(dtype).astype(float32)`: XLA:GPU, allowed excess precision by default,
-  removes that pair of converts (measured on the H200: references 3-6x outside their bound)."""
+  x), kept in float32. Not `.astype(dtype).astype(float32)`: XLA:GPU, allowed excess precision
+  by default, removes that pair of converts (measured on the H200: references 3-6x outside
+  their bound)."""
   x = jnp.asarray(x, jnp.float32)
   if jnp.dtype(dtype) == jnp.float32:
     return x
