@@ -125,13 +125,6 @@ class Engine:
       raise JaxvtError(f"this Engine ({escape(self.path)}) was closed; load the model again "
                        "with jaxvt.load(...)")
 
-  @property
-  def prefill_ex(self) -> Exec:
-    """How prefill runs: as `ex`, except that a GPU's "q8" products take "f32" there (prefill's
-    products of many rows are staged to bf16 for XLA's GEMM; the routed experts' matvec kernels
-    serve 16 rows per pass in f32, 4 under ggml's arithmetic)."""
-    return dataclasses.replace(self.ex, numerics="f32") if self.ex.numerics == "q8" else self.ex
-
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
     self._check_open()
@@ -190,7 +183,7 @@ class Engine:
   def _prefill_call(self, tokens: list[int], cache: dict, start: int, T: int):
     """One prefill program of T >= len(tokens) positions from `start`."""
     args, kv_len = self._prefill_args(tokens, start, T)
-    logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.prefill_ex,
+    logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
                                kv_len=kv_len)
     return logits[0], cache
 
@@ -340,7 +333,7 @@ class Engine:
     cache = self.new_cache(1)
     for off, m, T in prefill_chunks(n, 0, self.prefill_chunk, self.max_context):
       args, kv_len = self._prefill_args([0] * m, off, T)
-      lowered = prefill_fn.lower(self.weights, cache, *args, cfg=self.cfg, ex=self.prefill_ex,
+      lowered = prefill_fn.lower(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
                                  kv_len=kv_len)
       logits_sharding, cache_shardings = lowered.compile().output_shardings
       cache = spec(lowered.out_info[1], cache_shardings)  # as the next call takes it
@@ -421,7 +414,7 @@ def xla_workspace_bytes(eng: "Engine") -> int | None:
   i32 = lambda shape: spec(shape, jnp.int32)
   cache = jax.eval_shape(lambda: eng.new_cache(1))
   lowered = prefill_fn.lower(eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool),
-                             i32((1,)), cfg=eng.cfg, ex=eng.prefill_ex,
+                             i32((1,)), cfg=eng.cfg, ex=eng.ex,
                              kv_len=eng.kv_len(eng.max_context))
   ma = lowered.compile().memory_analysis()
   if ma is None:

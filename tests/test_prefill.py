@@ -125,22 +125,19 @@ def test_products_rule():
   head = QMeta(rows=248320, cols=2048, experts=0, formats=(14,), n_layers=1)
   p = GPU_PRODUCTS
   assert Products().dense(512, dense) == "matvec" and Products().experts(4096) == "matvec"
-  assert p.dense(1, dense) == "matvec" and p.dense(p.tiled_rows - 1, dense) == "matvec"
-  assert p.dense(p.tiled_rows, dense) == "tiled"
-  assert p.dense(p.stage_rows - 1, dense) == "tiled" and p.dense(p.stage_rows, dense) == "staged"
+  assert p.dense(1, dense) == "matvec" and p.dense(p.stage_rows - 1, dense) == "matvec"
+  assert p.dense(p.stage_rows, dense) == "staged" and p.dense(4096, dense) == "staged"
   for n in (1, p.tiled_rows, p.stage_rows - 1, p.stage_rows, 4096):  # the tier changes nothing
     assert p.dense(n, host) == p.dense(n, dense)
-  assert p.dense(4096, head) == "tiled"  # its bf16 copy (970 MiB) is over stage_max_bytes
+  # A matrix whose bf16 copy (970 MiB) is over stage_max_bytes takes the tile kernel instead.
+  assert p.dense(p.tiled_rows - 1, head) == "matvec" and p.dense(p.tiled_rows, head) == "tiled"
   assert p.experts(p.grouped_slots - 1) == "matvec" and p.experts(p.grouped_slots) == "grouped"
-  # A 12-token prompt (a 16-row program) stages no layer of the 35B model, in either tier.
+  # A 12-token prompt (a 16-row program) dequantizes no routed-expert stack of the 35B model (the
+  # bulk of its bytes), in either tier: the experts' paths never stage.
   cfg = qwen36_35b_a3b_config(n_nextn=0)
-  from jaxvt.model.declare import declare
-  for d in declare(cfg):
-    if len(d.shape) >= 2:
-      m = QMeta(rows=d.shape[-2], cols=d.shape[-1], experts=d.shape[0] if len(d.shape) == 3 else 0,
-                formats=(12,), n_layers=1)
-      assert p.dense(16, m) != "staged"
-      assert p.dense(16, dataclasses.replace(m, host_layers=(0,))) != "staged"
+  assert p.experts(16 * cfg.n_experts_used) == "matvec"
+  rule = Products(tiled_rows=8, stage_rows=16, grouped_slots=64)
+  assert rule.dense(8, dense) == "tiled" and rule.dense(15, dense) == "tiled"
 
 
 def _targets(lowered) -> set[str]:
@@ -150,31 +147,38 @@ def _targets(lowered) -> set[str]:
       re.findall(r"custom_call_target\s*=\s*\"(jaxvt_\w+)\"", text))
 
 
-def test_gpu_rule_in_the_model_on_cpu_kernels(qwen35moe):
-  """The GPU's Exec (f32, GPU_PRODUCTS) on the CPU kernels: a 16-row prefill stages nothing and
-  multiplies on the tile kernels; a 256-row prefill stages the dense layers and groups the
-  experts (128 x 2 slots); the 16-row one agrees with the f32 matvec model to bf16 roundings."""
+def test_gpu_rules_in_the_model_on_cpu_kernels(qwen35moe):
+  """The GPU's rule (GPU_PRODUCTS) and the tile / grouped paths it can take, run on the CPU kernels
+  in f32 at 16 rows: each program holds the custom calls its rule names (staged dense layers,
+  tiled dense layers, per-slot or grouped experts), and its logits agree with the f32 matvec
+  model to bf16 roundings."""
   with jaxvt.load(qwen35moe, max_context=256) as eng:
-    gpu = dataclasses.replace(eng.ex, numerics="f32", products=GPU_PRODUCTS)
+    T = 16
+    slots = T * eng.cfg.n_experts_used
     f32 = dataclasses.replace(eng.ex, numerics="f32", products=Products())
     cache = jax.eval_shape(lambda: eng.new_cache(1))
-    rng = np.random.default_rng(2)
-    for T, staged in [(16, False), (128, True)]:
-      toks = jnp.asarray(rng.integers(3, 300, (1, T)), jnp.int32)
-      args = (eng.weights, cache, toks, jnp.arange(T, dtype=jnp.int32)[None],
-              jnp.ones((1, T), bool), jnp.asarray([T - 1], jnp.int32))
-      low = engine.prefill_fn.lower(*args, cfg=eng.cfg, ex=gpu, kv_len=T)
-      names = _targets(low)
-      assert ("jaxvt_qdequant" in names) == staged and "jaxvt_qmatmul_grouped" in names
-      assert ("jaxvt_qmatmul_experts" in names) == (not staged)  # 32 slots: below grouped_slots
-      if staged:  # (the staged and grouped products' numerics: test_ffi.py, test_moe.py)
-        continue
-      out = []
-      for ex in (gpu, f32):
-        c = eng.new_cache(1)
-        out.append(np.asarray(engine.prefill_fn(*((eng.weights, c) + args[2:]), cfg=eng.cfg,
-                                                ex=ex, kv_len=T)[0]))
-      np.testing.assert_allclose(out[0], out[1], atol=3e-2 * np.abs(out[1]).max(), rtol=0)
+    toks = jnp.asarray(np.random.default_rng(2).integers(3, 300, (1, T)), jnp.int32)
+    args = (toks, jnp.arange(T, dtype=jnp.int32)[None], jnp.ones((1, T), bool),
+            jnp.asarray([T - 1], jnp.int32))
+
+    def logits(ex):
+      c = eng.new_cache(1)
+      return np.asarray(engine.prefill_fn(eng.weights, c, *args, cfg=eng.cfg, ex=ex, kv_len=T)[0])
+
+    want = logits(f32)
+    tiles = Products(tiled_rows=8, grouped_slots=slots)
+    for rule in (GPU_PRODUCTS, tiles):
+      ex = dataclasses.replace(eng.ex, numerics="f32", products=rule)
+      names = _targets(engine.prefill_fn.lower(eng.weights, cache, *args, cfg=eng.cfg, ex=ex,
+                                               kv_len=T))
+      staged = bool(rule.stage_rows) and T >= rule.stage_rows
+      tiled = not staged and bool(rule.tiled_rows) and T >= rule.tiled_rows
+      grouped = rule.experts(slots) == "grouped"
+      assert ("jaxvt_qdequant" in names) == staged
+      assert ("jaxvt_qmatmul_grouped" in names) == (tiled or grouped)
+      assert ("jaxvt_qmatmul_experts" in names) == (not grouped)
+      got = logits(ex)
+      np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max(), rtol=0)
 
 
 def test_products_probe_runs(monkeypatch, tmp_path):

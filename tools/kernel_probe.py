@@ -55,6 +55,9 @@ def main() -> None:
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--modes", default="f32,q8")
+  p.add_argument("--only", default="", help="run only the products whose name contains this")
+  p.add_argument("--no-trace", action="store_true",
+                 help="run each product 3 times without jax.profiler (to run under ncu)")
   a = p.parse_args()
   dev = jax.devices()[0]
   rng = np.random.default_rng(0)
@@ -73,6 +76,9 @@ def main() -> None:
       "router+shexp gate/up (multi F32 256, Q6_K 512+512 x 2048)": (
           [dense(rng, F32, 256, 2048, L, dev)] + [dense(rng, Q6_K, 512, 2048, L, dev)] * 2,
           x2048, "multi"),
+      "router alone (F32 256 x 2048)": ([dense(rng, F32, 256, 2048, L, dev)], x2048, "one"),
+      "shexp gate/up alone (multi Q6_K 512+512 x 2048)": (
+          [dense(rng, Q6_K, 512, 2048, L, dev)] * 2, x2048, "multi"),
       "shexp down (2048 x 512 Q6_K)": ([dense(rng, Q6_K, 2048, 512, L, dev)], x512, "one"),
       "experts gate+up (2 x 8 of 256 x 512 x 2048 Q4_K)": (
           [experts(rng, Q4_K, 256, 512, 2048, L, dev) for _ in range(2)], x2048, "experts2"),
@@ -83,6 +89,8 @@ def main() -> None:
   print(f"batch {B}, {L} layers per scan; device {dev.device_kind}")
   print(f"{'product':58} {'mode':4} {'kernel':30} {'calls':>5} {'us/call':>8} {'GB/s':>7}")
   for (name, (ws, x, kind)), mode in [(c, m) for c in cases.items() for m in a.modes.split(",")]:
+    if a.only and a.only not in name:
+      continue
     n = ws[0].meta.n_layers
 
     @functools.partial(jax.jit, static_argnames=("kind", "mode"))
@@ -101,6 +109,11 @@ def main() -> None:
 
     go = lambda: run(x, ws, ids, kind=kind, mode=mode).block_until_ready()
     go()
+    if a.no_trace:
+      go()
+      go()
+      print(f"{name:58} {mode:4} ran")
+      continue
     with tempfile.TemporaryDirectory() as d:
       tr = profile.trace(go, d)
     per = collections.defaultdict(list)

@@ -17,28 +17,35 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.model.axes import AXES, TP
 from jaxvt.qweight import QMeta, QWeight
 
-# Which kernel multiplies a quantized weight by n activation rows on a GPU (prefill): crossovers in
-# rows of x, measured by `python -m jaxvt.bench tier --products` (docs/BENCHMARKS.md, "Products by
-# rows"), which times all three for the 35B model's shapes in both tiers.
-TILED_ROWS = 8  # dense: the tensor-core tile kernel (grouped.qmatmul_tiled) from this many rows
-# dense: stage bf16 (ops.qdequant) + XLA's GEMM from this many. The rule does not look at the
+# Which kernel multiplies a quantized weight by n activation rows on a GPU (prefill). Measured on
+# the 35B-shaped model, all in HBM, by tools/prefill_rules.py (warm prefills under each rule in one
+# process; H200, docs/BENCHMARKS.md "2026-12-01 night"): with the routed experts on the per-slot
+# kernel and integer products, the 16-row program took 24.6 ms with dense layers staged, 30.3 in
+# place, 55.4 on the tile kernel; the 64-row one 48.7 staged, 83.5 on the tile kernel, and (dense
+# tiled) 82.7 with its 512 routed slots per slot against 98.9 on the grouped kernel.
+# dense: stage bf16 (ops.qdequant) + XLA's GEMM from this many rows. The rule does not look at the
 # tier: a weight takes the same path, so gives the same bits, from HBM and from the host tier, and
 # tokens do not depend on the offload budget.
-STAGE_ROWS = 128
+STAGE_ROWS = 16
 STAGE_MAX_BYTES = 512 << 20  # never stage a layer whose bf16 copy is larger (its workspace)
-GROUPED_SLOTS = 64  # routed experts: the grouped kernel (grouped.moe_grouped) from this many T*k slots
+TILED_ROWS = 32  # dense layers too large to stage: the tile kernel (grouped.qmatmul_tiled) from here
+# routed experts: the grouped kernel (grouped.moe_grouped) from this many T*k slots; below it the
+# per-slot kernel of ops.qmatmul_experts (each slot streams its expert). Per slot won at 128 and
+# 512 slots; above 512 it was not measured.
+GROUPED_SLOTS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class Products:
   """The per-product kernel rule: how x [n, cols] times one layer of a stack is computed.
 
-  Dense matrices: "matvec" (ops.qmatmul: reads the layer in place once per 16 rows of x, CUDA
-  cores), "tiled" (grouped.qmatmul_tiled: once per 32 rows, tensor cores, bf16 arithmetic) or
-  "staged" (ops.qdequant writes the whole layer as bf16, then XLA's GEMM). Routed experts:
-  "matvec" (ops.moe_experts) or "grouped" (grouped.moe_grouped). Each field is the row (slot) count
-  from which its path is taken; 0 never takes it. Products() (every field 0) is the CPU's rule:
-  the matvec kernels, which are the CPU's arithmetic contract.
+  Dense matrices: "matvec" (ops.qmatmul: reads the layer in place once per 4 rows of x under
+  integer products, per 16 in float32; CUDA cores), "tiled" (grouped.qmatmul_tiled: once per 32
+  rows, tensor cores, bf16 arithmetic) or "staged" (ops.qdequant writes the whole layer as bf16,
+  then XLA's GEMM). Routed experts: "matvec" (ops.moe_experts; on a GPU, calls of up to 1023
+  slots stream each slot's expert on its own) or "grouped" (grouped.moe_grouped). Each field is
+  the row (slot) count from which its path is taken; 0 never takes it. Products() (every field 0)
+  is the CPU's rule: the matvec kernels, which are the CPU's arithmetic contract.
   """
 
   tiled_rows: int = 0
@@ -61,8 +68,9 @@ class Products:
     return "grouped" if self.grouped_slots and slots >= self.grouped_slots else "matvec"
 
 
-# What jaxvt.load runs on a GPU: dense products of 8-127 rows on the tile kernel, 128 rows or more
-# staged (bf16 + XLA's GEMM), routed experts of 64 slots or more on the grouped kernel. (Their GPU
+# What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
+# on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 1024
+# slots or more on the grouped kernel, fewer on the per-slot kernel. (Their GPU
 # tests first failed on the H200 on 2026-12-01 because the jnp references lost their bf16
 # rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,

@@ -1,7 +1,7 @@
 // Device kernels of jaxvt (CUDA, and HIP via hipcc -x hip): the dense matvec (qmatmul), embedding
 // rows (qembed), bf16 staging (qdequant) and the streaming-read probe. The matvec core is in
-// matvec.cuh, shared with kernels_gpu_experts.cu (routed experts). Floats only: ggml's integer
-// arithmetic (Q8 activations) is a CPU contract (docs/NUMERICS.md) with no GPU kernels.
+// matvec.cuh, shared with kernels_gpu_experts.cu (routed experts), in float32 or in ggml's integer
+// products (docs/NUMERICS.md, "q8").
 #include <cstdint>
 
 #include "formats.h"
@@ -16,46 +16,10 @@ namespace {
 // / 32 of them: fewer for small matrices, so the rows spread over every SM) has its own slot of
 // the dynamic shared memory; the block's held activation rows (XM) follow the slots.
 template <int BT>
-__device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t batch, float* y,
-                                               int64_t rows, int64_t cols) {
-  Rows<BT> R;
-  R.slot = nullptr;
-  R.x = x;
-  R.y = y;
-  R.cols = cols;
-  R.rows = rows;
-  R.b0 = static_cast<int64_t>(blockIdx.y) * BT;
-  R.nb = static_cast<int>(batch - R.b0 < BT ? batch - R.b0 : BT);
-  R.k = 1;
-  R.x_per_slot = 0;
-  R.dense = 1;
-  R.xs = nullptr;
-  R.xs_stride = xs_stride(cols);
-  R.xq = nullptr;
-  R.xq_stride = xq_bytes(cols);
-  R.xq_upad = xq_upad(cols);
-  return R;
-}
-
-// The block's activations as XM says (matvec.cuh): held float32 rows (the loads in flight while
-// the layer's address is read), quantized rows for a quantized format under ggml's arithmetic, or
-// nothing (read from global memory).
-template <int BT, int XM>
-__device__ __forceinline__ LayerRef hold_and_resolve(const WeightArgs& w, Rows<BT>& R, uint4* after_slots) {
-  XLoad xl;
-  if (XM == 1) xl = hold_x_load<BT>(R, R.nb);
-  const LayerRef L = layer_ref(w);
-  const bool quantized = L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16;
-  if (XM == 1 || (XM == 2 && !quantized)) {
-    float4* xs = reinterpret_cast<float4*>(after_slots);
-    hold_x_store<BT>(xs, XM == 1 ? xl : hold_x_load<BT>(R, R.nb), R, R.nb);
-    R.xs = xs;
-  } else if (XM == 2) {
-    uint8_t* xq = reinterpret_cast<uint8_t*>(after_slots);
-    hold_xq<BT>(xq, R, R.nb, act_type(L.fmt));
-    R.xq = xq;
-  }
-  return L;
+__device__ __forceinline__ Rows<BT> batch_group(const float* x, int64_t batch, float* y,
+                                                int64_t rows, int64_t cols) {
+  const int64_t b0 = static_cast<int64_t>(blockIdx.y) * BT;
+  return dense_rows<BT>(x, b0, static_cast<int>(batch - b0 < BT ? batch - b0 : BT), y, rows, cols);
 }
 
 template <int BT, int XM>
@@ -63,7 +27,7 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(Wei
                                                            float* y, int64_t rows, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-  Rows<BT> R = dense_rows<BT>(x, batch, y, rows, cols);
+  Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
   const LayerRef L = hold_and_resolve<BT, XM>(w, R, smem_slots + wpb * kSlotU4);
   matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                      static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
@@ -88,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kern
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
-  Rows<BT> R = dense_rows<BT>(x, batch, m.y[i], m.rows[i], cols);
+  Rows<BT> R = batch_group<BT>(x, batch, m.y[i], m.rows[i], cols);
   const LayerRef L = hold_and_resolve<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4);
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
   matvec_fmt<BT, XM>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,

@@ -1,6 +1,7 @@
-// The routed-experts kernel (qmatmul_experts; CUDA, and HIP via hipcc -x hip): reads only the
-// experts the router picked, each once per 16 slots routed to it, with the matvec core of
-// matvec.cuh (so an expert's rows give the bits a dense qmatmul of them gives).
+// The routed-experts kernels (qmatmul_experts; CUDA, and HIP via hipcc -x hip): read only the
+// experts the router picked with the matvec core of matvec.cuh (so an expert's rows give the bits
+// a dense qmatmul of them gives): calls of up to kExpertsSlotMax slots stream each slot's expert on
+// its own (decode, short prompts); larger ones read each routed expert once per 4 or 16 slots.
 #include <cstdint>
 
 #include "formats.h"
@@ -24,6 +25,9 @@ __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? 
 // Routed ids are cached in shared memory for calls of up to this many slots (decode and short
 // prompts); larger calls read them from global memory.
 constexpr int kIdsCached = 512;
+// Calls of at most this many slots take the per-slot kernel (decode, and prompts of up to 127
+// tokens at top-8: layers.GROUPED_SLOTS - 1, measured there).
+constexpr int64_t kExpertsSlotMax = 1023;
 
 template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
@@ -106,6 +110,80 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
   }
 }
 
+// Decode and short prompts (at most kExpertsSlotMax slots): every (matrix, slot) pair streams its
+// own expert, as a dense matvec of one row would: no ownership scan and no group loop (at BT = 1
+// the general kernel above spilled ~1.2 KB of registers per thread, and its prologue is serial).
+// Slots that share an expert read it once each; each slot's row is the same dot in the same order
+// either way, so the bits are those of qmatmul_experts_kernel and of a dense qmatmul of the
+// expert's rows. Dynamic shared memory: the warps' slots, then the held activation row (XM as in
+// matvec.cuh).
+template <int XM>
+__global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_slot_kernel(
+    WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids,
+    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
+  extern __shared__ uint4 smem_slots[];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+  const int64_t m = blockIdx.y / slots, s = blockIdx.y % slots;
+  float* const y = (m ? y1 : y0) + s * rows;
+  const int e = expert_id(ids[s], experts);
+  if (e < 0) {  // routed nowhere: this block's share of the slot's output row is 0
+    for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
+         r += static_cast<int64_t>(gridDim.x) * kThreads)
+      y[r] = 0.f;
+    return;
+  }
+  Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
+  const WeightArgs w = m ? w1 : w0;  // a copy: a reference to either parameter puts both on the stack
+  const LayerRef L = hold_and_resolve<1, XM>(w, R, smem_slots + kWarps * kSlotU4);
+  // (an unsupported format reaches matvec_fmt, which writes NaN rows)
+  const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
+  matvec_fmt<1, XM>(L.fmt, base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
+                    static_cast<int64_t>(blockIdx.x) * kWarps + wib,
+                    static_cast<int64_t>(gridDim.x) * kWarps);
+}
+
+template <int XM>
+gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
+                       const float* x, bool x_per_slot, const int32_t* ids, int64_t slots,
+                       int64_t k, float* y0, float* y1, int64_t rows, int64_t cols,
+                       int64_t experts, int64_t smem) {
+  // One wave of resident blocks shared by the (matrix, slot) pairs.
+  const int64_t resident = resident_blocks(qmatmul_experts_slot_kernel<XM>, kThreads,
+                                           static_cast<size_t>(smem));
+  int64_t cap = resident / (nmat * slots);
+  if (cap < 1) cap = 1;
+  const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
+  qmatmul_experts_slot_kernel<XM><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k,
+                                                           y0, y1, rows, cols, experts);
+  return gpuGetLastError();
+}
+
+// The per-slot kernel, with the activation row held as for the general kernel.
+gpuError_t launch_decode(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
+                         const float* x, bool x_per_slot, const int32_t* ids, int64_t slots,
+                         int64_t k, float* y0, float* y1, int64_t rows, int64_t cols,
+                         int64_t experts, bool ggml) {
+  constexpr int64_t kSlots = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4;
+  static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_slot_kernel<1>, 0);
+  static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_slot_kernel<2>, 0);
+  static const int64_t allowed_0 = allow_dyn_smem(qmatmul_experts_slot_kernel<0>, 0);
+  if (ggml) {
+    const int64_t row = xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+    if (kSlots + row > allowed_q) return gpuErrorInvalidValue;  // activations too large
+    return launch_slot<2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                          experts, kSlots + row);
+  }
+  const int64_t need = kSlots + xs_stride(cols) * 16;
+  if (need <= allowed_f)
+    return launch_slot<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                          experts, need);
+  if (kSlots > allowed_0) return gpuErrorInvalidValue;
+  return launch_slot<0>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                        experts, kSlots);
+}
+
+int64_t g_slot_max = kExpertsSlotMax;
+
 constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64;
 
 template <int BT, int XM>
@@ -164,10 +242,10 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
     }
     return gpuSuccess;
   }
-  // Batch-1 decode routes its k <= 8 slots to distinct experts: one slot per expert.
-  if (slots <= 8)
-    return launch_bt<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts,
-                        ggml);
+  // Decode and short prompts: the per-slot kernel.
+  if (slots <= g_slot_max)
+    return launch_decode(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                         experts, ggml);
   if (slots <= 64 || ggml)
     return launch_bt<4>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts,
                         ggml);
@@ -176,6 +254,12 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
 }
 
 }  // namespace
+
+int64_t set_experts_slot_max(int64_t slots) {
+  const int64_t was = g_slot_max;
+  g_slot_max = slots < 0 ? kExpertsSlotMax : slots;
+  return was;
+}
 
 gpuError_t launch_qmatmul_experts(gpuStream_t s, const WeightArgs& w, const float* x, bool x_per_slot,
                                   const int32_t* ids, int64_t slots, int64_t k, float* y,

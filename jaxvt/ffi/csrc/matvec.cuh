@@ -552,6 +552,51 @@ __device__ __forceinline__ LayerRef layer_ref(const WeightArgs& w) {
   return resolve_layer(w.data, w.stride, w.table, w.fmts, w.n_layers, *w.layer);
 }
 
+// Dense rows b0 .. b0 + nb - 1 (nb <= BT) of x [*, cols] and y [*, rows].
+template <int BT>
+__device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t b0, int nb, float* y,
+                                               int64_t rows, int64_t cols) {
+  Rows<BT> R;
+  R.slot = nullptr;
+  R.x = x;
+  R.y = y;
+  R.cols = cols;
+  R.rows = rows;
+  R.b0 = b0;
+  R.nb = nb;
+  R.k = 1;
+  R.x_per_slot = 0;
+  R.dense = 1;
+  R.xs = nullptr;
+  R.xs_stride = xs_stride(cols);
+  R.xq = nullptr;
+  R.xq_stride = xq_bytes(cols);
+  R.xq_upad = xq_upad(cols);
+  return R;
+}
+
+// The block's activations as XM says: held float32 rows (the loads in flight while the layer's
+// address is read), quantized rows for a quantized format under ggml's arithmetic, or nothing
+// (read from global memory); after_slots is the dynamic shared memory past the warps' slots.
+template <int BT, int XM>
+__device__ __forceinline__ LayerRef hold_and_resolve(const WeightArgs& w, Rows<BT>& R,
+                                                     uint4* after_slots) {
+  XLoad xl;
+  if (XM == 1) xl = hold_x_load<BT>(R, R.nb);
+  const LayerRef L = layer_ref(w);
+  const bool quantized = L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16;
+  if (XM == 1 || (XM == 2 && !quantized)) {
+    float4* xs = reinterpret_cast<float4*>(after_slots);
+    hold_x_store<BT>(xs, XM == 1 ? xl : hold_x_load<BT>(R, R.nb), R, R.nb);
+    R.xs = xs;
+  } else if (XM == 2) {
+    uint8_t* xq = reinterpret_cast<uint8_t*>(after_slots);
+    hold_xq<BT>(xq, R, R.nb, act_type(L.fmt));
+    R.xq = xq;
+  }
+  return L;
+}
+
 __device__ __forceinline__ int clamp_id(int32_t v, int64_t n) {
   return v < 0 ? 0 : (v >= n ? static_cast<int>(n - 1) : v);
 }

@@ -49,4 +49,10 @@ bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* 
 
 }  // namespace jaxvt::gpu_mem
 
+namespace jaxvt::gpu {
+// Probes only (kernels_gpu_experts.cu): routed-expert calls of at most `slots` slots take the
+// per-slot kernel (< 0: the default); returns the previous value.
+int64_t set_experts_slot_max(int64_t slots);
+}  // namespace jaxvt::gpu
+
 #endif  // JAXVT_FFI_CSRC_MEMORY_H_

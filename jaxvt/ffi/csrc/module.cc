@@ -329,6 +329,15 @@ NB_MODULE(_jaxvt_ffi, m) {
         nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
         nb::arg("device_tier") = false, nb::arg("kind") = 0,
         "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid cap.");
+  m.def("set_experts_slot_max", [](int64_t slots) -> int64_t {
+#if defined(JAXVT_WITH_GPU)
+    if (UseGpu()) return jaxvt::gpu::set_experts_slot_max(slots);
+#endif
+    (void)slots;
+    return 0;
+  }, nb::arg("slots"),
+        "GPU probe: routed-expert calls of at most `slots` slots take the per-slot kernel (< 0: "
+        "the default); returns the previous value (0 without a GPU).");
   m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
         "(first, repeat) device-read GB/s of host-written managed memory, or None.");
   m.def("cpu_threads", &jaxvt::cpu::num_threads, "Threads the CPU kernels use (caller included).");

@@ -1,0 +1,71 @@
+"""Warm prefill times of short prompts under several product rules (layers.Products), in one
+process on one loaded model: which kernel each product of a 16-64 token prompt should take.
+
+  python tools/prefill_rules.py MODEL.gguf [--tokens 16,32,64,128] [--offload-gb G --device-gb D]
+
+For each rule and prompt length: the best of 3 warm prefills (after one that compiles), ms and
+tok/s. The first rule is the engine's own (GPU_PRODUCTS); the others change a crossover,
+or the per-slot experts kernel's reach (a probe knob of the extension).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+import jaxvt
+from jaxvt import ffi
+from jaxvt.model.layers import GPU_PRODUCTS, Products
+
+
+def _p(**kw) -> Products:
+  return dataclasses.replace(GPU_PRODUCTS, **kw)
+
+
+# name: (products, per-slot experts kernel up to this many slots; None: the extension's default)
+RULES = {
+    "now": (GPU_PRODUCTS, None),
+    "stage>=32": (_p(tiled_rows=0, stage_rows=32), None),
+    "stage>=16": (_p(tiled_rows=0, stage_rows=16), None),
+    "tiled>=16 stage>=64": (_p(tiled_rows=16, stage_rows=64), None),
+    "grouped>=512": (_p(grouped_slots=512), None),
+}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("model")
+  p.add_argument("--tokens", default="16,32,64,128")
+  p.add_argument("--offload-gb", default=0.0)
+  p.add_argument("--device-gb", type=float, default=None)
+  a = p.parse_args()
+  off = a.offload_gb if a.offload_gb == "auto" else float(a.offload_gb)
+  eng = jaxvt.load(a.model, max_context=1024, offload_gb=off, device_gb=a.device_gb, force=True)
+  rng = np.random.default_rng(0)
+  lens = [int(t) for t in a.tokens.split(",")]
+  prompts = {n: rng.integers(10, eng.cfg.vocab_size - 10, n).tolist() for n in lens}
+  print(f"offload {eng.plan.plan.host_bytes / 2**30:.2f} GiB; ms (tok/s) per warm prefill")
+  print(f"{'rule':26} " + " ".join(f"{n:>16}" for n in lens))
+  ext = ffi.extension()
+  fields = {f.name: getattr(eng, f.name) for f in dataclasses.fields(eng) if f.init}
+  for name, (rule, slot_max) in RULES.items():
+    e = type(eng)(**{**fields, "ex": dataclasses.replace(eng.ex, products=rule)})
+    ext.set_experts_slot_max(-1 if slot_max is None else slot_max)
+    cells = []
+    for n in lens:
+      e.prefill(prompts[n])[0].block_until_ready()
+      best = 1e9
+      for _ in range(3):
+        t = time.perf_counter()
+        e.prefill(prompts[n])[0].block_until_ready()
+        best = min(best, time.perf_counter() - t)
+      cells.append(f"{best * 1e3:7.1f} ({n / best:6.0f})")
+    print(f"{name:26} " + " ".join(f"{c:>16}" for c in cells), flush=True)
+  eng.close()
+
+
+if __name__ == "__main__":
+  main()
