@@ -8,8 +8,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 t_build=$(date +%s)
-# A prebuilt extension (carried: built here with nvcc 13.0 for this Python) is used when it
-# imports and sees the GPU; otherwise CMake builds one (about 5 minutes on that machine).
+# A prebuilt extension (carried: built on the development machine by tools/build_cuda_here.sh,
+# or here earlier) is used when it imports and sees the GPU; otherwise CMake builds one (about 5
+# minutes on that machine).
 # (It must register every GPU op of this checkout: jaxvt.ffi.GPU_TARGETS.)
 # JAXVT_REBUILD=1 builds from source even so (the GPU sources changed, the registrations not).
 if [ -z "${JAXVT_REBUILD:-}" ] && python3 -c "from jaxvt import ffi; from jaxvt.ffi import _jaxvt_ffi as e; assert e.gpu_device_count() > 0

@@ -6,7 +6,8 @@
 #                                       # determinism's cost, the 35B first token cold and
 #                                       # cached, auto on the emulated 16 GiB card at the default
 #                                       # context, an 8k-token prompt there
-#   bash tools/h200_session.sh verify   # the GPU kernel tests and the determinism test
+#   bash tools/h200_session.sh verify   # the GPU kernel tests, the decode products alone
+#                                       # (tools/kernel_probe.py) and the determinism test
 #   bash tools/h200_session.sh profile  # device-time profiles of the goals still missed
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
@@ -43,10 +44,13 @@ if [ "$what" = checks ]; then
     --tokens 8192 --device-gb 16 > "$OUT/long_prompt.txt" 2>&1; echo "long exit $?"; tail -8 "$OUT/long_prompt.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
 fi
-if [ "$what" = verify ]; then  # the GPU kernel tests, then determinism (processes x budgets)
+if [ "$what" = verify ]; then  # the GPU kernel tests, each decode product alone, then
+  # determinism (processes x budgets)
   start_llama
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_ffi_gpu.py \
     tests/test_grouped_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
+  timeout 90 python3 tools/kernel_probe.py --modes q8 > "$OUT/kernel_probe.txt" 2>&1
+  cat "$OUT/kernel_probe.txt"
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
 fi
@@ -61,6 +65,8 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
   tail -30 "$OUT/profile_prefill512_auto.txt"
   timeout 150 python3 -m jaxvt.bench profile --model $M --steps 8 > "$OUT/profile_decode.txt" 2>&1
   tail -30 "$OUT/profile_decode.txt"
+  timeout 200 python3 tools/prefill_rules.py $M > "$OUT/prefill_rules.txt" 2>&1
+  cat "$OUT/prefill_rules.txt"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress

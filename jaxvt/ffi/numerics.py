@@ -66,10 +66,56 @@ def act_row_bytes(fmt: int, cols: int) -> int:
 # activation quantization
 
 
-def _div(x: jax.Array, c: float) -> jax.Array:
-  """x / c correctly rounded: XLA rewrites a division by a constant into a multiplication by its
-  (rounded) reciprocal, so the divisor is made opaque (it is c wherever the result matters)."""
-  return x / jnp.where(jnp.isnan(x), jnp.float32(1), jnp.float32(c))
+def _split(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """|v| (finite, nonzero float32) as (m int32 in [2^23, 2^24), e int32): |v| = m * 2^e."""
+  bits = jax.lax.bitcast_convert_type(jnp.abs(v), jnp.uint32).astype(jnp.int32)
+  field, frac = bits >> 23, bits & 0x7FFFFF
+  sub = field == 0  # subnormal: normalise the fraction
+  shift = jnp.where(sub, jax.lax.clz(jnp.where(sub, frac, 1)) - 8, 0)
+  m = jnp.where(sub, frac << shift, frac | (1 << 23))
+  return m, jnp.where(sub, -149 - shift, field - 150)
+
+
+def exact_div(a, b) -> jax.Array:
+  """a / b in float32, correctly rounded (nearest even) on every backend, for finite nonzero a
+  and b whose quotient is a normal number; 0 where a or b is 0 and both are finite (the
+  quantizers' convention); the backend's a / b otherwise (NaN and infinities as IEEE says).
+
+  XLA:GPU lowers float32 division to PTX div.full.f32 (`-nvptx-prec-divf32=1`: within 2 ulp,
+  not correctly rounded), and rewrites a division by a constant into a product with its rounded
+  reciprocal; ggml (and jaxvt's kernels) divide in IEEE float32. So the quotient is formed here
+  by integer long division of the two 24-bit significands (28 quotient bits, then a sticky bit),
+  which every backend computes exactly."""
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  special = ~(jnp.isfinite(a) & jnp.isfinite(b))
+  zero = ((a == 0) | (b == 0)) & ~special  # (a backend that flushes subnormals sees 0 there)
+  ma, ea = _split(jnp.where(zero, 1.0, a))
+  mb, eb = _split(jnp.where(zero, 1.0, b))
+  q = (ma >= mb).astype(jnp.int32)  # ma / mb in (1/2, 2): the integer part is 0 or 1
+  r = ma - q * mb
+  for _ in range(4):  # 7 quotient bits a step: r < mb < 2^24, so r << 7 < 2^31
+    num = r << 7
+    d = num // mb
+    r = num - d * mb
+    q = (q << 7) | d  # q = floor(ma * 2^28 / mb), in [2^27, 2^29)
+  sh = jnp.where(q >= (1 << 28), 5, 4)  # keep 24 bits
+  mant = q >> sh
+  rest = q & ((1 << sh) - 1)
+  half = 1 << (sh - 1)
+  up = (rest > half) | ((rest == half) & ((r != 0) | ((mant & 1) == 1)))
+  mant = mant + up.astype(jnp.int32)
+  carry = mant == (1 << 24)  # rounding reached the next power of two
+  mant = jnp.where(carry, 1 << 23, mant)
+  e2 = sh - 28 + ea - eb + carry.astype(jnp.int32) + 23 + 127  # biased exponent of mant / 2^23
+  bits = (e2 << 23) | (mant - (1 << 23))
+  neg = (a < 0) != (b < 0)
+  bits = jnp.where(neg, bits | jnp.int32(-2**31), bits)
+  out = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  # NaN / infinite operands, and quotients outside the normal range, keep the backend's division
+  # (its special values are IEEE's; the quantizers never divide so)
+  plain = special | (e2 < 1) | (e2 > 254)
+  return jnp.where(zero, jnp.float32(0), jnp.where(plain, a / jnp.where(zero, 1.0, b), out))
 
 
 def quantize_q8(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -79,8 +125,8 @@ def quantize_q8(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """
   xb = x.reshape(*x.shape[:-1], -1, 32)
   amax = jnp.max(jnp.abs(xb), axis=-1)
-  d = _div(amax, 127)
-  inv = jnp.where(amax != 0, jnp.float32(127) / jnp.where(amax != 0, amax, 1), 0)
+  d = exact_div(amax, 127)  # 0 where amax is 0
+  inv = exact_div(127, amax)
   q = jnp.round(xb * inv[..., None])  # round half to even
   s = round_to(d * jnp.sum(q, axis=-1), jnp.float16)
   return q.astype(jnp.int8), round_to(d, jnp.float16), s
@@ -96,11 +142,10 @@ def quantize_q8k(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   idx = jnp.argmax(jnp.abs(xb), axis=-1)  # first maximum, like ggml's strict '>'
   m = jnp.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
   nz = m != 0
-  # the barrier keeps XLA from rewriting 1 / (-127 / m) into m * (-1/127) below
-  iscale = jax.lax.optimization_barrier(jnp.float32(-127) / jnp.where(nz, m, 1))
+  iscale = exact_div(-127, m)  # (no algebra between the two divisions: integer arithmetic)
   q = jnp.minimum(jnp.round(iscale[..., None] * xb), 127)
   q = jnp.where(nz[..., None], q, 0).astype(jnp.int8)
-  d = jnp.where(nz, jnp.float32(1) / iscale, 0)
+  d = exact_div(1, iscale)
   bsums = jnp.sum(q.reshape(*q.shape[:-1], 16, 16).astype(jnp.int32), axis=-1)
   return q, d, bsums
 

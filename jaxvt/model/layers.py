@@ -30,9 +30,13 @@ STAGE_ROWS = 16
 STAGE_MAX_BYTES = 512 << 20  # never stage a layer whose bf16 copy is larger (its workspace)
 TILED_ROWS = 32  # dense layers too large to stage: the tile kernel (grouped.qmatmul_tiled) from here
 # routed experts: the grouped kernel (grouped.moe_grouped) from this many T*k slots; below it the
-# per-slot kernel of ops.qmatmul_experts (each slot streams its expert). Per slot won at 128 and
-# 512 slots; above 512 it was not measured.
-GROUPED_SLOTS = 1024
+# per-slot kernel of ops.qmatmul_experts, which reads each slot's expert on its own. In HBM per
+# slot won at 128 slots (the 16-row program at top 8: 31.3 against 48.2 ms) and at 512 (82.7
+# against 98.9 ms). But the rule cannot look at the tier, and from a host tier the link decides:
+# S slots over E experts read S experts per slot against about E (1 - (1 - 1/E)^S) distinct ones
+# grouped, 1.3x the bytes at 128 of 256 experts, 2.3x at 512 (an estimate; not measured). So per
+# slot up to the 16-row program, grouped from the 64-row one.
+GROUPED_SLOTS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,7 @@ class Products:
 
 
 # What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
-# on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 1024
+# on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
 # slots or more on the grouped kernel, fewer on the per-slot kernel. (Their GPU
 # tests first failed on the H200 on 2026-12-01 because the jnp references lost their bf16
 # rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
