@@ -8,7 +8,8 @@
 #                                       # context, an 8k-token prompt there
 #   bash tools/h200_session.sh verify   # the GPU kernel tests, the decode products alone
 #                                       # (tools/kernel_probe.py) and the determinism test
-#   bash tools/h200_session.sh profile  # device-time profiles of the goals still missed
+#   bash tools/h200_session.sh profile  # device-time profiles of the goals still missed, and
+#                                       # tools/prefill_rules.py in HBM and from the host tier
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -67,6 +68,10 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
   tail -30 "$OUT/profile_decode.txt"
   timeout 200 python3 tools/prefill_rules.py $M > "$OUT/prefill_rules.txt" 2>&1
   cat "$OUT/prefill_rules.txt"
+  # the same rules with every routed expert in the host tier (GROUPED_SLOTS' other side)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 240 python3 tools/prefill_rules.py $M \
+    --offload-gb 16.88 --device-gb 16 > "$OUT/prefill_rules_host.txt" 2>&1
+  cat "$OUT/prefill_rules_host.txt"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress

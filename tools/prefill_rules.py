@@ -3,6 +3,9 @@ process on one loaded model: which kernel each product of a 16-64 token prompt s
 
   python tools/prefill_rules.py MODEL.gguf [--tokens 16,32,64,128] [--offload-gb G --device-gb D]
 
+With --offload-gb the same rules run with host-tier layers: the rule cannot look at the tier
+(tokens must not depend on the budget), so a crossover has to suit both tiers.
+
 For each rule and prompt length: the best of 3 warm prefills (after one that compiles), ms and
 tok/s. The first rule is the engine's own (GPU_PRODUCTS); the others change a crossover,
 or the per-slot experts kernel's reach (a probe knob of the extension).
@@ -28,10 +31,10 @@ def _p(**kw) -> Products:
 # name: (products, per-slot experts kernel up to this many slots; None: the extension's default)
 RULES = {
     "now": (GPU_PRODUCTS, None),
-    "stage>=32": (_p(tiled_rows=0, stage_rows=32), None),
-    "stage>=16": (_p(tiled_rows=0, stage_rows=16), None),
+    "grouped>=1024": (_p(grouped_slots=1024), None),
+    "grouped>=128": (_p(grouped_slots=128), None),
+    "stage>=32": (_p(stage_rows=32), None),
     "tiled>=16 stage>=64": (_p(tiled_rows=16, stage_rows=64), None),
-    "grouped>=512": (_p(grouped_slots=512), None),
 }
 
 
