@@ -30,6 +30,8 @@ from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overri
 from test_ffi import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: E402
                       ROWS, COLS, assert_close, experts_ref, make_stack, put)
 from test_ffi_cases import random_blocks  # noqa: E402
+from test_numerics import (  # noqa: E402,F401
+    test_exact_div_is_correctly_rounded_without_float_division)
 
 # CPU-only checks that the import brought along.
 del test_threads_and_portable_path_agree, test_user_errors, test_available_and_register_are_idempotent
@@ -38,8 +40,9 @@ del test_dequant_helper_matches_gguf, test_reference_of_a_host_layer_is_nan, tes
 # formulas assume float32 products rounded before each addition, which XLA:GPU does not keep (it
 # contracts them into FMAs). Those tests run in test_ffi.py; here the kernels run in "f32" and
 # "q8" modes (the `mode` fixture below) and are also checked against references computed on the
-# CPU backend.
-del test_activation_quantizers_match_numpy, test_ggml_norm_and_swiglu_kernels
+# CPU backend. (The activation quantizers are not among them: they divide exactly
+# (numerics.exact_div), so they must give the numpy recipe's values on a GPU too.)
+del test_ggml_norm_and_swiglu_kernels
 del test_ggml_rope_kernel, test_ggml_attention_kernel, test_kernels_equal_references_on_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
