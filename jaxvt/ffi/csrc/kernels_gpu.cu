@@ -261,7 +261,7 @@ Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small, 
   l.wpb = small ? 2 : kWarps;
   const int64_t slots = l.wpb * kSlotBytes;
   if (ggml) {  // quantized rows, or float32 rows for a float format: room for either
-    const int64_t row = xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+    const int64_t row = ggml_held_row_bytes(cols);
     if (slots + l.bt * row > allowed) l.bt = 1;
     l.xm = slots + l.bt * row <= allowed ? 2 : -1;  // -1: activations too large
     l.smem = slots + l.bt * row;

@@ -22,11 +22,11 @@ __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? 
 // owns it and serves every slot routed to it, BT at a time; the other slots' blocks exit at once.
 // Non-routed experts are never touched. Each group's activation rows are held in dynamic
 // shared memory as XM says (matvec.cuh) before the warps stream the expert.
-// Routed ids are cached in shared memory for calls of up to this many slots (decode and short
-// prompts); larger calls read them from global memory.
+// Routed ids are cached in shared memory for calls of up to this many slots; larger calls read
+// them from global memory.
 constexpr int kIdsCached = 512;
-// Calls of at most this many slots take the per-slot kernel (decode, and prompts of up to 127
-// tokens at top-8: layers.GROUPED_SLOTS - 1, measured there).
+// Calls of at most this many slots take the per-slot kernel (decode and short prompts; on a GPU
+// the product rule sends calls of layers.GROUPED_SLOTS slots and more to the grouped kernel).
 constexpr int64_t kExpertsSlotMax = 1023;
 
 template <int BT, int XM>
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
     return;
   }
   const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
-  Rows<BT> R;
+  Rows<BT> R;  // (field by field, as the GPU-tested build had it: dense_rows changes its code)
   R.x = x;
   R.y = y;
   R.cols = cols;
@@ -159,16 +159,16 @@ gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const Weig
 }
 
 // The per-slot kernel, with the activation row held as for the general kernel.
-gpuError_t launch_decode(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
-                         const float* x, bool x_per_slot, const int32_t* ids, int64_t slots,
-                         int64_t k, float* y0, float* y1, int64_t rows, int64_t cols,
-                         int64_t experts, bool ggml) {
+gpuError_t launch_per_slot(gpuStream_t s, int nmat, const WeightArgs& w0,
+                           const WeightArgs& w1, const float* x, bool x_per_slot,
+                           const int32_t* ids, int64_t slots, int64_t k, float* y0, float* y1,
+                           int64_t rows, int64_t cols, int64_t experts, bool ggml) {
   constexpr int64_t kSlots = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4;
   static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_slot_kernel<1>, 0);
   static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_slot_kernel<2>, 0);
   static const int64_t allowed_0 = allow_dyn_smem(qmatmul_experts_slot_kernel<0>, 0);
   if (ggml) {
-    const int64_t row = xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+    const int64_t row = ggml_held_row_bytes(cols);
     if (kSlots + row > allowed_q) return gpuErrorInvalidValue;  // activations too large
     return launch_slot<2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
                           experts, kSlots + row);
@@ -211,7 +211,7 @@ gpuError_t launch_bt(gpuStream_t s, int nmat, const WeightArgs& w0, const Weight
   static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_kernel<BT, 1>, kStaticSmem);
   static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_kernel<BT, 2>, kStaticSmem);
   if (ggml) {  // quantized rows, or float32 rows for a float format: room for either
-    const int64_t row = xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+    const int64_t row = ggml_held_row_bytes(cols);
     const int64_t need = BT * row;
     if (need > allowed_q) return gpuErrorInvalidValue;  // activations too large for shared memory
     return launch<BT, 2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
@@ -244,8 +244,8 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
   }
   // Decode and short prompts: the per-slot kernel.
   if (slots <= g_slot_max)
-    return launch_decode(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                         experts, ggml);
+    return launch_per_slot(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                           experts, ggml);
   if (slots <= 64 || ggml)
     return launch_bt<4>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts,
                         ggml);

@@ -199,6 +199,11 @@ __device__ __forceinline__ void hold_x_store(float4* xs, const XLoad& first, con
 //   int s16[2 * upad]  sum of q over each 16-element half of the unit
 __host__ __device__ __forceinline__ int64_t xq_upad(int64_t cols) { return (cols / 32 + 31) / 32 * 32; }
 __host__ __device__ __forceinline__ int64_t xq_bytes(int64_t cols) { return xq_upad(cols) * 48; }
+// Shared memory for one held activation row under ggml's arithmetic: the quantized row, or the
+// float32 one where the weights are a float format (room for either).
+__host__ __device__ __forceinline__ int64_t ggml_held_row_bytes(int64_t cols) {
+  return xq_bytes(cols) > xs_stride(cols) * 16 ? xq_bytes(cols) : xs_stride(cols) * 16;
+}
 
 // The vec-dot type a quantized format's activations take: 0 Q8_0, 1 Q8_1, 2 Q8_K.
 __device__ __forceinline__ int act_type(int fmt) {
