@@ -73,6 +73,17 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
     --offload-gb 16.88 --device-gb 16 > "$OUT/prefill_rules_host.txt" 2>&1
   cat "$OUT/prefill_rules_host.txt"
 fi
+if [ "$what" = diagnose ]; then  # where the decode step's time goes: each product alone, and
+  # every kernel of a step (all names) with the decode program's optimized HLO to name them
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  timeout 120 python3 tools/kernel_probe.py --modes q8 > "$OUT/kernel_probe.txt" 2>&1
+  cat "$OUT/kernel_probe.txt"
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*decode.*" timeout 150 \
+    python3 -m jaxvt.bench profile --model $M --steps 8 --top 400 > "$OUT/profile_decode.txt" 2>&1
+  head -60 "$OUT/profile_decode.txt"
+  mkdir -p "$OUT/hlo"; cp /tmp/hlo/*after_optimizations.txt "$OUT/hlo/" 2>/dev/null
+  ls -la "$OUT/hlo" | head
+fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress
   python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-500} 2>&1 | tee "$OUT/offload.txt" | tail -40

@@ -28,9 +28,11 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(Wei
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
-  const LayerRef L = hold_and_resolve<BT, XM>(w, R, smem_slots + wpb * kSlotU4);
+  LayerRef L;
+  const auto hold = resolve_and_hold<BT, XM>(w, R, smem_slots + wpb * kSlotU4, &L);
   matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
-                     static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb);
+                     static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb,
+                     hold);
 }
 
 // Several matrices with the same input x (and the same layer index) in one launch: the blocks of
@@ -53,10 +55,11 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kern
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
   Rows<BT> R = batch_group<BT>(x, batch, m.y[i], m.rows[i], cols);
-  const LayerRef L = hold_and_resolve<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4);
+  LayerRef L;
+  const auto hold = resolve_and_hold<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4, &L);
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
   matvec_fmt<BT, XM>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
-                     (m.block0[i + 1] - m.block0[i]) * wpb);
+                     (m.block0[i + 1] - m.block0[i]) * wpb, hold);
 }
 
 // One warp per looked-up row; lanes dequantize units straight from memory (rows are small).

@@ -134,12 +134,13 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_slot_kernel(
   }
   Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
   const WeightArgs w = m ? w1 : w0;  // a copy: a reference to either parameter puts both on the stack
-  const LayerRef L = hold_and_resolve<1, XM>(w, R, smem_slots + kWarps * kSlotU4);
+  LayerRef L;
+  const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
   const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
   matvec_fmt<1, XM>(L.fmt, base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                     static_cast<int64_t>(blockIdx.x) * kWarps + wib,
-                    static_cast<int64_t>(gridDim.x) * kWarps);
+                    static_cast<int64_t>(gridDim.x) * kWarps, hold);
 }
 
 template <int XM>

@@ -367,6 +367,42 @@ __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int6
   }
 }
 
+template <int BT>
+__device__ __forceinline__ void write_rows(float (&acc)[BT], const Rows<BT>& R, int64_t r, int lane) {
+#pragma unroll
+  for (int b = 0; b < BT; ++b) {
+    const float v = warp_sum(acc[b]);
+    if (lane == 0 && b < R.nb) R.yrow(b)[r] = v;
+    acc[b] = 0.f;
+  }
+}
+
+// acc[b] += dot(w, x_b[32g ... 32g + 31]) for the unit g whose weights w holds: the one float32
+// expression every float path of the matvec core uses, so they give the same bits.
+template <int F, int BT, bool XS, bool RX>
+__device__ __forceinline__ void dot_unit(const float (&w)[32], int64_t g, const Rows<BT>& R,
+                                         float (&acc)[BT]) {
+#pragma unroll
+  for (int b = 0; b < BT; ++b) {
+    if (b < R.nb) {
+      const float4* xv = XS ? R.xs + b * R.xs_stride + (g >> 5) * 256 + (g & 31)
+                            : reinterpret_cast<const float4*>(R.xrow(b) + 32 * g);
+      constexpr int step = XS ? 32 : 1;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float4 v = xv[i * step];
+        if (RX) {  // ggml: activations of an F16 / BF16 product are rounded to the weights' type
+          v = F == kF16 ? make_float4(round_half(v.x), round_half(v.y), round_half(v.z), round_half(v.w))
+                        : make_float4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
+        }
+        s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+      }
+      acc[b] += s;
+    }
+  }
+}
+
 // acc[b] += dot(units [0, nunits) starting at p (k-block aligned), x_b[k0 + 32u ...]); XS: x_b is
 // read from the held rows R.xs, else from global memory (the same values, so the same bits);
 // RX: x_b is first rounded to F16 / BF16 (ggml's arithmetic for such weights). The row's
@@ -380,37 +416,46 @@ __device__ __forceinline__ void accumulate(const uint8_t* p, int nunits, int64_t
   for (int u = (lane - static_cast<int>((k0 >> 5) & 31)) & 31; u < nunits; u += 32) {
     float w[32];
     unit_weights<F>(p + (u / T::kUpk) * T::kKbb, u % T::kUpk, w);
-    const int64_t k = k0 + 32 * static_cast<int64_t>(u);
-    const int64_t g = k >> 5;
-#pragma unroll
-    for (int b = 0; b < BT; ++b) {
-      if (b < R.nb) {
-        const float4* xv = XS ? R.xs + b * R.xs_stride + (g >> 5) * 256 + (g & 31)
-                              : reinterpret_cast<const float4*>(R.xrow(b) + k);
-        constexpr int step = XS ? 32 : 1;
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float4 v = xv[i * step];
-          if (RX) {  // ggml: activations of an F16 / BF16 product are rounded to the weights' type
-            v = F == kF16 ? make_float4(round_half(v.x), round_half(v.y), round_half(v.z), round_half(v.w))
-                          : make_float4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
-          }
-          s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
-        }
-        acc[b] += s;
-      }
-    }
+    dot_unit<F, BT, XS, RX>(w, (k0 >> 5) + u, R, acc);
   }
 }
 
-template <int BT>
-__device__ __forceinline__ void write_rows(float (&acc)[BT], const Rows<BT>& R, int64_t r, int lane) {
+// Float32 weights with rows longer than a window (a MoE router: 256 rows of 8 KiB): each lane
+// reads its own units (lane g % 32 owns unit g, as in the windowed path) straight from memory,
+// two units (256 bytes) in flight at a time, instead of streaming each row through the warp's
+// shared-memory slot in four windows one after another. The same units in the same order through
+// dot_unit: the bits of the windowed path.
+template <int BT, bool XS>
+__device__ __forceinline__ void matvec_f32_rows(const uint8_t* base, const Rows<BT>& R, int64_t rows,
+                                                int64_t cols, int lane, int64_t gwarp, int64_t nwarps) {
+  const int64_t nunits = cols / 32, rb = cols * 4;  // rb: a multiple of 128 bytes
+  const bool aligned = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+  auto load = [&](const uint8_t* kb, float (&w)[32]) {
+    if (aligned) {
+      const float4* q = reinterpret_cast<const float4*>(kb);
 #pragma unroll
-  for (int b = 0; b < BT; ++b) {
-    const float v = warp_sum(acc[b]);
-    if (lane == 0 && b < R.nb) R.yrow(b)[r] = v;
-    acc[b] = 0.f;
+      for (int i = 0; i < 8; ++i) {
+        const float4 v = q[i];
+        w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+      }
+    } else {
+      unit_weights<kF32>(kb, 0, w);
+    }
+  };
+  float acc[BT];
+#pragma unroll
+  for (int b = 0; b < BT; ++b) acc[b] = 0.f;
+  for (int64_t r = gwarp; r < rows; r += nwarps) {
+    const uint8_t* row = base + r * rb;
+    for (int64_t u = lane; u < nunits; u += 64) {
+      float w0[32], w1[32];
+      const bool two = u + 32 < nunits;
+      load(row + 128 * u, w0);
+      if (two) load(row + 128 * (u + 32), w1);
+      dot_unit<kF32, BT, XS, false>(w0, u, R, acc);
+      if (two) dot_unit<kF32, BT, XS, false>(w1, u + 32, R, acc);
+    }
+    write_rows<BT>(acc, R, r, lane);
   }
 }
 
@@ -432,16 +477,29 @@ __device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~ui
 // XM, how a kernel reads activations: 0 float32 from global memory, 1 float32 held in shared
 // memory (hold_x_load / hold_x_store), 2 ggml's arithmetic over quantized held rows (hold_xq; quantized formats),
 // 3 ggml's arithmetic for float formats (float32 held rows, rounded for F16 / BF16).
-template <int F, int BT, int XM>
-__device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, int64_t rows, int64_t cols,
-                       uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
+// pro(R), the prologue, is called once by every thread of the block (it may hold the block's
+// activation rows, with a barrier): after the warp's first window is requested, so that window's
+// bytes are on their way while the activations are read and quantized.
+template <int F, int BT, int XM, class Pro>
+__device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t rows, int64_t cols,
+                       uint4* slot, int lane, int64_t gwarp, int64_t nwarps, const Pro& pro) {
   using T = Traits<F>;
+  if constexpr (F == kF32) {
+    if (cols * 4 > kWin) {
+      pro(R);
+      matvec_f32_rows<BT, XM == 1 || XM == 3>(base, R, rows, cols, lane, gwarp, nwarps);
+      return;
+    }
+  }
   const int64_t nkb = cols / T::kKbe, rb = nkb * T::kKbb;
   int64_t rpr = rb >= kWin ? 1 : kWin / rb;  // rows per run
   const int64_t spread = rows / nwarps;      // small matrices: every warp gets a run
   if (rpr > spread) rpr = spread > 1 ? spread : 1;
   const int64_t nruns = (rows + rpr - 1) / rpr;
-  if (gwarp >= nruns) return;
+  if (gwarp >= nruns) {
+    pro(R);
+    return;
+  }
   uint8_t* const buf = reinterpret_cast<uint8_t*>(slot + kPreU4);
   const uintptr_t b0 = reinterpret_cast<uintptr_t>(base);
   auto run_start = [&](int64_t q) { return b0 + static_cast<uintptr_t>(q * rpr * rb); };
@@ -471,6 +529,7 @@ __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, i
   uintptr_t wa = cut(q, 0, nw), we = cut(q, 1, nw);
   Pending pend;
   issue(pend, reinterpret_cast<const uint8_t*>(wa), static_cast<int64_t>(we - wa), lane);
+  pro(R);
   uintptr_t cpos = run_start(q);            // next unconsumed k-block of the run
   uintptr_t prev_wa = wa;                   // where the bytes now in `buf` start
   int64_t r = q * rpr, kb = 0;              // its row and k-block
@@ -535,13 +594,20 @@ __device__ __forceinline__ void matvec(const uint8_t* base, const Rows<BT>& R, i
   }
 }
 
-template <int BT, int XM>
-__device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, const Rows<BT>& R, int64_t rows,
-                           int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps) {
+// No prologue: the caller holds the activations itself.
+struct NoPrologue {
+  template <int BT>
+  __device__ __forceinline__ void operator()(Rows<BT>&) const {}
+};
+
+template <int BT, int XM, class Pro = NoPrologue>
+__device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, Rows<BT>& R, int64_t rows,
+                           int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps,
+                           const Pro& pro = Pro()) {
   // ggml's arithmetic takes float formats' activations as held float32 rows (XM 3).
   constexpr int XF = XM == 2 ? 3 : XM;
 #define JV_CASE(F, X) \
-  case F: matvec<F, BT, X>(base, R, rows, cols, slot, lane, gwarp, nwarps); return;
+  case F: matvec<F, BT, X>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro); return;
   switch (fmt) {
     JV_CASE(kF32, XF) JV_CASE(kF16, XF) JV_CASE(kBF16, XF) JV_CASE(kQ4_0, XM) JV_CASE(kQ4_1, XM)
     JV_CASE(kQ8_0, XM) JV_CASE(kQ4_K, XM) JV_CASE(kQ5_K, XM) JV_CASE(kQ6_K, XM)
@@ -580,26 +646,40 @@ __device__ __forceinline__ Rows<BT> dense_rows(const float* x, int64_t b0, int n
   return R;
 }
 
-// The block's activations as XM says: held float32 rows (the loads in flight while the layer's
-// address is read), quantized rows for a quantized format under ggml's arithmetic, or nothing
-// (read from global memory); after_slots is the dynamic shared memory past the warps' slots.
+// The block's activations as XM says: held float32 rows, quantized rows for a quantized format
+// under ggml's arithmetic, or nothing (read from global memory); `after` is the dynamic shared
+// memory past the warps' slots. As matvec's prologue (all threads of the block; ends with a
+// barrier when it holds anything). For XM 1 the first loads (xl, hold_x_load) are issued by the
+// kernel before it reads the layer's address.
 template <int BT, int XM>
-__device__ __forceinline__ LayerRef hold_and_resolve(const WeightArgs& w, Rows<BT>& R,
-                                                     uint4* after_slots) {
+struct HoldRows {
+  int fmt;
   XLoad xl;
-  if (XM == 1) xl = hold_x_load<BT>(R, R.nb);
-  const LayerRef L = layer_ref(w);
-  const bool quantized = L.fmt != kF32 && L.fmt != kF16 && L.fmt != kBF16;
-  if (XM == 1 || (XM == 2 && !quantized)) {
-    float4* xs = reinterpret_cast<float4*>(after_slots);
-    hold_x_store<BT>(xs, XM == 1 ? xl : hold_x_load<BT>(R, R.nb), R, R.nb);
-    R.xs = xs;
-  } else if (XM == 2) {
-    uint8_t* xq = reinterpret_cast<uint8_t*>(after_slots);
-    hold_xq<BT>(xq, R, R.nb, act_type(L.fmt));
-    R.xq = xq;
+  uint4* after;
+  __device__ __forceinline__ void operator()(Rows<BT>& R) const {
+    const bool quantized = fmt != kF32 && fmt != kF16 && fmt != kBF16;
+    if (XM == 1 || (XM == 2 && !quantized)) {
+      float4* xs = reinterpret_cast<float4*>(after);
+      hold_x_store<BT>(xs, XM == 1 ? xl : hold_x_load<BT>(R, R.nb), R, R.nb);
+      R.xs = xs;
+    } else if (XM == 2) {
+      uint8_t* xq = reinterpret_cast<uint8_t*>(after);
+      hold_xq<BT>(xq, R, R.nb, act_type(fmt));
+      R.xq = xq;
+    }
   }
-  return L;
+};
+
+// Reads the layer's address and format, and makes matvec's prologue for it.
+template <int BT, int XM>
+__device__ __forceinline__ HoldRows<BT, XM> resolve_and_hold(const WeightArgs& w, const Rows<BT>& R,
+                                                             uint4* after_slots, LayerRef* L) {
+  HoldRows<BT, XM> h;
+  if (XM == 1) h.xl = hold_x_load<BT>(R, R.nb);
+  *L = layer_ref(w);
+  h.fmt = L->fmt;
+  h.after = after_slots;
+  return h;
 }
 
 __device__ __forceinline__ int clamp_id(int32_t v, int64_t n) {
