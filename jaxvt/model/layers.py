@@ -50,12 +50,16 @@ class Products:
   slots stream each slot's expert on its own) or "grouped" (grouped.moe_grouped). Each field is
   the row (slot) count from which its path is taken; 0 never takes it. Products() (every field 0)
   is the CPU's rule: the matvec kernels, which are the CPU's arithmetic contract.
+  fused_route: the MoE router's softmax, top k and renormalisation as one custom call
+  (ops.moe_route) instead of its jnp reference's XLA kernels (the same ids, weights to float32
+  rounding); the CPU's rule keeps the reference, whose arithmetic the llama.cpp checks match.
   """
 
   tiled_rows: int = 0
   stage_rows: int = 0
   stage_max_bytes: int = 0  # 0: no limit
   grouped_slots: int = 0
+  fused_route: bool = False
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -74,11 +78,11 @@ class Products:
 
 # What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
 # on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
-# slots or more on the grouped kernel, fewer on the per-slot kernel. (Their GPU
-# tests first failed on the H200 on 2026-12-01 because the jnp references lost their bf16
-# rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
+# slots or more on the grouped kernel, fewer on the per-slot kernel; the MoE router as one custom
+# call. (Their GPU tests first failed on the H200 on 2026-12-01 because the jnp references lost
+# their bf16 rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
-                        grouped_slots=GROUPED_SLOTS)
+                        grouped_slots=GROUPED_SLOTS, fused_route=True)
 
 
 @dataclasses.dataclass(frozen=True)

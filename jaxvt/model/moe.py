@@ -6,6 +6,7 @@ optional shared expert behind a sigmoid gate.
   y = sum_k wts_k * down_e(silu(gate_e x) * up_e x)           (routed experts, e = ids_k)
     + sigmoid(shexp_gate . x) * down_s(silu(gate_s x) * up_s x)  (shared expert, if any)
 
+The router is `route` (on a GPU one custom call, ops.moe_route: Exec.products.fused_route).
 The routed experts go through `jaxvt.ffi.ops.moe_experts` (kernels: reads only the routed
 experts' bytes, from either memory tier; for many slots on a GPU `grouped.moe_grouped`, the slots
 sorted by expert and multiplied on tensor cores, Exec.products) or, without kernels, its jnp
@@ -29,13 +30,12 @@ from jaxvt.model.axes import AXES
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
 
 
-def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-  """Router logits [T, E] -> (ids int32 [T, k], weights float32 [T, k])."""
-  p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  wts, ids = jax.lax.top_k(p, k)
-  if renormalise:
-    wts = wts / jnp.sum(wts, axis=-1, keepdims=True)
-  return ids.astype(jnp.int32), wts
+def route(logits: jax.Array, k: int, renormalise: bool,
+          fused: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Router logits [T, E] -> (ids int32 [T, k], weights float32 [T, k]): softmax, top k,
+  renormalised when asked. fused: one custom call (ops.moe_route; Products.fused_route), else its
+  jnp reference ops.moe_route_ref (whose arithmetic the CPU's llama.cpp checks match)."""
+  return (ops.moe_route if fused else ops.moe_route_ref)(logits, k, renormalise)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +121,9 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
     # The router and the shared expert's gate / up read the same x: one launch where they can.
     shared = ["shexp.w_gate", "shexp.w_up"] if cfg.shared_ffn_dim else []
     logits, *gu = layers.linear_many(x, [w["moe.router"]] + [w[n] for n in shared], li, ex)
-    ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob)
+    # Whole [T, E] logits on every device (the router is replicated), routed before the split.
+    ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob,
+                     fused=ex.kernels and ex.products.fused_route)
     if ex.par is not None and ex.par.size > 1:  # the experts are split over the whole mesh
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):

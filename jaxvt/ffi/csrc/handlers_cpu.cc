@@ -13,6 +13,7 @@
 #include "formats.h"
 #include "handlers.h"
 #include "kernels_cpu.h"
+#include "route.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -350,6 +351,21 @@ ffi::Error QMatmulGroupedCpu(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
   return ffi::Error::Success();
 }
 
+// The MoE router (route.h): logits f32 [..., E] -> ids int32 [..., k], weights f32 [..., k].
+ffi::Error MoeRouteCpu(ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> ids,
+                       ffi::ResultBuffer<ffi::F32> weights, bool renormalise) {
+  auto ld = logits.dimensions();
+  auto id = ids->dimensions();
+  const int64_t E = ld.size() ? ld.back() : 0, k = id.size() ? id.back() : 0;
+  const int64_t n = static_cast<int64_t>(logits.element_count());
+  if (const char* err = route::check_shapes(n, E, static_cast<int64_t>(ids->element_count()), k,
+                                            static_cast<int64_t>(weights->element_count())))
+    return ffi::Error::InvalidArgument(err);
+  cpu::moe_route(logits.typed_data(), n / E, E, k, renormalise, ids->typed_data(),
+                 weights->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -438,3 +454,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulGroupedCpu, jaxvt::QMatmulGroupedCpu,
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtMoeRouteCpu, jaxvt::MoeRouteCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("renormalise"));

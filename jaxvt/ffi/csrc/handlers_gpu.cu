@@ -7,6 +7,7 @@
 
 #include "handlers.h"
 #include "kernels_gpu.h"
+#include "route.h"
 #include "vendor.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -175,6 +176,22 @@ ffi::Error QMatmulGroupedGpu(gpuStream_t s, ffi::Buffer<ffi::BF16> x, ffi::AnyBu
                 "qmatmul_grouped");
 }
 
+// The MoE router (route.h): logits f32 [..., E] -> ids int32 [..., k], weights f32 [..., k].
+ffi::Error MoeRouteGpu(gpuStream_t s, ffi::Buffer<ffi::F32> logits,
+                       ffi::ResultBuffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> weights,
+                       bool renormalise) {
+  auto ld = logits.dimensions();
+  auto id = ids->dimensions();
+  const int64_t E = ld.size() ? ld.back() : 0, k = id.size() ? id.back() : 0;
+  const int64_t n = static_cast<int64_t>(logits.element_count());
+  if (const char* err = route::check_shapes(n, E, static_cast<int64_t>(ids->element_count()), k,
+                                            static_cast<int64_t>(weights->element_count())))
+    return ffi::Error::InvalidArgument(err);
+  return Status(gpu::launch_moe_route(s, logits.typed_data(), n / E, E, k, renormalise,
+                                      ids->typed_data(), weights->typed_data()),
+                "moe_route");
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -309,4 +326,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulGroupedGpu, jaxvt::QMatmulGroupedGpu,
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
                                   .Attr<int64_t>("experts"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtMoeRouteGpu, jaxvt::MoeRouteGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("renormalise"),
                               {kCmdBuffer});

@@ -58,6 +58,10 @@ bool dequant_rows_bf16(int fmt, const uint8_t* w, int64_t cols, int64_t r0, int6
 bool gemm_bf16_rows(int fmt, const uint8_t* w, int64_t cols, int64_t n, const float* const* x,
                     float* const* y, int64_t r0, int64_t r1);
 
+// The MoE router (route.h): logits [T, E] -> ids [T, k], weights [T, k] (kernels_cpu_route.cc).
+void moe_route(const float* logits, int64_t T, int64_t E, int64_t k, bool renormalise,
+               int32_t* ids, float* weights);
+
 // Runs fn(ctx, task) for task in [0, n) on the pool's threads and the caller; returns when all
 // are done. Tasks must be independent. Falls back to the calling thread alone when the pool is
 // busy with another caller.

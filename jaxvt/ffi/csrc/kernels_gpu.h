@@ -1,5 +1,5 @@
 // Launchers of jaxvt's GPU kernels (kernels_gpu.cu, kernels_gpu_experts.cu,
-// kernels_gpu_grouped.cu). Compiled by nvcc or hipcc only.
+// kernels_gpu_grouped.cu, kernels_gpu_route.cu). Compiled by nvcc or hipcc only.
 //
 // Every per-step choice (which layer, its format, its tier and address, which experts) is read by
 // the kernels from device-visible memory; launch geometry depends only on static shapes and the
@@ -61,6 +61,11 @@ gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids,
 // out = the whole layer (experts x rows x cols, experts >= 1) as bf16 bits.
 gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, int64_t rows,
                            int64_t cols, int64_t experts);
+
+// The MoE router (route.h, kernels_gpu_route.cu): logits [T, E] -> ids [T, k], weights [T, k];
+// E <= route::kMaxExperts, 1 <= k <= E.
+gpuError_t launch_moe_route(gpuStream_t s, const float* logits, int64_t T, int64_t E, int64_t k,
+                            bool renormalise, int32_t* ids, float* weights);
 
 // Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink);
 // blocks <= 0: four per multiprocessor.
