@@ -50,12 +50,18 @@ class Products:
   slots stream each slot's expert on its own) or "grouped" (grouped.moe_grouped). Each field is
   the row (slot) count from which its path is taken; 0 never takes it. Products() (every field 0)
   is the CPU's rule: the matvec kernels, which are the CPU's arithmetic contract.
+
+  gdn_fused: a DeltaNet layer's decode step (t == 1) runs everything between its projections as
+  one custom call (jaxvt.ffi.gdn.gdn_step) instead of about a dozen small XLA kernels; float32
+  like the jnp path, summed in another order. False on the CPU, whose jnp path is matched
+  against llama.cpp.
   """
 
   tiled_rows: int = 0
   stage_rows: int = 0
   stage_max_bytes: int = 0  # 0: no limit
   grouped_slots: int = 0
+  gdn_fused: bool = False
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -74,11 +80,12 @@ class Products:
 
 # What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
 # on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
-# slots or more on the grouped kernel, fewer on the per-slot kernel. (Their GPU
+# slots or more on the grouped kernel, fewer on the per-slot kernel; DeltaNet decode steps fused
+# (gdn_fused). (Their GPU
 # tests first failed on the H200 on 2026-12-01 because the jnp references lost their bf16
 # rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
-                        grouped_slots=GROUPED_SLOTS)
+                        grouped_slots=GROUPED_SLOTS, gdn_fused=True)
 
 
 @dataclasses.dataclass(frozen=True)
