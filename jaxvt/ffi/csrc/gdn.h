@@ -20,6 +20,9 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#endif
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define GDN_HD __host__ __device__ __forceinline__
 #else
