@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxvt.ffi import gdn
 from jaxvt.model import layers
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
@@ -146,6 +147,58 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, kernel: jax.Array, valid: j
   return y, new_state
 
 
+def gdn_mix(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state, ssm_state, valid,
+            eps: float, order: str):
+  """A DeltaNet mixer between its projections, in jnp, for any t: gating, the causal conv and
+  silu, l2-normed q / k expanded to the value heads, the gated delta rule, then
+  rms_norm(o) * norm_w * silu(z).
+
+  mixed [b, t, conv_dim] = [q | k | v] (conv_dim = 2 nk dk + nv dv); z [b, t, nv dv]; beta, alpha
+  [b, t, nv] (the projections' raw outputs); a, dt_bias [nv]; conv_w [conv_dim, K]; norm_w [dv];
+  conv_state [b, K-1, conv_dim]; ssm_state [b, nv, dk, dv] float32; valid [b, t] bool. Sizes come
+  from the operands (a device of a mesh passes its own heads). Returns (y [b, t, nv dv] float32,
+  conv_state, ssm_state).
+  """
+  b, t, conv_dim = mixed.shape
+  nv, dv, dk = beta.shape[-1], norm_w.shape[-1], ssm_state.shape[-2]
+  nk = (conv_dim - nv * dv) // (2 * dk)
+  z = z.reshape(b, t, nv, dv)
+  beta = jax.nn.sigmoid(beta)
+  g = a * jax.nn.softplus(alpha + dt_bias)  # ssm_a = -exp(A_log)
+  beta = jnp.where(valid[..., None], beta, 0.0)
+  g = jnp.where(valid[..., None], g, 0.0)
+
+  with jax.named_scope("gdn_conv"):
+    mixed, conv_state = causal_conv(mixed, conv_state, conv_w, valid)
+    mixed = jax.nn.silu(mixed)
+  qk = nk * dk
+  q = mixed[..., :qk].reshape(b, t, nk, dk)
+  k = mixed[..., qk:2 * qk].reshape(b, t, nk, dk)
+  v = mixed[..., 2 * qk:].reshape(b, t, nv, dv)
+  q = _l2norm(q) * (dk ** -0.5)
+  k = _l2norm(k)
+  q = _expand_heads(q, nv, order)
+  k = _expand_heads(k, nv, order)
+
+  with jax.named_scope("gdn_core"):
+    rule = gdn_recurrent if t == 1 else gdn_chunked
+    o, ssm_state = rule(q, k, v, g, beta, ssm_state)
+
+  y = layers.rms_norm(o, norm_w, eps) * jax.nn.silu(z)  # ssm_norm: no +1
+  return y.reshape(b, t, nv * dv), conv_state, ssm_state
+
+
+def gdn_step_ref(mixed, z, beta_raw, alpha_raw, a, dt_bias, conv_w, norm_w, conv_state,
+                 ssm_state, valid, *, eps: float, order: str = "tiled"):
+  """The jnp reference of jaxvt.ffi.gdn.gdn_step (its t == 1 shapes: no token axis, valid [b]):
+  gdn_mix at one token."""
+  one = lambda x: jnp.asarray(x)[:, None]
+  y, conv_state, ssm_state = gdn_mix(one(mixed), one(z), one(beta_raw), one(alpha_raw), a,
+                                     dt_bias, conv_w, norm_w, conv_state, ssm_state,
+                                     one(valid).astype(bool), eps, order)
+  return y[:, 0], conv_state, ssm_state
+
+
 def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfig, ex: Exec):
   """One Gated DeltaNet mixer (the block's residual and norms live in the decoder).
 
@@ -153,36 +206,26 @@ def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfi
   layers.linear at stack index `gi`, vectors indexed [gi]); conv_state [b, K-1, conv_dim];
   ssm_state [b, n_v, dk, dv] float32; valid [b, t] bool (padding, on the right, leaves both
   states unchanged). Returns (out [b, t, d] float32, conv_state, ssm_state).
+
+  Decode (t == 1) under a rule with `gdn_fused` (layers.Products; the GPUs') runs the middle as
+  one custom call (jaxvt.ffi.gdn.gdn_step); otherwise gdn_mix's jnp.
   """
   b, t, _ = h.shape
-  nk, nv, dk, dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
   with jax.named_scope("gdn_in"):
     mixed, z, beta, alpha = layers.linear_many(
         h, [w["gdn.w_qkv"], w["gdn.w_z"], w["gdn.w_beta"], w["gdn.w_alpha"]], gi, ex)
-    # mixed [b, t, conv_dim] = [q | k | v]; beta, alpha [b, t, nv]
-    z = z.reshape(b, t, nv, dv)
-    beta = jax.nn.sigmoid(beta)
-    g = w["gdn.a"][gi] * jax.nn.softplus(alpha + w["gdn.dt_bias"][gi])  # ssm_a = -exp(A_log)
-    beta = jnp.where(valid[..., None], beta, 0.0)
-    g = jnp.where(valid[..., None], g, 0.0)
-
-  with jax.named_scope("gdn_conv"):
-    mixed, conv_state = causal_conv(mixed, conv_state, w["gdn.conv"][gi], valid)
-    mixed = jax.nn.silu(mixed)
-  qk = cfg.ssm_qk_dim
-  q = mixed[..., :qk].reshape(b, t, nk, dk)
-  k = mixed[..., qk:2 * qk].reshape(b, t, nk, dk)
-  v = mixed[..., 2 * qk:].reshape(b, t, nv, dv)
-  q = _l2norm(q) * (dk ** -0.5)
-  k = _l2norm(k)
-  q = _expand_heads(q, nv, cfg.ssm_value_order)
-  k = _expand_heads(k, nv, cfg.ssm_value_order)
-
-  with jax.named_scope("gdn_core"):
-    rule = gdn_recurrent if t == 1 else gdn_chunked
-    o, ssm_state = rule(q, k, v, g, beta, ssm_state)
+    # mixed [b, t, conv_dim] = [q | k | v]; z [b, t, nv dv]; beta, alpha [b, t, nv]
+  vecs = (w["gdn.a"][gi], w["gdn.dt_bias"][gi], w["gdn.conv"][gi], w["gdn.norm"][gi])
+  if t == 1 and ex.kernels and ex.products.gdn_fused:
+    with jax.named_scope("gdn_step"):
+      y, conv_state, ssm_state = gdn.gdn_step(
+          mixed[:, 0], z[:, 0], beta[:, 0], alpha[:, 0], *vecs, conv_state, ssm_state,
+          valid[:, 0], eps=cfg.rms_eps, order=cfg.ssm_value_order)
+      y = y[:, None]
+  else:
+    y, conv_state, ssm_state = gdn_mix(mixed, z, beta, alpha, *vecs, conv_state, ssm_state, valid,
+                                       cfg.rms_eps, cfg.ssm_value_order)
 
   with jax.named_scope("gdn_out"):
-    y = layers.rms_norm(o, w["gdn.norm"][gi], cfg.rms_eps) * jax.nn.silu(z)  # ssm_norm: no +1
-    out = layers.linear(y.reshape(b, t, cfg.ssm_inner_dim), w["gdn.w_out"], gi, ex)
+    out = layers.linear(y, w["gdn.w_out"], gi, ex)
   return out, conv_state, ssm_state

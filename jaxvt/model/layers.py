@@ -53,6 +53,11 @@ class Products:
   fused_route: the MoE router's softmax, top k and renormalisation as one custom call
   (ops.moe_route) instead of its jnp reference's XLA kernels (the same ids, weights to float32
   rounding); the CPU's rule keeps the reference, whose arithmetic the llama.cpp checks match.
+
+  gdn_fused: a DeltaNet layer's decode step (t == 1) runs everything between its projections as
+  one custom call (jaxvt.ffi.gdn.gdn_step) instead of about a dozen small XLA kernels; float32
+  like the jnp path, summed in another order. False on the CPU, whose jnp path is matched
+  against llama.cpp.
   """
 
   tiled_rows: int = 0
@@ -60,6 +65,7 @@ class Products:
   stage_max_bytes: int = 0  # 0: no limit
   grouped_slots: int = 0
   fused_route: bool = False
+  gdn_fused: bool = False
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -79,10 +85,11 @@ class Products:
 # What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
 # on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
 # slots or more on the grouped kernel, fewer on the per-slot kernel; the MoE router as one custom
-# call. (Their GPU tests first failed on the H200 on 2026-12-01 because the jnp references lost
-# their bf16 rounding to XLA:GPU's excess precision, not the kernels: numerics.round_to.)
+# call, DeltaNet decode steps fused (gdn_fused). (Their GPU tests first failed on the H200 on
+# 2026-12-01 because the jnp references lost their bf16 rounding to XLA:GPU's excess precision,
+# not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
-                        grouped_slots=GROUPED_SLOTS, fused_route=True)
+                        grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True)
 
 
 @dataclasses.dataclass(frozen=True)

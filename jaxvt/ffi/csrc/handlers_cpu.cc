@@ -11,6 +11,7 @@
 
 #include "act.h"
 #include "formats.h"
+#include "gdn.h"
 #include "handlers.h"
 #include "kernels_cpu.h"
 #include "route.h"
@@ -363,6 +364,22 @@ ffi::Error MoeRouteCpu(ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32>
     return ffi::Error::InvalidArgument(err);
   cpu::moe_route(logits.typed_data(), n / E, E, k, renormalise, ids->typed_data(),
                  weights->typed_data());
+// The fused Gated DeltaNet decode step (gdn.h); the attributes as jaxvt/ffi/gdn.py passes them.
+ffi::Error GdnStepCpu(ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
+                      ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> alpha,
+                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> dt_bias,
+                      ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> norm_w,
+                      ffi::Buffer<ffi::F32> conv_state, ffi::Buffer<ffi::F32> ssm_state,
+                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ResultBuffer<ffi::F32> conv_out, ffi::ResultBuffer<ffi::F32> ssm_out,
+                      int64_t nk, int64_t grouped, float eps, float qk_eps) {
+  gdn::Dims d;
+  gdn::Args args;
+  if (const char* e = gdn::prepare(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state,
+                                   ssm_state, valid, y, conv_out, ssm_out, nk, grouped, eps,
+                                   qk_eps, &d, &args))
+    return ffi::Error::InvalidArgument(e);
+  cpu::gdn_step(d, args);
   return ffi::Error::Success();
 }
 
@@ -461,3 +478,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtMoeRouteCpu, jaxvt::MoeRouteCpu,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("renormalise"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepCpu, jaxvt::GdnStepCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mixed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // z
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // beta_raw
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // alpha_raw
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dt_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // conv kernel
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // conv_state
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ssm_state
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new conv_state
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new ssm_state
+                                  .Attr<int64_t>("nk")
+                                  .Attr<int64_t>("grouped")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("qk_eps"));

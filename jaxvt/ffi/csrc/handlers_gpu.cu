@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "gdn.h"
 #include "handlers.h"
 #include "kernels_gpu.h"
 #include "route.h"
@@ -190,6 +191,22 @@ ffi::Error MoeRouteGpu(gpuStream_t s, ffi::Buffer<ffi::F32> logits,
   return Status(gpu::launch_moe_route(s, logits.typed_data(), n / E, E, k, renormalise,
                                       ids->typed_data(), weights->typed_data()),
                 "moe_route");
+// The fused Gated DeltaNet decode step (gdn.h, kernels_gpu_gdn.cu); the CPU handler's operands.
+ffi::Error GdnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
+                      ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> alpha,
+                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> dt_bias,
+                      ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> norm_w,
+                      ffi::Buffer<ffi::F32> conv_state, ffi::Buffer<ffi::F32> ssm_state,
+                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ResultBuffer<ffi::F32> conv_out, ffi::ResultBuffer<ffi::F32> ssm_out,
+                      int64_t nk, int64_t grouped, float eps, float qk_eps) {
+  gdn::Dims d;
+  gdn::Args args;
+  if (const char* e = gdn::prepare(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state,
+                                   ssm_state, valid, y, conv_out, ssm_out, nk, grouped, eps,
+                                   qk_eps, &d, &args))
+    return ffi::Error::InvalidArgument(e);
+  return Status(gpu::launch_gdn_step(s, d, args), "gdn_step");
 }
 
 }  // namespace
@@ -335,4 +352,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtMoeRouteGpu, jaxvt::MoeRouteGpu,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("renormalise"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepGpu, jaxvt::GdnStepGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mixed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // z
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // beta_raw
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // alpha_raw
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dt_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // conv kernel
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // conv_state
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ssm_state
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new conv_state
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new ssm_state
+                                  .Attr<int64_t>("nk")
+                                  .Attr<int64_t>("grouped")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("qk_eps"),
                               {kCmdBuffer});

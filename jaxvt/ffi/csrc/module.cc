@@ -55,6 +55,7 @@ nb::dict Registrations() {
   cpu["jaxvt_attention"] = Capsule(JaxvtAttentionCpu);
   cpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedCpu);
   cpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteCpu);
+  cpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -68,6 +69,7 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Gpu);
   gpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedGpu);
   gpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteGpu);
+  gpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;

@@ -1,0 +1,36 @@
+"""The fused Gated DeltaNet step's tests of test_gdn_step.py on a GPU (CUDA or ROCm): the kernel
+runs on the GPU, its jnp reference on the CPU backend; the model test decodes on the GPU with
+the engine's GPU rule, gdn_fused on and off. Run on a GPU host with
+`pytest -m gpu tests/test_gdn_step_gpu.py`; skipped (with the reason) where JAX sees no GPU or the
+extension has no GPU kernels."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jaxvt import ffi
+
+
+def _gpu():
+  try:
+    return jax.devices("gpu")[0]
+  except RuntimeError:
+    return None
+
+
+GPU = _gpu()
+_REASON = ("JAX sees no GPU" if GPU is None else
+           f"jaxvt was built without {GPU.platform} kernels (rebuild with JAXVT_GPU=CUDA or HIP)")
+_OK = GPU is not None and ffi.available(GPU.platform)
+
+from test_gdn_step import *  # noqa: E402,F401,F403  (the same tests; the device fixture below)
+
+del test_shape_errors  # the wrapper's checks, before any kernel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
+
+
+@pytest.fixture(scope="module")
+def device():
+  return GPU
