@@ -364,6 +364,9 @@ ffi::Error MoeRouteCpu(ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32>
     return ffi::Error::InvalidArgument(err);
   cpu::moe_route(logits.typed_data(), n / E, E, k, renormalise, ids->typed_data(),
                  weights->typed_data());
+  return ffi::Error::Success();
+}
+
 // The fused Gated DeltaNet decode step (gdn.h); the attributes as jaxvt/ffi/gdn.py passes them.
 ffi::Error GdnStepCpu(ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
                       ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> alpha,
@@ -478,6 +481,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtMoeRouteCpu, jaxvt::MoeRouteCpu,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("renormalise"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepCpu, jaxvt::GdnStepCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mixed

@@ -191,6 +191,8 @@ ffi::Error MoeRouteGpu(gpuStream_t s, ffi::Buffer<ffi::F32> logits,
   return Status(gpu::launch_moe_route(s, logits.typed_data(), n / E, E, k, renormalise,
                                       ids->typed_data(), weights->typed_data()),
                 "moe_route");
+}
+
 // The fused Gated DeltaNet decode step (gdn.h, kernels_gpu_gdn.cu); the CPU handler's operands.
 ffi::Error GdnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
                       ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> alpha,
@@ -352,6 +354,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtMoeRouteGpu, jaxvt::MoeRouteGpu,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("renormalise"),
+                              {kCmdBuffer});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepGpu, jaxvt::GdnStepGpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
