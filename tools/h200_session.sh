@@ -73,6 +73,13 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
     --offload-gb 16.88 --device-gb 16 > "$OUT/prefill_rules_host.txt" 2>&1
   cat "$OUT/prefill_rules_host.txt"
 fi
+if [ "$what" = kernels ]; then  # every GPU kernel test, then the decode products and a step
+  start_llama
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_ffi_gpu.py \
+    tests/test_grouped_gpu.py tests/test_moe_route_gpu.py tests/test_gdn_step_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -15 "$OUT/gpu_tests.txt"
+  what=diagnose
+fi
 if [ "$what" = diagnose ]; then  # where the decode step's time goes: each product alone, and
   # every kernel of a step (all names) with the decode program's optimized HLO to name them
   python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
