@@ -73,6 +73,17 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
     --offload-gb 16.88 --device-gb 16 > "$OUT/prefill_rules_host.txt" 2>&1
   cat "$OUT/prefill_rules_host.txt"
 fi
+if [ "$what" = final ]; then  # the fused ops' GPU tests, a decode step's profile, determinism
+  start_llama
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_moe_route_gpu.py \
+    tests/test_gdn_step_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -6 "$OUT/gpu_tests.txt"
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 60 > "$OUT/profile_decode.txt" 2>&1
+  head -40 "$OUT/profile_decode.txt"
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
 if [ "$what" = kernels ]; then  # every GPU kernel test, then the decode products and a step
   start_llama
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_ffi_gpu.py \
