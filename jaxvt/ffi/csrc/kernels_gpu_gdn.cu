@@ -9,8 +9,8 @@
 //    block reads its 2 dk + C inputs of x from conv_out, l2-normalizes q and k (warp 0 sums q^2,
 //    warp 1 k^2, in a fixed lane order and shuffle tree), then streams its columns of the head's
 //    state S [dk, dv] twice: thread (j, p) owns column j (consecutive threads read consecutive
-//    addresses) and rows [p R, (p + 1) R), P = kThreads / dv slices of R = ceil(dk / P) rows (P
-//    depends on dv alone, not on C: the sums are those of one block per head). Pass 1 sums
+//    addresses) and rows [p R, (p + 1) R), P = kThreads / C slices of R = ceil(dk / P) rows
+//    (short serial chains: each thread's loads are what bounds the kernel). Pass 1 sums
 //    kv_j = sum_i (S_ij e^g) k_i; the slices' partial sums meet in shared memory and are added in
 //    slice order; delta = beta (v - kv). Pass 2 writes S''_ij = S_ij e^g + k_i delta_j in place
 //    and sums o_j = sum_i S''_ij q_i the same way; o goes to y.
@@ -26,7 +26,7 @@
 namespace jaxvt::gpu {
 namespace {
 
-constexpr int kThreads = 512;  // a head's threads: P slices of dv columns
+constexpr int kThreads = 512;  // a head block's threads at most: P slices of C columns
 constexpr int kConvThreads = 256;
 constexpr int kMax = static_cast<int>(gdn::kMaxDim);
 static_assert(kThreads >= 2 * kMax, "two column slices at least for dv = kMaxDim");
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) head_kernel(gdn::Dims d, gdn::Args a
   const float g = valid ? l.a[h] * gdn::softplus(a.alpha_raw[rh] + l.dt_bias[h]) : 0.0f;
   const float decay = expf(g);
   __syncthreads();
-  if (tid < 64) {  // C * P >= 64 threads: 2 kMax <= kThreads and C >= 32 or C = dv
+  if (tid < 64) {  // P C > kThreads - C >= 64 threads (C <= 32, or C = dv <= kMax)
     const float s = warp_sum_squares(x + (tid < 32 ? 0 : dk), dk, tid & 31);
     if ((tid & 31) == 0) sums[tid >> 5] = s;
   }
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) head_kernel(gdn::Dims d, gdn::Args a
   const float* q = x;
   const float* k = x + dk;
   const float* v = x + 2 * dk;
-  const int P = kThreads / dv, R = (dk + P - 1) / P;
+  const int P = kThreads / C, R = (dk + P - 1) / P;
   const int j = tid % C, p = tid / C;
   const int i0 = min(p * R, dk), i1 = min(i0 + R, dk);
   float* S = l.ssm_state + rh * d.dk * d.dv + j0;  // column j0 + j: S[i * dv + j]
@@ -143,7 +143,7 @@ gpuError_t launch_gdn_step(gpuStream_t s, const gdn::Dims& d, const gdn::Args& a
   if (gpuError_t e = gpuGetLastError()) return e;
   const int dv = static_cast<int>(d.dv), C = block_cols(dv);
   const unsigned nb = static_cast<unsigned>(d.nv * (dv / C)), rows = static_cast<unsigned>(d.b);
-  head_kernel<<<dim3(nb, rows), (kThreads / dv) * C, 0, s>>>(d, a);
+  head_kernel<<<dim3(nb, rows), (kThreads / C) * C, 0, s>>>(d, a);
   if (gpuError_t e = gpuGetLastError()) return e;
   norm_kernel<<<dim3(static_cast<unsigned>(d.nv), rows), 32, 0, s>>>(d, a);
   return gpuGetLastError();
