@@ -207,10 +207,13 @@ def _jit_block(cfg, ex):
 def block(cfg, w, gi, h, conv, ssm, valid=None, ex=Exec(kernels=False, numerics="f32")):
   if valid is None:
     valid = np.ones(h.shape[:2], bool)
-  out, conv, ssm = _jit_block(cfg, ex)(jnp.asarray(h, jnp.float32), w, jnp.int32(gi),
-                                   jnp.asarray(conv, jnp.float32), jnp.asarray(ssm, jnp.float32),
-                                   jnp.asarray(valid))
-  return tuple(np.asarray(x, np.float64) for x in (out, conv, ssm))
+  # deltanet_block takes the cache's whole state stacks: layer gi holds these states
+  n = len(cfg.deltanet_layers)
+  stack = lambda x: jnp.zeros((n,) + np.shape(x), jnp.float32).at[gi].set(
+      jnp.asarray(x, jnp.float32))
+  out, conv, ssm = _jit_block(cfg, ex)(jnp.asarray(h, jnp.float32), w, jnp.int32(gi), stack(conv),
+                                   stack(ssm), jnp.asarray(valid))
+  return tuple(np.asarray(x, np.float64) for x in (out, conv[gi], ssm[gi]))
 
 
 def _states(cfg, rng, b, scale=0.3):

@@ -6,6 +6,7 @@ rule with gdn_fused against the jnp path. tests/test_gdn_step_gpu.py reruns the 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -44,23 +45,32 @@ def device():
   return jax.devices("cpu")[0]
 
 
-def make_inputs(rng, nk, nv, dk, dv, K, b, valid=None):
-  """Random operands of gdn_step; a in [-e, -1] as ssm_a = -exp(A_log) is."""
+def make_inputs(rng, nk, nv, dk, dv, K, b, valid=None, L=3, layer=None):
+  """Random operands of gdn_step on stacks of L layers (a in [-e, -1] as ssm_a = -exp(A_log) is);
+  `layer` random in [0, L) unless given."""
   conv_dim = 2 * nk * dk + nv * dv
   n = lambda *s, scale=1.0: (scale * rng.standard_normal(s)).astype(np.float32)
   valid = np.ones(b, bool) if valid is None else np.asarray(valid, bool)
+  layer = int(rng.integers(0, L)) if layer is None else layer
   return dict(mixed=n(b, conv_dim), z=n(b, nv * dv), beta_raw=n(b, nv), alpha_raw=n(b, nv),
-              a=-np.exp(rng.uniform(0, 1, nv)).astype(np.float32), dt_bias=n(nv),
-              conv_w=n(conv_dim, K, scale=0.5), norm_w=(1 + n(dv, scale=0.1)),
-              conv_state=n(b, K - 1, conv_dim), ssm_state=n(b, nv, dk, dv, scale=0.3), valid=valid)
+              a=-np.exp(rng.uniform(0, 1, (L, nv))).astype(np.float32), dt_bias=n(L, nv),
+              conv_w=n(L, conv_dim, K, scale=0.5), norm_w=(1 + n(L, dv, scale=0.1)),
+              conv_state=n(L, b, K - 1, conv_dim), ssm_state=n(L, b, nv, dk, dv, scale=0.3),
+              valid=valid, layer=np.int32(layer))
 
 
 def _fns(device, order):
-  """(the kernel on `device`, the reference on the CPU backend), each taking numpy operands."""
+  """(the kernel on `device`, the reference on the CPU backend), each taking numpy operands.
+  The kernel's state stacks are donated (as the decode program's cache is)."""
   cpu = jax.devices("cpu")[0]
-  kern = jax.jit(lambda x: gdn.gdn_step(**x, eps=EPS, order=order))
+  kern = jax.jit(lambda x, st: gdn.gdn_step(**x, **st, eps=EPS, order=order), donate_argnums=1)
   ref = jax.jit(lambda x: gdn_step_ref(**x, eps=EPS, order=order))
-  return (lambda **x: kern(jax.device_put(x, device))), (lambda **x: ref(jax.device_put(x, cpu)))
+
+  def run_kern(**x):
+    st = {k: x.pop(k) for k in ("conv_state", "ssm_state")}
+    return kern(jax.device_put(x, device), jax.device_put(st, device))
+
+  return run_kern, (lambda **x: ref(jax.device_put(x, cpu)))
 
 
 def assert_close(got, want, what):
@@ -70,21 +80,48 @@ def assert_close(got, want, what):
   assert err <= TOL, f"{what}: relative error {err:.2e}"
 
 
+def assert_step(got, want, x, what):
+  """y and the chosen layer's states close to the reference; the other layers bit for bit."""
+  yk, ck, sk = map(np.asarray, got)
+  yr, cr, sr = map(np.asarray, want)
+  l = int(np.clip(x["layer"], 0, len(x["ssm_state"]) - 1))
+  assert_close(yk, yr, f"y, {what}")
+  assert_close(ck[l], cr[l], f"conv state, {what}")
+  assert_close(sk[l], sr[l], f"ssm state, {what}")
+  for name, k, old in (("conv", ck, x["conv_state"]), ("ssm", sk, x["ssm_state"])):
+    others = [i for i in range(len(old)) if i != l]
+    np.testing.assert_array_equal(k[others], old[others], err_msg=f"{name} other layers, {what}")
+
+
 @pytest.mark.parametrize("nk,nv,dk,dv,K,order,b", SHAPES)
 def test_step_matches_reference_over_chained_steps(nk, nv, dk, dv, K, order, b, device):
-  """Four decode steps, each kernel's states fed to its next step (and the reference's to its):
-  y and both states agree every step."""
+  """Four decode steps, each on a random layer of the stacks, each kernel's state stacks fed to
+  its next step (and the reference's to its): y and the layer's states agree every step, the
+  other layers come back bit for bit."""
   rng = np.random.default_rng(nk * 1000 + nv * 100 + dk + dv + K)
   kern, ref = _fns(device, order)
   x = make_inputs(rng, nk, nv, dk, dv, K, b)
   sk = sr = (x["conv_state"], x["ssm_state"])
   for step in range(4):
     x = make_inputs(rng, nk, nv, dk, dv, K, b)
-    yk, *sk = kern(**{**x, "conv_state": sk[0], "ssm_state": sk[1]})
-    yr, *sr = ref(**{**x, "conv_state": sr[0], "ssm_state": sr[1]})
-    assert_close(yk, yr, f"y, step {step}")
-    assert_close(sk[0], sr[0], f"conv state, step {step}")
-    assert_close(sk[1], sr[1], f"ssm state, step {step}")
+    xk = {**x, "conv_state": np.asarray(sk[0]), "ssm_state": np.asarray(sk[1])}
+    got = kern(**dict(xk))
+    want = ref(**{**x, "conv_state": sr[0], "ssm_state": sr[1]})
+    assert_step(got, want, xk, f"step {step}")
+    sk, sr = got[1:], want[1:]
+    # the chain: every layer the kernel touched stays close to the reference's
+    assert_close(sk[0], sr[0], f"conv stack, step {step}")
+    assert_close(sk[1], sr[1], f"ssm stack, step {step}")
+
+
+@pytest.mark.parametrize("layer", [-3, 0, 2, 7])
+def test_layer_index_is_clamped(layer, device):
+  """An index outside the stacks reads and writes the nearest layer (as the reference's clamp),
+  never outside the buffers."""
+  rng = np.random.default_rng(11)
+  kern, ref = _fns(device, "tiled")
+  x = make_inputs(rng, 2, 4, 16, 16, 4, 2, layer=layer)
+  assert_step(kern(**dict(x)), ref(**x), x, f"layer {layer}")
 
 
 @pytest.mark.parametrize("order", ["tiled", "grouped"])
@@ -93,15 +130,14 @@ def test_invalid_row_keeps_its_states(order, device):
   y matches the reference on both rows."""
   rng = np.random.default_rng(7)
   kern, ref = _fns(device, order)
-  x = make_inputs(rng, 2, 4, 16, 24, 4, 2, valid=[True, False])
-  yk, ck, sk = map(np.asarray, kern(**x))
-  yr, cr, sr = ref(**x)
-  assert_close(yk, yr, "y")
-  assert_close(ck, cr, "conv state")
-  assert_close(sk, sr, "ssm state")
-  np.testing.assert_array_equal(ck[1], x["conv_state"][1])
-  np.testing.assert_array_equal(sk[1], x["ssm_state"][1])
-  assert not np.allclose(ck[0], x["conv_state"][0]) and not np.allclose(sk[0], x["ssm_state"][0])
+  x = make_inputs(rng, 2, 4, 16, 24, 4, 2, valid=[True, False], layer=1)
+  got = kern(**dict(x))
+  assert_step(got, ref(**x), x, "invalid row")
+  ck, sk = np.asarray(got[1])[1], np.asarray(got[2])[1]
+  np.testing.assert_array_equal(ck[1], x["conv_state"][1, 1])
+  np.testing.assert_array_equal(sk[1], x["ssm_state"][1, 1])
+  assert not np.allclose(ck[0], x["conv_state"][1, 0])
+  assert not np.allclose(sk[0], x["ssm_state"][1, 0])
 
 
 def test_value_order_matters_and_results_repeat(device):
@@ -111,11 +147,25 @@ def test_value_order_matters_and_results_repeat(device):
   x = make_inputs(rng, 2, 8, 16, 16, 4, 2)
   tiled, _ = _fns(device, "tiled")
   grouped, ref_grouped = _fns(device, "grouped")
-  a, b = np.asarray(tiled(**x)[0]), np.asarray(grouped(**x)[0])
+  a, b = np.asarray(tiled(**dict(x))[0]), np.asarray(grouped(**dict(x))[0])
   assert np.abs(a - b).max() > 100 * TOL * np.abs(b).max()
   assert_close(b, ref_grouped(**x)[0], "grouped y")
-  for got, again in zip(grouped(**x), grouped(**x)):
+  for got, again in zip(grouped(**dict(x)), grouped(**dict(x))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
+
+
+def test_not_donated_leaves_operands(device):
+  """Without donation XLA copies the stacks before the in-place call: the caller's arrays keep
+  their values, the results hold the step."""
+  rng = np.random.default_rng(5)
+  x = make_inputs(rng, 2, 4, 16, 16, 4, 1)
+  xd = jax.device_put(x, device)
+  before = [np.asarray(xd[k]).copy() for k in ("conv_state", "ssm_state")]
+  got = jax.jit(lambda x: gdn.gdn_step(**x, eps=EPS))(xd)
+  for k, b in zip(("conv_state", "ssm_state"), before):
+    np.testing.assert_array_equal(np.asarray(xd[k]), b)
+  _, ref = _fns(device, "tiled")
+  assert_step(got, ref(**x), x, "not donated")
 
 
 def test_shape_errors():
@@ -124,6 +174,12 @@ def test_shape_errors():
     gdn.gdn_step(**{**x, "mixed": x["mixed"][:, 1:]}, eps=EPS)
   with pytest.raises(JaxvtError, match="do not fit"):
     gdn.gdn_step(**{**x, "valid": np.ones(2, bool)}, eps=EPS)
+  with pytest.raises(JaxvtError, match="do not fit"):
+    gdn.gdn_step(**{**x, "a": x["a"][:2]}, eps=EPS)
+  with pytest.raises(JaxvtError, match="do not fit"):
+    gdn.gdn_step(**{**x, "layer": np.zeros(1, np.int32)}, eps=EPS)
+  with pytest.raises(JaxvtError, match="must be"):
+    gdn.gdn_step(**{**x, "ssm_state": x["ssm_state"][0]}, eps=EPS)
   with pytest.raises(JaxvtError, match="value order"):
     gdn.gdn_step(**x, eps=EPS, order="interleaved")
   big = make_inputs(np.random.default_rng(0), 1, 1, 264, 8, 2, 1)
@@ -136,7 +192,9 @@ def test_shape_errors():
 
 @pytest.fixture(scope="module")
 def qwen35moe(tmp_path_factory):
-  cfg = synth.tiny_config("qwen35moe", d_model=256, expert_ffn_dim=256, shared_ffn_dim=256)
+  # 8 layers: two periods, so the decode program's layer scan stays a loop
+  cfg = synth.tiny_config("qwen35moe", d_model=256, expert_ffn_dim=256, shared_ffn_dim=256,
+                          n_layers=8)
   path = str(tmp_path_factory.mktemp("gdn") / "qwen35moe.gguf")
   synth.write_model(path, cfg, "q4_k_m", seed=5)
   return path
@@ -184,3 +242,37 @@ def test_fused_decode_in_the_model(qwen35moe):
     text = engine.prefill_fn.lower(eng.weights, spec, *pre, cfg=eng.cfg, ex=fused,
                                    kv_len=T).as_text()
     assert "jaxvt_gdn_step" not in text
+
+
+def _stack_writes(text: str, shape) -> dict:
+  """{op: count} of the instructions of a compiled HLO `text` whose result is a whole f32 stack
+  of `shape`, other than parameter / get-tuple-element / tuple / while (which only pass it on)."""
+  want = "f32[" + ",".join(map(str, shape)) + "]{"
+  counts = {}
+  for line in text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?\S+ = (\S+) ([\w-]+)\(", line)
+    if m and m.group(1).startswith(want) and m.group(2) not in (
+        "parameter", "get-tuple-element", "tuple", "while"):
+      counts[m.group(2)] = counts.get(m.group(2), 0) + 1
+  return counts
+
+
+def test_fused_decode_updates_the_stacks_in_place(qwen35moe):
+  """The CPU-compiled decode program with gdn_fused writes the cache's state stacks only through
+  jaxvt_gdn_step's aliased results: no copy, dynamic-update-slice or fusion producing a whole
+  [n_gdn, ...] ssm or conv stack (the jnp path, and the op on per-layer slices, have them)."""
+  with jaxvt.load(qwen35moe, max_context=64) as eng:
+    spec = jax.eval_shape(lambda: eng.new_cache(1))
+    args = (jnp.asarray([[1]], jnp.int32), jnp.asarray([[3]], jnp.int32))
+
+    def compiled(on):
+      ex = dataclasses.replace(eng.ex, products=dataclasses.replace(eng.ex.products, gdn_fused=on))
+      return engine.decode_fn.lower(eng.weights, spec, *args, cfg=eng.cfg, ex=ex,
+                                    kv_len=eng.kv_len(4)).compile().as_text()
+
+    fused, plain = compiled(True), compiled(False)
+    assert fused.count('custom_call_target="jaxvt_gdn_step"') >= 1
+    for name in ("ssm", "conv"):
+      assert _stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
+      writes = _stack_writes(fused, spec[name].shape)
+      assert writes == {}, f"{name}: the fused program writes the whole stack with {writes}"

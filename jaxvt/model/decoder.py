@@ -100,10 +100,9 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
         else:
           gi = p * n_gdn + g_j
           g_j += 1
-          o, conv, ssm = deltanet.deltanet_block(
-              h, w, gi, cache["conv"][gi], cache["ssm"][gi], valid, cfg, ex)
-          cache["conv"] = cache["conv"].at[gi].set(conv)
-          cache["ssm"] = cache["ssm"].at[gi].set(ssm)
+          # the whole state stacks: layer gi is updated (in place on the fused decode path)
+          o, cache["conv"], cache["ssm"] = deltanet.deltanet_block(
+              h, w, gi, cache["conv"], cache["ssm"], valid, cfg, ex)
       x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):

@@ -189,43 +189,54 @@ def gdn_mix(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state, ssm_s
 
 
 def gdn_step_ref(mixed, z, beta_raw, alpha_raw, a, dt_bias, conv_w, norm_w, conv_state,
-                 ssm_state, valid, *, eps: float, order: str = "tiled"):
-  """The jnp reference of jaxvt.ffi.gdn.gdn_step (its t == 1 shapes: no token axis, valid [b]):
-  gdn_mix at one token."""
+                 ssm_state, valid, layer, *, eps: float, order: str = "tiled"):
+  """The jnp reference of jaxvt.ffi.gdn.gdn_step (its t == 1 shapes: no token axis, valid [b];
+  whole stacks and the layer index, clamped into each stack): gdn_mix at one token on layer
+  `layer`, written back into the state stacks."""
   one = lambda x: jnp.asarray(x)[:, None]
-  y, conv_state, ssm_state = gdn_mix(one(mixed), one(z), one(beta_raw), one(alpha_raw), a,
-                                     dt_bias, conv_w, norm_w, conv_state, ssm_state,
-                                     one(valid).astype(bool), eps, order)
-  return y[:, 0], conv_state, ssm_state
+  lw = jnp.clip(jnp.asarray(layer, jnp.int32), 0, jnp.shape(a)[0] - 1)
+  ls = jnp.clip(jnp.asarray(layer, jnp.int32), 0, jnp.shape(ssm_state)[0] - 1)
+  conv_state, ssm_state = jnp.asarray(conv_state), jnp.asarray(ssm_state)
+  y, conv, ssm = gdn_mix(one(mixed), one(z), one(beta_raw), one(alpha_raw), a[lw], dt_bias[lw],
+                         conv_w[lw], norm_w[lw], conv_state[ls], ssm_state[ls],
+                         one(valid).astype(bool), eps, order)
+  return (y[:, 0], conv_state.at[ls].set(conv.astype(conv_state.dtype)),
+          ssm_state.at[ls].set(ssm.astype(ssm_state.dtype)))
 
 
-def deltanet_block(h, w: dict, gi, conv_state, ssm_state, valid, cfg: ModelConfig, ex: Exec):
+def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelConfig, ex: Exec):
   """One Gated DeltaNet mixer (the block's residual and norms live in the decoder).
 
   h [b, t, d] (already normed); w: all weights (whole stacks; matrices read through
-  layers.linear at stack index `gi`, vectors indexed [gi]); conv_state [b, K-1, conv_dim];
-  ssm_state [b, n_v, dk, dv] float32; valid [b, t] bool (padding, on the right, leaves both
-  states unchanged). Returns (out [b, t, d] float32, conv_state, ssm_state).
+  layers.linear at stack index `gi`, vectors indexed [gi]); conv_states [n_gdn, b, K-1, conv_dim]
+  and ssm_states [n_gdn, b, n_v, dk, dv] float32: the cache's whole state stacks, layer `gi`
+  this block's (the weights' stack index and the cache's are the same); valid [b, t] bool
+  (padding, on the right, leaves both states unchanged). Returns (out [b, t, d] float32,
+  conv_states, ssm_states) with layer gi updated.
 
   Decode (t == 1) under a rule with `gdn_fused` (layers.Products; the GPUs') runs the middle as
-  one custom call (jaxvt.ffi.gdn.gdn_step); otherwise gdn_mix's jnp.
+  one custom call on the stacks, updating layer gi in place (jaxvt.ffi.gdn.gdn_step); otherwise
+  gdn_mix's jnp on layer gi's slices, written back.
   """
   b, t, _ = h.shape
   with jax.named_scope("gdn_in"):
     mixed, z, beta, alpha = layers.linear_many(
         h, [w["gdn.w_qkv"], w["gdn.w_z"], w["gdn.w_beta"], w["gdn.w_alpha"]], gi, ex)
     # mixed [b, t, conv_dim] = [q | k | v]; z [b, t, nv dv]; beta, alpha [b, t, nv]
-  vecs = (w["gdn.a"][gi], w["gdn.dt_bias"][gi], w["gdn.conv"][gi], w["gdn.norm"][gi])
+  stacks = (w["gdn.a"], w["gdn.dt_bias"], w["gdn.conv"], w["gdn.norm"])
   if t == 1 and ex.kernels and ex.products.gdn_fused:
     with jax.named_scope("gdn_step"):
-      y, conv_state, ssm_state = gdn.gdn_step(
-          mixed[:, 0], z[:, 0], beta[:, 0], alpha[:, 0], *vecs, conv_state, ssm_state,
-          valid[:, 0], eps=cfg.rms_eps, order=cfg.ssm_value_order)
+      y, conv_states, ssm_states = gdn.gdn_step(
+          mixed[:, 0], z[:, 0], beta[:, 0], alpha[:, 0], *stacks, conv_states, ssm_states,
+          valid[:, 0], gi, eps=cfg.rms_eps, order=cfg.ssm_value_order)
       y = y[:, None]
   else:
-    y, conv_state, ssm_state = gdn_mix(mixed, z, beta, alpha, *vecs, conv_state, ssm_state, valid,
-                                       cfg.rms_eps, cfg.ssm_value_order)
+    vecs = tuple(x[gi] for x in stacks)
+    y, conv, ssm = gdn_mix(mixed, z, beta, alpha, *vecs, conv_states[gi], ssm_states[gi], valid,
+                           cfg.rms_eps, cfg.ssm_value_order)
+    conv_states = conv_states.at[gi].set(conv.astype(conv_states.dtype))
+    ssm_states = ssm_states.at[gi].set(ssm.astype(ssm_states.dtype))
 
   with jax.named_scope("gdn_out"):
     out = layers.linear(y, w["gdn.w_out"], gi, ex)
-  return out, conv_state, ssm_state
+  return out, conv_states, ssm_states

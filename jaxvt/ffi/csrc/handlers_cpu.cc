@@ -6,6 +6,7 @@
 // Attributes: rows, cols (and experts) of one layer's matrix.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -373,15 +374,20 @@ ffi::Error GdnStepCpu(ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
                       ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> dt_bias,
                       ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> norm_w,
                       ffi::Buffer<ffi::F32> conv_state, ffi::Buffer<ffi::F32> ssm_state,
-                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
-                      ffi::ResultBuffer<ffi::F32> conv_out, ffi::ResultBuffer<ffi::F32> ssm_out,
+                      ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> conv_res,
+                      ffi::ResultBuffer<ffi::F32> ssm_res, ffi::ResultBuffer<ffi::F32> conv_out,
                       int64_t nk, int64_t grouped, float eps, float qk_eps) {
   gdn::Dims d;
   gdn::Args args;
+  bool copy_conv, copy_ssm;
   if (const char* e = gdn::prepare(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state,
-                                   ssm_state, valid, y, conv_out, ssm_out, nk, grouped, eps,
-                                   qk_eps, &d, &args))
+                                   ssm_state, valid, layer, y, conv_res, ssm_res, conv_out, nk,
+                                   grouped, eps, qk_eps, &d, &args, &copy_conv, &copy_ssm))
     return ffi::Error::InvalidArgument(e);
+  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
+  if (copy_conv) std::memcpy(args.conv_state, conv_state.typed_data(), conv_state.size_bytes());
+  if (copy_ssm) std::memcpy(args.ssm_state, ssm_state.typed_data(), ssm_state.size_bytes());
   cpu::gdn_step(d, args);
   return ffi::Error::Success();
 }
@@ -495,9 +501,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepCpu, jaxvt::GdnStepCpu,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // conv_state
                                   .Arg<ffi::Buffer<ffi::F32>>()  // ssm_state
                                   .Arg<ffi::Buffer<ffi::S32>>()  // valid
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // new conv_state
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // new ssm_state
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // conv_state stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // ssm_state stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // conv_out (scratch)
                                   .Attr<int64_t>("nk")
                                   .Attr<int64_t>("grouped")
                                   .Attr<float>("eps")

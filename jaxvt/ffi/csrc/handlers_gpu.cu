@@ -199,15 +199,26 @@ ffi::Error GdnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ff
                       ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> dt_bias,
                       ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> norm_w,
                       ffi::Buffer<ffi::F32> conv_state, ffi::Buffer<ffi::F32> ssm_state,
-                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
-                      ffi::ResultBuffer<ffi::F32> conv_out, ffi::ResultBuffer<ffi::F32> ssm_out,
+                      ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> conv_res,
+                      ffi::ResultBuffer<ffi::F32> ssm_res, ffi::ResultBuffer<ffi::F32> conv_out,
                       int64_t nk, int64_t grouped, float eps, float qk_eps) {
   gdn::Dims d;
   gdn::Args args;
+  bool copy_conv, copy_ssm;
   if (const char* e = gdn::prepare(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state,
-                                   ssm_state, valid, y, conv_out, ssm_out, nk, grouped, eps,
-                                   qk_eps, &d, &args))
+                                   ssm_state, valid, layer, y, conv_res, ssm_res, conv_out, nk,
+                                   grouped, eps, qk_eps, &d, &args, &copy_conv, &copy_ssm))
     return ffi::Error::InvalidArgument(e);
+  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
+  if (copy_conv)
+    if (gpuError_t e = gpuMemcpyAsync(args.conv_state, conv_state.typed_data(),
+                                      conv_state.size_bytes(), gpuMemcpyDeviceToDevice, s))
+      return Status(e, "gdn_step");
+  if (copy_ssm)
+    if (gpuError_t e = gpuMemcpyAsync(args.ssm_state, ssm_state.typed_data(),
+                                      ssm_state.size_bytes(), gpuMemcpyDeviceToDevice, s))
+      return Status(e, "gdn_step");
   return Status(gpu::launch_gdn_step(s, d, args), "gdn_step");
 }
 
@@ -370,9 +381,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepGpu, jaxvt::GdnStepGpu,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // conv_state
                                   .Arg<ffi::Buffer<ffi::F32>>()  // ssm_state
                                   .Arg<ffi::Buffer<ffi::S32>>()  // valid
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // new conv_state
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // new ssm_state
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // conv_state stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // ssm_state stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // conv_out (scratch)
                                   .Attr<int64_t>("nk")
                                   .Attr<int64_t>("grouped")
                                   .Attr<float>("eps")

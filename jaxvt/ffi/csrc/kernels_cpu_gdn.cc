@@ -1,5 +1,6 @@
-// The fused Gated DeltaNet decode step on the CPU (gdn.h has the math). One task per (row, value
-// head), each summing in a fixed order, so the result does not depend on the thread count.
+// The fused Gated DeltaNet decode step on the CPU (gdn.h has the math). Phase 1 (conv and the
+// conv state's shift) in one loop; phase 2 one task per (row, value head), each summing in a
+// fixed order, so the result does not depend on the thread count.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -11,13 +12,11 @@ namespace jaxvt::cpu {
 
 namespace {
 
-void head(const gdn::Dims& d, const gdn::Args& a, int64_t r, int64_t h) {
+void head(const gdn::Dims& d, const gdn::Args& a, const gdn::Layer& l, int64_t r, int64_t h) {
   const int64_t dk = d.dk, dv = d.dv, kh = gdn::key_head(d, h);
-  const float* mixed_r = a.mixed + r * d.conv_dim;
-  const float* state_r = a.conv_state + r * (d.K - 1) * d.conv_dim;
   std::vector<float> x(2 * dk + dv), kv(dv, 0.0f), delta(dv), o(dv, 0.0f);
   for (int64_t i = 0; i < 2 * dk + dv; ++i)
-    x[i] = gdn::silu(gdn::conv(d, mixed_r, state_r, a.conv_w, gdn::channel(d, h, kh, i)));
+    x[i] = a.conv_out[r * d.conv_dim + gdn::channel(d, h, kh, i)];
   float* q = x.data();
   float* k = q + dk;
   const float* v = k + dk;
@@ -35,17 +34,16 @@ void head(const gdn::Dims& d, const gdn::Args& a, int64_t r, int64_t h) {
   const bool valid = a.valid[r] != 0;
   const int64_t rh = r * d.nv + h;
   const float beta = valid ? gdn::sigmoid(a.beta_raw[rh]) : 0.0f;
-  const float g = valid ? a.a[h] * gdn::softplus(a.alpha_raw[rh] + a.dt_bias[h]) : 0.0f;
+  const float g = valid ? l.a[h] * gdn::softplus(a.alpha_raw[rh] + l.dt_bias[h]) : 0.0f;
   const float decay = std::exp(g);
-  const float* S = a.ssm_state + rh * dk * dv;
-  float* S_out = a.ssm_out + rh * dk * dv;  // may be S: each element is read before it is written
+  float* S = l.ssm_state + rh * dk * dv;  // in place: each element is read before it is written
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) kv[j] += S[i * dv + j] * decay * k[i];
   for (int64_t j = 0; j < dv; ++j) delta[j] = beta * (v[j] - kv[j]);
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) {
       const float s = S[i * dv + j] * decay + k[i] * delta[j];
-      S_out[i * dv + j] = s;
+      S[i * dv + j] = s;
       o[j] += s * q[i];
     }
 
@@ -54,17 +52,19 @@ void head(const gdn::Dims& d, const gdn::Args& a, int64_t r, int64_t h) {
   const float ro = 1.0f / std::sqrt(so / static_cast<float>(dv) + d.eps);
   const float* z = a.z + rh * dv;
   float* y = a.y + rh * dv;
-  for (int64_t j = 0; j < dv; ++j) y[j] = o[j] * ro * a.norm_w[j] * gdn::silu(z[j]);
+  for (int64_t j = 0; j < dv; ++j) y[j] = o[j] * ro * l.norm_w[j] * gdn::silu(z[j]);
 }
 
 }  // namespace
 
 void gdn_step(const gdn::Dims& d, const gdn::Args& a) {
+  const gdn::Layer l = gdn::layer_of(d, a);
   for (int64_t r = 0; r < d.b; ++r)
     for (int64_t c = 0; c < d.conv_dim; ++c)
-      gdn::shift_state(d, a.mixed + r * d.conv_dim, a.conv_state + r * (d.K - 1) * d.conv_dim,
-                       a.conv_out + r * (d.K - 1) * d.conv_dim, c, a.valid[r] != 0);
-  auto task = [&](int64_t t) { head(d, a, t / d.nv, t % d.nv); };
+      a.conv_out[r * d.conv_dim + c] =
+          gdn::conv_shift(d, a.mixed + r * d.conv_dim, l.conv_state + r * (d.K - 1) * d.conv_dim,
+                          l.conv_w, c, a.valid[r] != 0);
+  auto task = [&](int64_t t) { head(d, a, l, t / d.nv, t % d.nv); };
   parallel_for(d.b * d.nv, task);
 }
 

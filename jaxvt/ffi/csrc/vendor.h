@@ -35,6 +35,7 @@ typedef cudaEvent_t gpuEvent_t;
 #define gpuFree cudaFree
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuStreamCreate cudaStreamCreate
 #define gpuStreamDestroy cudaStreamDestroy
@@ -97,6 +98,7 @@ typedef hipEvent_t gpuEvent_t;
 #define gpuFree hipFree
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuMemsetAsync hipMemsetAsync
 #define gpuStreamCreate hipStreamCreate
 #define gpuStreamDestroy hipStreamDestroy
