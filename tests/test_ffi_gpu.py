@@ -14,17 +14,7 @@ import pytest
 from jaxvt import ffi
 
 
-def _gpu():
-  try:
-    return jax.devices("gpu")[0]
-  except RuntimeError:
-    return None
-
-
-GPU = _gpu()
-_REASON = ("JAX sees no GPU" if GPU is None else
-           f"jaxvt was built without {GPU.platform} kernels (rebuild with JAXVT_GPU=CUDA or HIP)")
-_OK = GPU is not None and ffi.available(GPU.platform)
+from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
 from test_ffi import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: E402

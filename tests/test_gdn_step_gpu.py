@@ -6,23 +6,9 @@ extension has no GPU kernels."""
 
 from __future__ import annotations
 
-import jax
 import pytest
 
-from jaxvt import ffi
-
-
-def _gpu():
-  try:
-    return jax.devices("gpu")[0]
-  except RuntimeError:
-    return None
-
-
-GPU = _gpu()
-_REASON = ("JAX sees no GPU" if GPU is None else
-           f"jaxvt was built without {GPU.platform} kernels (rebuild with JAXVT_GPU=CUDA or HIP)")
-_OK = GPU is not None and ffi.available(GPU.platform)
+from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_gdn_step import *  # noqa: E402,F401,F403  (the same tests; the device fixture below)
 
