@@ -141,3 +141,48 @@ def test_every_host_kind_gives_the_device_tiers_bits(mode, rng, device, kind):
         np.testing.assert_array_equal(a, h)
         assert_close(h, s.ref(x, 1, mode=mode))
       del w
+
+
+@pytest.mark.parametrize("fmt", [Q4_K, Q6_K, Q8_0, Q4_0])
+def test_two_rows_per_warp_give_the_bits_of_one(fmt, rng, device, tier):
+  """Under integer products at batch 1, rows of at most 16 units (512 columns or fewer) are
+  computed two per warp (accumulate_q8_pair) where a warp's run holds several rows: the default
+  grid of one wave over many rows. A grid of 8 waves (the probe knob set_grid_waves) gives each
+  warp one row, computed alone. Both must give the same bits, from either tier, dense and per
+  routed slot, and the reference's values."""
+  from jaxvt.ffi import ops
+  ext = ffi.extension()
+
+  def both_grids(fn, *args):
+    outs = []
+    for waves in (1, 8):
+      was = ext.set_grid_waves(waves)
+      try:  # a new executable each time: its handler runs, and reads the knob, when first run
+        outs.append(np.asarray(jax.jit(lambda *a: fn(*a))(*args)))
+      finally:
+        ext.set_grid_waves(was)
+    return outs
+
+  for rows, cols in [(8192, 512), (16384, 256)]:
+    raw = random_blocks(rng, fmt, rows, cols)
+    s = make_stack(rng, [fmt, fmt], rows, cols, host=(1,), tier=tier, raws=[raw, raw])
+    w = put(s.w, device)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    outs = [y for l in (0, 1)
+            for y in both_grids(lambda x, w, l=l: ops.qmatmul(x, w, l, "q8"), put(x, device), w)]
+    for y in outs[1:]:
+      np.testing.assert_array_equal(y, outs[0])
+    assert_close(outs[0], s.ref(x, 0, mode="q8"))
+    del w
+  if fmt not in (Q4_K, Q6_K):
+    return
+  # the routed experts' down product of the 35B shape: 8 slots, experts of 2048 x 512
+  e = make_stack(rng, [fmt, fmt], 2048, 512, experts=16, host=(1,), tier=tier)
+  we = put(e.w, device)
+  ids = rng.choice(16, (1, 8), replace=False).astype(np.int32)
+  xe = rng.standard_normal((1, 8, 512)).astype(np.float32)
+  for l in (0, 1):
+    a, b = both_grids(lambda x, w, i, l=l: ops.qmatmul_experts(x, w, l, i, "q8"),
+                      put(xe, device), we, put(ids, device))
+    np.testing.assert_array_equal(a, b)
+    assert_close(a, experts_ref(xe, e, l, ids, "q8"))

@@ -10,6 +10,10 @@
 #                                       # (tools/kernel_probe.py) and the determinism test
 #   bash tools/h200_session.sh profile  # device-time profiles of the goals still missed, and
 #                                       # tools/prefill_rules.py in HBM and from the host tier
+#   bash tools/h200_session.sh ab       # this build against .dev/prev's, side by side
+#   bash tools/h200_session.sh waves    # the decode products by grid size; command buffers
+#   bash tools/h200_session.sh step     # the fused ops' tests, decode step profiles, first token,
+#                                       # determinism
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -101,6 +105,60 @@ if [ "$what" = diagnose ]; then  # where the decode step's time goes: each produ
   head -60 "$OUT/profile_decode.txt"
   mkdir -p "$OUT/hlo"; cp /tmp/hlo/*after_optimizations.txt "$OUT/hlo/" 2>/dev/null
   ls -la "$OUT/hlo" | head
+fi
+if [ "$what" = ab ]; then  # this build against the one in .dev/prev (carry both), side by side:
+  # the GPU kernel tests, each decode product alone, a decode step all in HBM and with every
+  # routed expert in the host tier
+  SO=jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so
+  cp $SO /tmp/new.so
+  timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    ${TESTS:-tests/test_ffi_gpu.py tests/test_grouped_gpu.py} > "$OUT/gpu_tests.txt" 2>&1
+  tail -12 "$OUT/gpu_tests.txt"
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  for v in new old; do
+    if [ $v = new ]; then cp /tmp/new.so $SO; else cp .dev/prev/$(basename $SO) $SO; fi
+    timeout 90 python3 tools/kernel_probe.py --modes q8 > "$OUT/kernel_probe_$v.txt" 2>&1
+    timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 40 > "$OUT/profile_decode_$v.txt" 2>&1
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --steps 8 \
+      --top 40 --offload-gb 16.88 --device-gb 16 > "$OUT/profile_decode_host_$v.txt" 2>&1
+    echo "== $v"; grep -v "^ *$" "$OUT/kernel_probe_$v.txt" | tail -14
+    grep -i "ms/step\|per step\|tok/s" "$OUT/profile_decode_$v.txt" "$OUT/profile_decode_host_$v.txt" | head -8
+  done
+  cp /tmp/new.so $SO
+fi
+if [ "$what" = waves ]; then  # each decode product alone with grids of 1, 2, 4, 8 waves of
+  # resident blocks; a decode step with XLA's defaults and with command buffers over loops
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  for w in ${WAVES:-1 2 4 8}; do
+    timeout 90 python3 tools/kernel_probe.py --modes q8 --waves $w > "$OUT/kernel_probe_w$w.txt" 2>&1
+    grep -v "^ *$" "$OUT/kernel_probe_w$w.txt" | tail -12
+  done
+  timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 30 > "$OUT/profile_decode.txt" 2>&1
+  head -3 "$OUT/profile_decode.txt"
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
+    timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 30 > "$OUT/profile_decode_cmdbuf.txt" 2>&1
+  head -3 "$OUT/profile_decode_cmdbuf.txt"
+fi
+if [ "$what" = step ]; then  # the fused ops' GPU tests, a decode step all in HBM, with every
+  # routed expert in the host tier and with XLA's command buffers over loops, the first token
+  # cold and cached, determinism (processes x budgets)
+  start_llama
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short ${TESTS:-tests/test_attn_step_gpu.py \
+    tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py} > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 60 > "$OUT/profile_decode.txt" 2>&1
+  head -45 "$OUT/profile_decode.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --steps 8 \
+    --top 40 --offload-gb 16.88 --device-gb 16 > "$OUT/profile_decode_host.txt" 2>&1
+  head -3 "$OUT/profile_decode_host.txt"
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
+    timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 10 > "$OUT/profile_decode_cmdbuf.txt" 2>&1
+  head -3 "$OUT/profile_decode_cmdbuf.txt"
+  timeout 150 python3 tools/first_token.py --runs 2 ${FT_ARGS:-} -- --model $M --max-tokens 32 \
+    > "$OUT/first_token.txt" 2>&1; tail -6 "$OUT/first_token.txt"
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress

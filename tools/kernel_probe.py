@@ -58,7 +58,12 @@ def main() -> None:
   p.add_argument("--only", default="", help="run only the products whose name contains this")
   p.add_argument("--no-trace", action="store_true",
                  help="run each product 3 times without jax.profiler (to run under ncu)")
+  p.add_argument("--waves", type=int, default=0,
+                 help="grids of this many waves of resident blocks (0: the kernels' default)")
   a = p.parse_args()
+  if a.waves:
+    from jaxvt import ffi
+    ffi.extension().set_grid_waves(a.waves)
   dev = jax.devices()[0]
   rng = np.random.default_rng(0)
   L, B = a.layers, a.batch
@@ -86,7 +91,8 @@ def main() -> None:
           [experts(rng, Q4_K, 256, 2048, 512, L, dev)], xe, "experts"),
       "lm_head (248320 x 2048 Q6_K)": ([dense(rng, Q6_K, 248320, 2048, 1, dev)], x2048, "one"),
   }
-  print(f"batch {B}, {L} layers per scan; device {dev.device_kind}")
+  print(f"batch {B}, {L} layers per scan; device {dev.device_kind}"
+        + (f"; grids of {a.waves} waves" if a.waves else ""))
   print(f"{'product':58} {'mode':4} {'kernel':30} {'calls':>5} {'us/call':>8} {'GB/s':>7}")
   for (name, (ws, x, kind)), mode in [(c, m) for c in cases.items() for m in a.modes.split(",")]:
     if a.only and a.only not in name:

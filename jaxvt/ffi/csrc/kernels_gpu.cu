@@ -218,6 +218,10 @@ int64_t g_grid_cap = 0;
 
 }  // namespace
 
+// Probe knob (tools/kernel_probe.py --waves): the matvec launches' grids are this many waves of
+// resident blocks (1, the default: one wave). The rows' arithmetic does not depend on the grid.
+int64_t g_waves = 1;
+
 int sm_count() {
   static int cached[64] = {0};
   int dev = 0;
@@ -281,7 +285,7 @@ gpuError_t run_qmatmul(gpuStream_t s, const Launch& l, const WeightArgs& w, cons
                        int64_t batch, float* y, int64_t rows, int64_t cols) {
   const int64_t groups = (batch + BT - 1) / BT;
   int64_t cap = g_grid_cap > 0 ? g_grid_cap
-                               : resident_blocks(qmatmul_kernel<BT, XM>, 32 * l.wpb, l.smem) / groups;
+                               : g_waves * resident_blocks(qmatmul_kernel<BT, XM>, 32 * l.wpb, l.smem) / groups;
   qmatmul_kernel<BT, XM><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups), 32 * l.wpb,
                            l.smem, s>>>(w, x, batch, y, rows, cols);
   return gpuGetLastError();
@@ -291,7 +295,7 @@ template <int BT, int XM>
 gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t* rows,
                      int64_t total, const float* x, int64_t batch, int64_t cols) {
   const int64_t groups = (batch + BT - 1) / BT;
-  int64_t cap = resident_blocks(qmatmul_multi_kernel<BT, XM>, kThreads, l.smem) / groups;
+  int64_t cap = g_waves * resident_blocks(qmatmul_multi_kernel<BT, XM>, kThreads, l.smem) / groups;
   if (cap < m.n) cap = m.n;
   // One wave of blocks shared in proportion to the rows, at least one block per matrix and no
   // more than the wave (a partial second wave would leave most SMs idle at the end).
@@ -373,6 +377,12 @@ gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, in
 }
 
 void set_grid_cap(int64_t blocks) { g_grid_cap = blocks; }
+
+int64_t set_grid_waves(int64_t waves) {
+  const int64_t was = g_waves;
+  g_waves = waves < 1 ? 1 : waves;
+  return was;
+}
 
 gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigned* sink,
                               int64_t blocks, bool bulk) {

@@ -77,6 +77,9 @@ gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigne
 // Probes only (memory_gpu.cu): cap qmatmul's grid (0 = one wave of resident blocks, the default).
 void set_grid_cap(int64_t blocks);
 
+// Probes only: the matvec launches' grids in waves of resident blocks (see g_waves).
+extern int64_t g_waves;
+
 int sm_count();  // multiprocessors of the current device (cached)
 
 }  // namespace jaxvt::gpu

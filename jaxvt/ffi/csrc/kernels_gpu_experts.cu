@@ -151,7 +151,7 @@ gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const Weig
   // One wave of resident blocks shared by the (matrix, slot) pairs.
   const int64_t resident = resident_blocks(qmatmul_experts_slot_kernel<XM>, kThreads,
                                            static_cast<size_t>(smem));
-  int64_t cap = resident / (nmat * slots);
+  int64_t cap = g_waves * resident / (nmat * slots);
   if (cap < 1) cap = 1;
   const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
   qmatmul_experts_slot_kernel<XM><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k,

@@ -13,7 +13,9 @@
 //   * Lanes dequantize 32-element units (formats.h) and dot them with up to BT activation rows
 //     (BT in {1, 4, 16}); a row's unit g is always lane g % 32's, and the warp reduces with
 //     shuffles in a fixed order, so results do not depend on timing, windows, addresses, grid
-//     size or tier: a host-tier layer gives the bits its device-tier copy gives.
+//     size or tier: a host-tier layer gives the bits its device-tier copy gives. (Under ggml's
+//     arithmetic at BT 1, two whole rows of at most 16 units in one window go to the two half
+//     warps, each summed in the full warp's order: accumulate_q8_pair, write_pair.)
 //   * Many warps per SM (8 per block, grid sized from the SM count) keep enough loads in flight to
 //     cover PCIe latency; runs go round-robin over the warps, so the grid's size never depends on
 //     the format.
@@ -189,6 +191,17 @@ __device__ __forceinline__ void write_rows(float (&acc)[BT], const Rows<BT>& R, 
     if (lane == 0 && b < R.nb) R.yrow(b)[r] = v;
     acc[b] = 0.f;
   }
+}
+
+// Rows r and r + 1 of accumulate_q8_pair: each half warp's sum in warp_sum's order. warp_sum's
+// first step adds the idle upper lanes' +0 to every partial sum (so a -0 becomes +0); the + 0.f
+// below is that step.
+__device__ __forceinline__ void write_pair(float (&acc)[1], const Rows<1>& R, int64_t r, int lane) {
+  float v = acc[0] + 0.f;
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += gpuShflXor(v, o);
+  if ((lane & 15) == 0) R.yrow(0)[r + (lane >> 4)] = v;
+  acc[0] = 0.f;
 }
 
 // acc[b] += dot(w, x_b[32g ... 32g + 31]) for the unit g whose weights w holds: the one float32
@@ -381,6 +394,17 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
     int64_t avail = static_cast<int64_t>((lim - cpos) / T::kKbb);
     const uint8_t* ptr = buf + static_cast<int64_t>(cpos - cur_wa);  // may be in the front room
     while (avail > 0) {
+      if constexpr (XM == 2 && BT == 1) {  // rows of at most 16 units: two at a time
+        if (nkb * T::kUpk <= 16 && kb == 0 && avail >= 2 * nkb) {
+          accumulate_q8_pair<F>(ptr, static_cast<int>(nkb * T::kUpk), nkb * T::kKbb, R, acc, lane);
+          write_pair(acc, R, r, lane);
+          ptr += 2 * nkb * T::kKbb;
+          cpos += static_cast<uintptr_t>(2 * nkb * T::kKbb);
+          avail -= 2 * nkb;
+          r += 2;
+          continue;
+        }
+      }
       const int64_t n = nkb - kb < avail ? nkb - kb : avail;
       if constexpr (XM == 2)
         accumulate_q8<F, BT>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);

@@ -166,6 +166,21 @@ __device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int
   }
 }
 
+// The product of a row's unit g (unit u of the k-block at kb) with held quantized row b.
+template <int F, int BT>
+__device__ __forceinline__ float unit_q8(const uint8_t* kb, int u, int64_t g, const Rows<BT>& R,
+                                         int b) {
+  const uint8_t* row = R.xq + b * R.xq_stride;
+  const uint4* q4 = reinterpret_cast<const uint4*>(row) + (g >> 5) * 64 + (g & 31);
+  const uint4 a = q4[0], c = q4[32];
+  const int qx[8] = {static_cast<int>(a.x), static_cast<int>(a.y), static_cast<int>(a.z),
+                     static_cast<int>(a.w), static_cast<int>(c.x), static_cast<int>(c.y),
+                     static_cast<int>(c.z), static_cast<int>(c.w)};
+  const float* du = reinterpret_cast<const float*>(row + R.xq_upad * 32);
+  const int* s16 = reinterpret_cast<const int*>(du + 2 * R.xq_upad);
+  return unit_dot_q8<F>(kb, u, qx, du[g], du[R.xq_upad + g], s16[2 * g], s16[2 * g + 1]);
+}
+
 // accumulate() under ggml's arithmetic for quantized formats, over the rows R.xq.
 template <int F, int BT>
 __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int64_t k0,
@@ -173,23 +188,23 @@ __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int6
   using T = Traits<F>;
   for (int u = (lane - static_cast<int>((k0 >> 5) & 31)) & 31; u < nunits; u += 32) {
     const uint8_t* kb = p + (u / T::kUpk) * T::kKbb;
-    const int64_t g = (k0 >> 5) + u;
 #pragma unroll
-    for (int b = 0; b < BT; ++b) {
-      if (b < R.nb) {
-        const uint8_t* row = R.xq + b * R.xq_stride;
-        const uint4* q4 = reinterpret_cast<const uint4*>(row) + (g >> 5) * 64 + (g & 31);
-        const uint4 a = q4[0], c = q4[32];
-        const int qx[8] = {static_cast<int>(a.x), static_cast<int>(a.y), static_cast<int>(a.z),
-                           static_cast<int>(a.w), static_cast<int>(c.x), static_cast<int>(c.y),
-                           static_cast<int>(c.z), static_cast<int>(c.w)};
-        const float* du = reinterpret_cast<const float*>(row + R.xq_upad * 32);
-        const int* s16 = reinterpret_cast<const int*>(du + 2 * R.xq_upad);
-        acc[b] += unit_dot_q8<F>(kb, u % T::kUpk, qx, du[g], du[R.xq_upad + g], s16[2 * g],
-                                 s16[2 * g + 1]);
-      }
-    }
+    for (int b = 0; b < BT; ++b)
+      if (b < R.nb) acc[b] += unit_q8<F, BT>(kb, u % T::kUpk, (k0 >> 5) + u, R, b);
   }
+}
+
+// Two whole consecutive rows of at most 16 units each (rb bytes apart), one activation row: lanes
+// 0-15 take the first row's units and lanes 16-31 the second's, unit g of either on lane g of its
+// half, where accumulate_q8 puts it on lane g (and leaves lanes 16-31 idle). With write_pair's
+// half-warp sums each row gets the bits of accumulate_q8 + write_rows, for half the instructions.
+template <int F>
+__device__ __forceinline__ void accumulate_q8_pair(const uint8_t* p, int nunits, int64_t rb,
+                                                   const Rows<1>& R, float (&acc)[1], int lane) {
+  using T = Traits<F>;
+  const int u = lane & 15;
+  if (u < nunits)
+    acc[0] += unit_q8<F, 1>(p + (lane >> 4) * rb + (u / T::kUpk) * T::kKbb, u % T::kUpk, u, R, 0);
 }
 
 #endif  // JAXVT_FFI_CSRC_MATVEC_Q8_CUH_

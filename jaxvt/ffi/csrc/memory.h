@@ -53,6 +53,9 @@ namespace jaxvt::gpu {
 // Probes only (kernels_gpu_experts.cu): routed-expert calls of at most `slots` slots take the
 // per-slot kernel (< 0: the default); returns the previous value.
 int64_t set_experts_slot_max(int64_t slots);
+// Probes only (kernels_gpu.cu): the matvec launches' grids in waves of resident blocks (< 1: 1,
+// the default); returns the previous value.
+int64_t set_grid_waves(int64_t waves);
 }  // namespace jaxvt::gpu
 
 #endif  // JAXVT_FFI_CSRC_MEMORY_H_

@@ -342,6 +342,15 @@ NB_MODULE(_jaxvt_ffi, m) {
   }, nb::arg("slots"),
         "GPU probe: routed-expert calls of at most `slots` slots take the per-slot kernel (< 0: "
         "the default); returns the previous value (0 without a GPU).");
+  m.def("set_grid_waves", [](int64_t waves) -> int64_t {
+#if defined(JAXVT_WITH_GPU)
+    if (UseGpu()) return jaxvt::gpu::set_grid_waves(waves);
+#endif
+    (void)waves;
+    return 0;
+  }, nb::arg("waves"),
+        "GPU probe: the matvec and per-slot experts launches' grids in waves of resident blocks "
+        "(< 1: 1, the default); returns the previous value (0 without a GPU).");
   m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
         "(first, repeat) device-read GB/s of host-written managed memory, or None.");
   m.def("cpu_threads", &jaxvt::cpu::num_threads, "Threads the CPU kernels use (caller included).");
