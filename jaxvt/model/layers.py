@@ -92,9 +92,9 @@ class Products:
 # What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
 # on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
 # slots or more on the grouped kernel, fewer on the per-slot kernel; the MoE router as one custom
-# call, DeltaNet and attention decode steps fused (gdn_fused, attn_fused). (Their GPU tests first failed on the H200 on
-# 2026-12-01 because the jnp references lost their bf16 rounding to XLA:GPU's excess precision,
-# not the kernels: numerics.round_to.)
+# call, DeltaNet and attention decode steps fused (gdn_fused, attn_fused). (Their GPU tests first
+# failed on the H200 on 2026-12-01 because the jnp references lost their bf16 rounding to
+# XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
                         grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True,
                         attn_fused=True)

@@ -14,9 +14,10 @@
 // with kh = h / G, G = H / K. Everything is float32. The positions are split into chunks of
 // `chunk`: phase 1, per (split, kv head, row), computes the split's scores for the G query heads
 // of the kv head, their max m, the sum l of exp(score - m) and the exp-weighted sum of v rows, the
-// partials (no normalisation); phase 2, per (query head, row), combines the splits in split order:
-// M = max m_j, o = sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j. Every sum has a fixed order
-// (no atomics): the result does not depend on timing.
+// partials (no normalisation); phase 2, per (query head, row), combines the splits:
+// M = max m_j, o = sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j, each sum in kWays interleaved
+// parts added in part order (below). Every sum has a fixed order (no atomics): the result does not
+// depend on timing.
 //
 // The new key / value are written by the one phase-1 block whose chunk holds pos (split 0 where
 // pos >= kv_len), before it reads its chunk; no other block reads position pos, so no block reads
@@ -120,21 +121,48 @@ ATTN_HD float rope_at(const Dims& d, const float* inv_freq, const float* x, int6
 
 ATTN_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Phase 2 for column c of query head h of row r (n visible positions): the combined o.
-ATTN_HD float combine(const Dims& d, const Args& a, int64_t r, int64_t h, int64_t c, int64_t n) {
+// Phase 2 (the combine) for query head h of row r, which sees n positions, in kWays interleaved
+// parts: M = the largest m_j; part w sums the splits j = w (mod kWays) in order,
+// L_w = sum_j exp(m_j - M) l_j and o_w = sum_j exp(m_j - M) o_j (column c); then
+// o = (o_0 + ... + o_{kWays-1}) / (L_0 + ... + L_{kWays-1}), times sigmoid(gate) when gated.
+// (A GPU block gives each part to a warp.)
+constexpr int kWays = 8;
+
+// The largest m_j over the splits j = w0, w0 + step, ... (a max is exact in any order).
+ATTN_HD float combine_max(const Dims& d, const Args& a, int64_t r, int64_t h, int64_t n,
+                          int w0 = 0, int step = 1) {
   const int64_t kh = h / d.G, g = h % d.G, nj = active_splits(d, n);
   float M = -INFINITY;
-  for (int64_t j = 0; j < nj; ++j) M = fmaxf(M, a.part[part_of(d, r, kh, j, g) + d.Dv]);
-  float L = 0.0f, o = 0.0f;
-  for (int64_t j = 0; j < nj; ++j) {
+  for (int64_t j = w0; j < nj; j += step) M = fmaxf(M, a.part[part_of(d, r, kh, j, g) + d.Dv]);
+  return M;
+}
+
+// Part w's (L_w, o_w) for column c.
+ATTN_HD void combine_part(const Dims& d, const Args& a, int64_t r, int64_t h, int64_t c,
+                          int64_t n, float M, int w, float* L, float* o) {
+  const int64_t kh = h / d.G, g = h % d.G, nj = active_splits(d, n);
+  float l = 0.0f, s = 0.0f;
+  for (int64_t j = w; j < nj; j += kWays) {
     const float* p = a.part + part_of(d, r, kh, j, g);
-    const float w = expf(p[d.Dv] - M);
-    L += p[d.Dv + 1] * w;
-    o += p[c] * w;
+    const float e = expf(p[d.Dv] - M);
+    l += p[d.Dv + 1] * e;
+    s += p[c] * e;
   }
-  o = o / L;
-  if (d.gate) o = o * sigmoid(a.q[q_head(d, r, h) + d.D + c]);
-  return o;
+  *L = l;
+  *o = s;
+}
+
+// o from the parts' sums, added in part order.
+ATTN_HD float combine_out(const Dims& d, const Args& a, int64_t r, int64_t h, int64_t c,
+                          const float* L, const float* o) {
+  float l = 0.0f, s = 0.0f;
+  for (int w = 0; w < kWays; ++w) {
+    l += L[w];
+    s += o[w];
+  }
+  s = s / l;
+  if (d.gate) s = s * sigmoid(a.q[q_head(d, r, h) + d.D + c]);
+  return s;
 }
 
 // Checks the operand shapes (each a span of dimensions) and fills d; nullptr or the error.

@@ -85,7 +85,13 @@ void attn_step(const attn::Dims& d, const attn::Args& a) {
   auto phase2 = [&](int64_t t) {
     const int64_t r = t / d.H, h = t % d.H;
     const int64_t nv = attn::visible(d, a.positions[r]);
-    for (int64_t c = 0; c < d.Dv; ++c) a.o[t * d.Dv + c] = attn::combine(d, a, r, h, c, nv);
+    const float M = attn::combine_max(d, a, r, h, nv);
+    float L[attn::kWays], o[attn::kWays];
+    for (int64_t c = 0; c < d.Dv; ++c) {
+      for (int w = 0; w < attn::kWays; ++w)
+        attn::combine_part(d, a, r, h, c, nv, M, w, &L[w], &o[w]);
+      a.o[t * d.Dv + c] = attn::combine_out(d, a, r, h, c, L, o);
+    }
   };
   parallel_for(d.b * d.H, phase2);
 }

@@ -6,16 +6,17 @@
 //    shared memory; the block whose chunk holds the row's position (split 0 beyond kv_len) also
 //    prepares the new key (warp 0) and copies the new value (warp 1) into layer `layer` of the
 //    cache stacks, then every thread of the block passes a barrier, which makes those writes
-//    visible to the block before it reads its chunk. Scores: warp w takes positions p0 + w,
-//    p0 + w + 8, ...; each lane holds D / 32 elements of the key row (consecutive lanes read
-//    consecutive addresses) and sums its products with each query head in element order, then a
-//    butterfly of shuffles adds the lanes (every lane ends with the same bits). Softmax partials:
-//    warp w takes heads w, w + 8, ...: max and sum of exp over the chunk, lane-strided, then the
-//    butterfly. Weighted values: thread t owns column t % Dv and heads t / Dv + i (256 / Dv),
+//    visible to the block before it reads its chunk. Scores: warp w takes positions 4w .. 4w + 3
+//    of the chunk, then 4w + 32 ..., a group of 8 lanes per position; each lane holds D / 8
+//    elements of the key row and sums its products with each query head in element order, then
+//    a butterfly of 3 shuffles adds the group (every lane ends with the same bits). Softmax
+//    partials: warp w takes heads w, w + 8, ...: max and sum of exp over the chunk, lane-strided,
+//    then a butterfly over the warp. Weighted values: thread t owns column t % Dv and heads t / Dv + i (256 / Dv),
 //    i = 0, 1, ..., summing over the chunk's positions in order (consecutive threads read a value
 //    row's consecutive addresses). Splits beyond the row's visible positions return at once.
-// 2. combine_kernel, one block per (query head, row): attn.h's combine per column, in split
-//    order, times sigmoid(gate).
+// 2. combine_kernel, one block of 8 warps per (query head, row, 32 value columns): warp w sums
+//    the splits j = w (mod 8) (attn.h's combine_part), warp 0 adds the 8 parts in order and
+//    multiplies by sigmoid(gate), the CPU's arithmetic.
 // Every sum has an order fixed by D, Dv, G, the chunk and kThreads alone (no atomics), so the
 // result does not depend on timing or on the grid. The chunk (jaxvt/ffi/attn.py) keeps a split
 // short (16 positions up to a kv_len of 2048), so a decode at a few hundred positions spreads
@@ -34,8 +35,9 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxDim = static_cast<int>(attn::kMaxDim);
 constexpr int kMaxGroup = static_cast<int>(attn::kMaxGroup);
 constexpr int kMaxChunk = static_cast<int>(attn::kMaxChunk);
-constexpr int kPerLane = kMaxDim / 32;  // key elements a lane holds
+constexpr int kPerLane = kMaxDim / 8;  // key elements a lane holds (a group of 8 per row)
 static_assert(kThreads >= kMaxDim, "a thread per value column at least");
+static_assert(attn::kWays == kWarps, "a combine part per warp");
 
 __device__ __forceinline__ float warp_sum(float s) {
   for (int o = 16; o > 0; o >>= 1) s += gpuShflXor(s, o);
@@ -99,24 +101,33 @@ __global__ void __launch_bounds__(kThreads) split_kernel(attn::Dims d, attn::Arg
   if (p0 >= p1) return;
   const int np = static_cast<int>(p1 - p0);
 
-  for (int p = warp; p < np; p += kWarps) {
-    const float* kr = a.k_cache + attn::cache_row(d, l, r, p0 + p, kh, D);
+  // Scores: each warp takes 4 positions at a time, a group of 8 lanes per position; lane k of a
+  // group holds the key row's elements k, k + 8, ... (a group reads 32 consecutive bytes per
+  // load) and sums its products with each query head in element order, then 3 shuffles add the
+  // group's lanes (each lane ends with the same bits).
+  const int grp = lane >> 3, gl = lane & 7;
+  for (int base = warp * 4; base < np; base += kWarps * 4) {  // uniform over the warp
+    const int p = base + grp;
+    const bool live = p < np;
+    const float* kr = a.k_cache + attn::cache_row(d, l, r, p0 + (live ? p : 0), kh, D);
     float kv[kPerLane];
 #pragma unroll
     for (int c = 0; c < kPerLane; ++c) {
-      const int i = lane + 32 * c;
-      kv[c] = i < D ? kr[i] : 0.0f;
+      const int i = gl + 8 * c;
+      kv[c] = live && i < D ? kr[i] : 0.0f;
     }
     for (int g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
       float s = 0.0f;
 #pragma unroll
       for (int c = 0; c < kPerLane; ++c) {
-        const int i = lane + 32 * c;
+        const int i = gl + 8 * c;
         if (i < D) s += qg[i] * kv[c];
       }
-      s = warp_sum(s);
-      if (lane == 0) sc[g * chunk + p] = s;
+      s += gpuShflXor(s, 4);
+      s += gpuShflXor(s, 2);
+      s += gpuShflXor(s, 1);
+      if (live && gl == 0) sc[g * chunk + p] = s;
     }
   }
   __syncthreads();
@@ -148,6 +159,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(attn::Dims d, attn::Arg
   for (int i = 0; i < kMaxGroup; ++i) acc[i] = 0.0f;
   const float* vr = a.v_cache + attn::cache_row(d, l, r, p0, kh, Dv) + c;
   const int64_t stride = d.K * d.Dv;  // between consecutive positions of one kv head
+#pragma unroll 4
   for (int p = 0; p < np; ++p) {
     const float vv = vr[p * stride];
 #pragma unroll
@@ -163,12 +175,33 @@ __global__ void __launch_bounds__(kThreads) split_kernel(attn::Dims d, attn::Arg
   }
 }
 
-__global__ void __launch_bounds__(kMaxDim) combine_kernel(attn::Dims d, attn::Args a) {
+// One block of kWarps warps per (query head, row, 32 columns): warp w sums part w of
+// attn::combine_part (kWays == kWarps) for the lane's column; warp 0 adds the parts in order.
+__global__ void __launch_bounds__(kThreads) combine_kernel(attn::Dims d, attn::Args a) {
+  __shared__ float Ms[kWarps], Ls[kWarps], os[kWarps][32];
   const int64_t h = blockIdx.x, r = blockIdx.y;
-  const int c = threadIdx.x;
-  if (c >= d.Dv) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t c = blockIdx.z * 32 + lane;
   const int64_t nv = attn::visible(d, a.positions[r]);
-  a.o[(r * d.H + h) * d.Dv + c] = attn::combine(d, a, r, h, c, nv);
+  if (lane == 0) Ms[warp] = attn::combine_max(d, a, r, h, nv, warp, kWarps);
+  __syncthreads();
+  float M = Ms[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) M = fmaxf(M, Ms[w]);
+  float L = 0.0f, o = 0.0f;
+  if (c < d.Dv) attn::combine_part(d, a, r, h, c, nv, M, warp, &L, &o);
+  os[warp][lane] = o;
+  if (lane == 0) Ls[warp] = L;
+  __syncthreads();
+  if (warp == 0 && c < d.Dv) {
+    float Lw[kWarps], ow[kWarps];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      Lw[w] = Ls[w];
+      ow[w] = os[w][lane];
+    }
+    a.o[(r * d.H + h) * d.Dv + c] = attn::combine_out(d, a, r, h, c, Lw, ow);
+  }
 }
 
 }  // namespace
@@ -181,9 +214,9 @@ gpuError_t launch_attn_step(gpuStream_t s, const attn::Dims& d, const attn::Args
                       static_cast<unsigned>(d.b)),
                  kThreads, 0, s>>>(d, a);
   if (gpuError_t e = gpuGetLastError()) return e;
-  const unsigned threads = static_cast<unsigned>((d.Dv + 31) / 32 * 32);
-  combine_kernel<<<dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(d.b)), threads, 0, s>>>(
-      d, a);
+  combine_kernel<<<dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(d.b),
+                        static_cast<unsigned>((d.Dv + 31) / 32)),
+                   kThreads, 0, s>>>(d, a);
   return gpuGetLastError();
 }
 
