@@ -28,7 +28,8 @@
 // Shapes: q [b, H*2D] (gated) or [b, H*D]; k [b, K*D]; v [b, K*Dv]; q_norm, k_norm [An, D];
 // inv_freq [max(rope_dim/2, 1)]; k_cache [A, b, S, K, D]; v_cache [A, b, S, K, Dv] (aliased to
 // their results); layer int32 []; positions int32 [b]. Results: o [b, H*Dv]; the two stacks;
-// part [b, K, splits, G, Dv+2] (scratch: per split and query head, o then m then l).
+// part [b * K * splits * G * (Dv+2)] (flat scratch: per row, kv head, split and query head of
+// the group, o then m then l).
 #ifndef JAXVT_FFI_CSRC_ATTN_H_
 #define JAXVT_FFI_CSRC_ATTN_H_
 
