@@ -11,7 +11,7 @@ M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf
 python3 -c "from jaxvt import synth; from jaxvt.model.presets import qwen36_35b_a3b_config as q; synth.write_model('$M', q(n_nextn=1), 'q4_k_m', seed=0)" &
 synth_pid=$!
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/test_ffi_gpu.py tests/test_grouped_gpu.py \
-  tests/test_gdn_step_gpu.py \
+  tests/test_gdn_step_gpu.py tests/test_attn_step_gpu.py \
   > "$OUT/gpu_tests_full.txt" 2>&1
 tail -15 "$OUT/gpu_tests_full.txt" | tee "$OUT/gpu_tests.txt"
 timeout 150 python3 tools/kernel_probe.py 2>&1 | tail -20 | tee "$OUT/kernel_probe.txt"

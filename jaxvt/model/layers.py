@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.ffi import grouped, ops  # importing it registers the kernels' custom calls with JAX
+from jaxvt.ffi import attn as attn_ffi, grouped, ops  # importing registers the custom calls
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.axes import AXES, TP
 from jaxvt.qweight import QMeta, QWeight
@@ -58,6 +58,12 @@ class Products:
   one custom call (jaxvt.ffi.gdn.gdn_step) instead of about a dozen small XLA kernels; float32
   like the jnp path, summed in another order. False on the CPU, whose jnp path is matched
   against llama.cpp.
+
+  attn_fused: an attention layer's decode step (t == 1) outside ggml numerics runs everything
+  between its q/k/v projections and its output projection (q/k RMSNorm, RoPE, the cache write,
+  the attention and the output gate) as one custom call (jaxvt.ffi.attn.attn_step) on the whole
+  cache stacks instead of about 25 small XLA kernels; float32 like the jnp path, summed in
+  another order. False on the CPU (its ggml path is matched against llama.cpp).
   """
 
   tiled_rows: int = 0
@@ -66,6 +72,7 @@ class Products:
   grouped_slots: int = 0
   fused_route: bool = False
   gdn_fused: bool = False
+  attn_fused: bool = False
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -85,11 +92,12 @@ class Products:
 # What jaxvt.load runs on a GPU: dense products of 16 rows or more staged (bf16 + XLA's GEMM), or
 # on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
 # slots or more on the grouped kernel, fewer on the per-slot kernel; the MoE router as one custom
-# call, DeltaNet decode steps fused (gdn_fused). (Their GPU tests first failed on the H200 on
-# 2026-12-01 because the jnp references lost their bf16 rounding to XLA:GPU's excess precision,
-# not the kernels: numerics.round_to.)
+# call, DeltaNet and attention decode steps fused (gdn_fused, attn_fused). (Their GPU tests first
+# failed on the H200 on 2026-12-01 because the jnp references lost their bf16 rounding to
+# XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
-                        grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True)
+                        grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True,
+                        attn_fused=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +204,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
   if ex is not None and ex.ggml:
     return ops.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
   half = rope_dim // 2
-  inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dim)
+  inv = jnp.asarray(attn_ffi.inv_freq(theta, rope_dim))  # the fused step's constants too
   ang = positions.astype(jnp.float32)[..., None, None] * inv  # [b, t, 1, half]
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   xr, rest = x[..., :rope_dim], x[..., rope_dim:]
@@ -221,22 +229,53 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   real query tokens per row (ggml numerics: llama.cpp's products for >= 2 tokens add in another
   order than for one); None means t.
   Returns (out [b, t, m], k_cache, v_cache).
+
+  Decode (t == 1) under a rule with `attn_fused` (layers.Products; the GPUs') outside ggml
+  numerics runs everything between the projections as one custom call on the stacks
+  (jaxvt.ffi.attn.attn_step); otherwise `attend`'s jnp (or ggml) steps.
   """
   b, t, _ = x.shape
-  H, K, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim
   q, k, v = linear_many(x, [w["attn.wq"], w["attn.wk"], w["attn.wv"]], ai, ex)
-  if cfg.attn_output_gate:  # per head [q | gate]
-    q = q.reshape(b, t, H, 2 * D)
-    q, gate = q[..., :D], q[..., D:].reshape(b, t, H * D)
+  params = dict(kv_len=kv_len, theta=cfg.rope_theta, rope_dim=cfg.rope_dim,
+                interleaved=cfg.rope_interleaved, eps=cfg.rms_eps, gate=cfg.attn_output_gate,
+                qk_norm=cfg.qk_norm)
+  if t == 1 and ex.kernels and ex.products.attn_fused and not ex.ggml:
+    norms = (w["attn.q_norm"], w["attn.k_norm"]) if cfg.qk_norm else (None, None)
+    with jax.named_scope("attn_step"):
+      o, k_cache, v_cache = attn_ffi.attn_step(q[:, 0], k[:, 0], v[:, 0], *norms, k_cache,
+                                               v_cache, ai, positions[:, 0], **params)
+    o = o[:, None]
   else:
-    q, gate = q.reshape(b, t, H, D), None
+    norms = (w["attn.q_norm"][ai], w["attn.k_norm"][ai]) if cfg.qk_norm else (None, None)
+    o, k_cache, v_cache = attend(q, k, v, *norms, k_cache, v_cache, ai, positions, ex=ex,
+                                 n_query=n_query, **params)
+  return linear(o, w["attn.wo"], ai, ex), k_cache, v_cache
+
+
+def attend(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, kv_len: int,
+           theta: float, rope_dim: int, interleaved: bool, eps: float, gate: bool,
+           qk_norm: bool, ex: Exec, n_query=None):
+  """attention's steps between the projections: q [b, t, H*2D] (gate: per head [q | gate]) or
+  [b, t, H*D], k [b, t, K*D], v [b, t, K*Dv]; q_norm, k_norm [D] (this layer's; None without
+  qk_norm); the whole cache stacks, layer ai written at [ai, row, positions] (positions out of
+  range dropped) and read up to kv_len. Sizes come from the operands. Returns (o [b, t, H*Dv]
+  float32, times sigmoid(gate) when gated; k_cache, v_cache)."""
+  b, t = q.shape[:2]
+  K, D = k_cache.shape[-2:]
+  Dv = v_cache.shape[-1]
+  H = q.shape[-1] // ((2 if gate else 1) * D)
+  if gate:  # per head [q | gate]
+    q = q.reshape(b, t, H, 2 * D)
+    q, gate_x = q[..., :D], q[..., D:].reshape(b, t, H * D)
+  else:
+    q, gate_x = q.reshape(b, t, H, D), None
   k = k.reshape(b, t, K, D)
   v = v.reshape(b, t, K, Dv)
-  if cfg.qk_norm:
-    q = rms_norm(q, w["attn.q_norm"][ai], cfg.rms_eps, ex)
-    k = rms_norm(k, w["attn.k_norm"][ai], cfg.rms_eps, ex)
-  q = rope(q, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved, ex)
-  k = rope(k, positions, cfg.rope_theta, cfg.rope_dim, cfg.rope_interleaved, ex)
+  if qk_norm:
+    q = rms_norm(q, q_norm, eps, ex)
+    k = rms_norm(k, k_norm, eps, ex)
+  q = rope(q, positions, theta, rope_dim, interleaved, ex)
+  k = rope(k, positions, theta, rope_dim, interleaved, ex)
 
   # Write the new keys/values at their positions (out-of-range positions are dropped).
   bidx = jnp.arange(b)[:, None]
@@ -248,23 +287,40 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
     o = ops.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
                       kernels=ex.kernels).reshape(b, t, H * Dv)
-    if gate is not None:
-      o = o * jax.nn.sigmoid(gate)
-    return linear(o, w["attn.wo"], ai, ex), k_cache, v_cache
+  else:
+    zero = jnp.zeros((), jnp.int32)
+    ks = jax.lax.dynamic_slice(k_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
+    vs = jax.lax.dynamic_slice(v_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, Dv))[0]
+    ks, vs = ks.astype(jnp.float32), vs.astype(jnp.float32)
+    qg = q.reshape(b, t, K, H // K, D) * (D ** -0.5)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, ks)
+    visible = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, vs).reshape(b, t, H * Dv)
+  if gate_x is not None:
+    o = o * jax.nn.sigmoid(gate_x)
+  return o, k_cache, v_cache
 
-  zero = jnp.zeros((), jnp.int32)
-  ks = jax.lax.dynamic_slice(k_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
-  vs = jax.lax.dynamic_slice(v_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, Dv))[0]
-  ks, vs = ks.astype(jnp.float32), vs.astype(jnp.float32)
-  qg = q.reshape(b, t, K, H // K, D) * (D ** -0.5)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, ks)
-  visible = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [b, t, s]
-  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-  p = jax.nn.softmax(scores, axis=-1)
-  o = jnp.einsum("bkgts,bskd->btkgd", p, vs).reshape(b, t, H * Dv)
-  if gate is not None:
-    o = o * jax.nn.sigmoid(gate)
-  return linear(o, w["attn.wo"], ai, ex), k_cache, v_cache
+
+def attn_step_ref(q, k, v, q_norm, k_norm, k_cache, v_cache, layer, positions, *, kv_len: int,
+                  theta: float, rope_dim: int, interleaved: bool, eps: float, gate: bool,
+                  qk_norm: bool):
+  """The jnp reference of jaxvt.ffi.attn.attn_step (its t == 1 shapes: no token axis; whole
+  stacks and the layer index, clamped into each stack): `attend` at one token on layer `layer`
+  in float32 numerics."""
+  one = lambda x: jnp.asarray(x, jnp.float32)[:, None]
+  k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
+  layer = jnp.asarray(layer, jnp.int32)
+  ai = jnp.clip(layer, 0, k_cache.shape[0] - 1)
+  if qk_norm:
+    n = jnp.clip(layer, 0, jnp.shape(q_norm)[0] - 1)
+    q_norm, k_norm = jnp.asarray(q_norm)[n], jnp.asarray(k_norm)[n]
+  o, k_cache, v_cache = attend(
+      one(q), one(k), one(v), q_norm, k_norm, k_cache, v_cache, ai,
+      jnp.asarray(positions, jnp.int32)[:, None], kv_len=kv_len, theta=theta, rope_dim=rope_dim,
+      interleaved=interleaved, eps=eps, gate=gate, qk_norm=qk_norm, ex=Exec(numerics="f32"))
+  return o[:, 0], k_cache, v_cache
 
 
 def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "act.h"
+#include "attn.h"
 #include "formats.h"
 #include "gdn.h"
 #include "handlers.h"
@@ -392,6 +393,32 @@ ffi::Error GdnStepCpu(ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
   return ffi::Error::Success();
 }
 
+
+// The fused attention decode step (attn.h); the attributes as jaxvt/ffi/attn.py passes them.
+ffi::Error AttnStepCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                       ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm,
+                       ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::F32> k_cache,
+                       ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> o,
+                       ffi::ResultBuffer<ffi::F32> k_res, ffi::ResultBuffer<ffi::F32> v_res,
+                       ffi::ResultBuffer<ffi::F32> part, int64_t kv_len, int64_t rope_dim,
+                       int64_t chunk, bool gate, bool qk_norm, bool interleaved, float eps,
+                       float scale) {
+  attn::Dims d;
+  attn::Args args;
+  bool copy_k, copy_v;
+  if (const char* e = attn::prepare(q, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, layer,
+                                    positions, o, k_res, v_res, part, kv_len, rope_dim, chunk,
+                                    gate, qk_norm, interleaved, eps, scale, &d, &args, &copy_k,
+                                    &copy_v))
+    return ffi::Error::InvalidArgument(e);
+  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
+  if (copy_k) std::memcpy(args.k_cache, k_cache.typed_data(), k_cache.size_bytes());
+  if (copy_v) std::memcpy(args.v_cache, v_cache.typed_data(), v_cache.size_bytes());
+  cpu::attn_step(d, args);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -510,3 +537,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepCpu, jaxvt::GdnStepCpu,
                                   .Attr<int64_t>("grouped")
                                   .Attr<float>("eps")
                                   .Attr<float>("qk_eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtAttnStepCpu, jaxvt::AttnStepCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q (and the gate)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_norm stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_norm stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache stack
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_cache stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // part (scratch)
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("rope_dim")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<bool>("gate")
+                                  .Attr<bool>("qk_norm")
+                                  .Attr<bool>("interleaved")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale"));

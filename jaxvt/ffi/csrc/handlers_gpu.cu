@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "attn.h"
 #include "gdn.h"
 #include "handlers.h"
 #include "kernels_gpu.h"
@@ -222,6 +223,37 @@ ffi::Error GdnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ff
   return Status(gpu::launch_gdn_step(s, d, args), "gdn_step");
 }
 
+
+// The fused attention decode step (attn.h, kernels_gpu_attn.cu); the CPU handler's operands.
+ffi::Error AttnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> q_norm,
+                       ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> inv_freq,
+                       ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
+                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> k_res,
+                       ffi::ResultBuffer<ffi::F32> v_res, ffi::ResultBuffer<ffi::F32> part,
+                       int64_t kv_len, int64_t rope_dim, int64_t chunk, bool gate, bool qk_norm,
+                       bool interleaved, float eps, float scale) {
+  attn::Dims d;
+  attn::Args args;
+  bool copy_k, copy_v;
+  if (const char* e = attn::prepare(q, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, layer,
+                                    positions, o, k_res, v_res, part, kv_len, rope_dim, chunk,
+                                    gate, qk_norm, interleaved, eps, scale, &d, &args, &copy_k,
+                                    &copy_v))
+    return ffi::Error::InvalidArgument(e);
+  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
+  if (copy_k)
+    if (gpuError_t e = gpuMemcpyAsync(args.k_cache, k_cache.typed_data(), k_cache.size_bytes(),
+                                      gpuMemcpyDeviceToDevice, s))
+      return Status(e, "attn_step");
+  if (copy_v)
+    if (gpuError_t e = gpuMemcpyAsync(args.v_cache, v_cache.typed_data(), v_cache.size_bytes(),
+                                      gpuMemcpyDeviceToDevice, s))
+      return Status(e, "attn_step");
+  return Status(gpu::launch_attn_step(s, d, args), "attn_step");
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -390,4 +422,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtGdnStepGpu, jaxvt::GdnStepGpu,
                                   .Attr<int64_t>("grouped")
                                   .Attr<float>("eps")
                                   .Attr<float>("qk_eps"),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtAttnStepGpu, jaxvt::AttnStepGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q (and the gate)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_norm stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_norm stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache stack
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache stack
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_cache stack (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // part (scratch)
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("rope_dim")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<bool>("gate")
+                                  .Attr<bool>("qk_norm")
+                                  .Attr<bool>("interleaved")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale"),
                               {kCmdBuffer});

@@ -56,6 +56,7 @@ nb::dict Registrations() {
   cpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedCpu);
   cpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteCpu);
   cpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepCpu);
+  cpu["jaxvt_attn_step"] = Capsule(JaxvtAttnStepCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -70,6 +71,7 @@ nb::dict Registrations() {
   gpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedGpu);
   gpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteGpu);
   gpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepGpu);
+  gpu["jaxvt_attn_step"] = Capsule(JaxvtAttnStepGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;
