@@ -12,8 +12,9 @@
 #                                       # tools/prefill_rules.py in HBM and from the host tier
 #   bash tools/h200_session.sh ab       # this build against .dev/prev's, side by side
 #   bash tools/h200_session.sh waves    # the decode products by grid size; command buffers
-#   bash tools/h200_session.sh step     # the fused ops' tests, decode step profiles, first token,
-#                                       # determinism
+#   bash tools/h200_session.sh step     # the fused ops' tests, the attention probe, a decode
+#                                       # step, determinism (llama-bench built for the sweep)
+#   bash tools/h200_session.sh first    # the 35B first token, cold and cached
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -139,26 +140,24 @@ if [ "$what" = waves ]; then  # each decode product alone with grids of 1, 2, 4,
     timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 30 > "$OUT/profile_decode_cmdbuf.txt" 2>&1
   head -3 "$OUT/profile_decode_cmdbuf.txt"
 fi
-if [ "$what" = step ]; then  # the fused ops' GPU tests, a decode step all in HBM, with every
-  # routed expert in the host tier and with XLA's command buffers over loops, the first token
-  # cold and cached, determinism (processes x budgets)
+if [ "$what" = step ]; then  # the fused ops' GPU tests, the attention step alone, a decode step,
+  # determinism (processes x budgets); llama-bench built in the background for the sweep's call
   start_llama
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short ${TESTS:-tests/test_attn_step_gpu.py \
     tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py} > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
+  timeout 90 python3 tools/attn_probe.py --positions 100,600,2000,8000 > "$OUT/attn_probe.txt" 2>&1
+  tail -12 "$OUT/attn_probe.txt"
   python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
   timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 60 > "$OUT/profile_decode.txt" 2>&1
-  head -45 "$OUT/profile_decode.txt"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --steps 8 \
-    --top 40 --offload-gb 16.88 --device-gb 16 > "$OUT/profile_decode_host.txt" 2>&1
-  head -3 "$OUT/profile_decode_host.txt"
-  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
-    timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 10 > "$OUT/profile_decode_cmdbuf.txt" 2>&1
-  head -3 "$OUT/profile_decode_cmdbuf.txt"
-  timeout 150 python3 tools/first_token.py --runs 2 ${FT_ARGS:-} -- --model $M --max-tokens 32 \
-    > "$OUT/first_token.txt" 2>&1; tail -6 "$OUT/first_token.txt"
+  head -40 "$OUT/profile_decode.txt"
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = first ]; then  # the 35B file's first token, cold and from the compilation cache
+  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  timeout 200 python3 tools/first_token.py --runs ${FT_RUNS:-2} -- --model $M --max-tokens 32 \
+    > "$OUT/first_token.txt" 2>&1; tail -8 "$OUT/first_token.txt"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress
