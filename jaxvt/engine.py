@@ -563,10 +563,10 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   overlap = while_loading is not None and par.size == 1
   early, warm_seconds = None, 0.0
   tp = time.perf_counter()
+  placing = lambda: place(m, placed, par, host=host_tier, progress=progress, times=times)
   try:
-    job = loader.Placing(lambda: place(m, placed, par, host=host_tier, progress=progress,
-                                       times=times))
     if overlap:  # compile on this thread while loader threads place the weights
+      job = loader.Placing(placing)
       try:
         early = Engine(cfg=cfg, ex=ex, weights=loader.abstract_weights(m, placed.placement, par),
                        tokenizer=Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path),
@@ -576,7 +576,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       finally:
         warm_seconds = time.perf_counter() - tp
         job.result()  # the weights are written before anything is freed; placing's error first
-    weights = job.result()
+      weights = job.result()
+    else:
+      weights = placing()
   except BaseException:
     if host_tier is not None:
       host_tier.close()

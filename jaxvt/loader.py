@@ -148,7 +148,12 @@ COPY_CHUNK = 64 << 20  # bytes per thread task when reading or copying a row
 # array into pinned staging memory of the array's size while device_put runs; pinning
 # multi-GiB buffers is slow and they stay pinned, so stacks go up in pieces that reuse it.
 UPLOAD_PIECE = 512 << 20
-STACKS_IN_FLIGHT = 3  # weights placed at once: later stacks pack while earlier ones upload
+# Weights placed at once on an accelerator: later stacks pack while earlier ones upload. The CPU
+# backend places one at a time on the calling thread: its device arrays are host memory that
+# the uploading thread allocates, and allocated on other threads they stayed in those threads'
+# malloc arenas after close (the default model's load/close cycles grew RSS by 30-140 MiB
+# before it settled; tests/test_hostile_api.py).
+STACKS_IN_FLIGHT = 3
 
 
 def _upload_max() -> int:
@@ -384,9 +389,13 @@ def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, 
   return w
 
 
+def _stacks_in_flight(platform: str) -> int:
+  return 1 if platform == "cpu" else STACKS_IN_FLIGHT
+
+
 @functools.cache
-def _stack_pool() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(STACKS_IN_FLIGHT, thread_name_prefix="jaxvt-place")
+def _stack_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jaxvt-place")
 
 
 def place(model: Model, where: Placement = all_device, *, par: Par | None = None, host=None,
@@ -394,15 +403,20 @@ def place(model: Model, where: Placement = all_device, *, par: Par | None = None
   """Places every declared weight over `par` (default: the 1 x 1 mesh on JAX's first device)
   and in the host tier `host`; returns {canonical name: QWeight | float32 array}.
 
-  STACKS_IN_FLIGHT weights at once, on threads: while one stack uploads, the next ones are
-  read from the file (host memory for packed stacks bounded by _upload_max() in all). Each
-  weight is placed as place_weight places it alone, so the arrays hold the same bytes.
-  `progress` is called on this thread, in declaration order; the first error is raised
-  once every weight in flight has stopped."""
+  On an accelerator STACKS_IN_FLIGHT weights at once, on threads (the CPU backend: one at a
+  time, on this thread): while one stack uploads, the next ones are read from the file (host
+  memory for packed stacks bounded by _upload_max() in all). Each weight is placed as
+  place_weight places it alone, so the arrays hold the same bytes. `progress` is called on
+  this thread, in declaration order; the first error is raised once every weight in flight
+  has stopped."""
   par = par or sharding.one_device()
   budget = _Budget(_upload_max())
-  futs = [_stack_pool().submit(place_weight, model, d, where, par=par, host=host, times=times,
-                               _budget=budget) for d in model.decls]
+  n = _stacks_in_flight(par.devices[0].platform)
+  if n == 1:
+    return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress,
+                                 times=times, _budget=budget) for d in model.decls}
+  futs = [_stack_pool(n).submit(place_weight, model, d, where, par=par, host=host, times=times,
+                                _budget=budget) for d in model.decls]
   weights, error = {}, None
   for d, f in zip(model.decls, futs):
     try:

@@ -35,13 +35,15 @@ def _host_bytes(tier: HostTier) -> dict[int, np.ndarray]:
   return {b.device_address: b.array for b in tier._buffers}  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize("stacks", [1, 3])
 @pytest.mark.parametrize("where", ["device", "host", "alternate"])
-def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where):
+def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, stacks):
   """Each matrix's device rows equal the tensors' bytes packed from the memory map (the loader
   before it read with pread), zero-padded; each host-tier buffer equals its tensor's bytes;
   vectors equal the file's floats. Small copy pieces, small uploads and a small host budget make
   every path run: chunked reads, uploads in pieces into a donated array, stacks waiting for
-  host memory."""
+  host memory; with stacks=3 three weights at once on threads, as on an accelerator."""
+  monkeypatch.setattr(loader, "_stacks_in_flight", lambda platform: stacks)
   monkeypatch.setattr(loader, "COPY_CHUNK", 4096 + 17)
   monkeypatch.setattr(loader, "_upload_max", lambda: 3 * 4096)
   m = loader.open_model(moe_file)
@@ -131,6 +133,7 @@ def test_a_failed_weight_stops_the_load_after_every_write(moe_file, monkeypatch)
     return real(model, d, r, par)
 
   monkeypatch.setattr(loader, "_vector", broken)
+  monkeypatch.setattr(loader, "_stacks_in_flight", lambda platform: 3)
   monkeypatch.setattr(engine, "HostTier", _Recording)
   _Recording.tiers.clear()
   for warm in (None, lambda e: e.warm_up(3, 1)):
