@@ -118,7 +118,7 @@ class Engine:
   prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill call (the plan's RunShape.prefill_chunk)
   check_seconds: float = 0.0  # load's XLA memory check (ahead-of-time compiles), not in load
   warm_seconds: float = 0.0  # load's while_loading (in load_seconds where it overlapped placing)
-  place_seconds: float = 0.0  # of load_seconds: placing the weights (wall)
+  place_seconds: float = 0.0  # of load_seconds: placing the weights (its thread's wall time)
   load_times: object = None  # loader.LoadTimes: the placing threads' read / upload / host time
   warmed: set = dataclasses.field(default_factory=set, repr=False)  # Engine.warm_up's record
   _closed: bool = dataclasses.field(default=False, init=False, repr=False)
@@ -576,14 +576,14 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       finally:
         warm_seconds = time.perf_counter() - tp
         job.result()  # the weights are written before anything is freed; placing's error first
-      weights = job.result()
+      weights, place_seconds = job.result(), job.seconds
     else:
       weights = placing()
+      place_seconds = time.perf_counter() - tp
   except BaseException:
     if host_tier is not None:
       host_tier.close()
     raise
-  place_seconds = time.perf_counter() - tp
   eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=early and early.tokenizer,
                max_context=max_context, path=m.path,
                load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,

@@ -442,14 +442,17 @@ class Placing:
 
   def __init__(self, fn: Callable[[], dict]):
     self._box: dict = {}
+    self.seconds = 0.0  # how long fn ran (set when it ends)
     self._thread = threading.Thread(target=self._run, args=(fn,), name="jaxvt-load", daemon=True)
     self._thread.start()
 
   def _run(self, fn) -> None:
+    t0 = time.perf_counter()
     try:
       self._box["weights"] = fn()
     except BaseException as e:  # pylint: disable=broad-except  (re-raised by result)
       self._box["error"] = e
+    self.seconds = time.perf_counter() - t0
 
   def result(self) -> dict:
     self._thread.join()
