@@ -48,38 +48,8 @@ from jaxvt.offload.placement import Placed
 from jaxvt.offload.plan import Q4_K_S_LIKE, Policy, estimate_bytes, parse_overrides
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
-from jaxvt.sampling import SamplingParams, sample
-
-@dataclasses.dataclass
-class GenerationStats:
-  """What a generate call did. The rates are steady-state: compiling the programs new to this
-  engine (prefill's before it runs, each decode program when first needed) is
-  `compile_seconds`, counted apart."""
-  prompt_tokens: int = 0
-  generated_tokens: int = 0
-  prefill_seconds: float = 0.0
-  decode_seconds: float = 0.0
-  compile_seconds: float = 0.0
-  decode_steps: int = 0  # steps the device ran (a chunk runs on past a stop token)
-
-  @property
-  def prefill_tok_s(self) -> float:
-    return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-  @property
-  def decode_tok_s(self) -> float:
-    # the first generated token comes from prefill; decode produced the rest
-    n = max(self.generated_tokens - 1, 0)
-    return n / self.decode_seconds if self.decode_seconds else 0.0
-
-
-@dataclasses.dataclass
-class Generation:
-  tokens: list[int]
-  text: str
-  stats: GenerationStats
-  stopped_by: str  # "eos" | "max_tokens" | "context"
-
+from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
+                            SamplingParams, sample)
 
 class ClosedWeights:
   """What `Engine.weights` is after `close()`: passing it to a jitted function, indexing or

@@ -82,8 +82,9 @@ def test_cli_reports_compile_apart_from_steady_rates(tmp_path):
   tail = [l.split()[0] for l in lines[-4:]]
   assert tail == ["load", "compile", "prefill", "decode"], p.stderr
   # where placing spent its time; the first token's programs compiled while the weights loaded
-  assert re.fullmatch(r"load +\d+\.\d\d s \(placing \d+\.\d\d s; thread-seconds: read \d+\.\d\d "
-                      r"GiB \d+\.\d\d s, upload \d+\.\d\d s, host tier 0\.00 GiB 0\.00 s\)", lines[-4])
+  assert re.fullmatch(r"load +\d+\.\d\d s \(placing \d+\.\d\d s; thread-seconds: read "
+                      r"\d+\.\d\d GiB \d+\.\d\d s, upload \d+\.\d\d s, host tier 0\.00 GiB "
+                      r"0\.00 s\)", lines[-4])
   assert re.search(r"; \d+\.\d\d s of it while the weights loaded\)$", lines[-3]), lines[-3]
   assert re.fullmatch(r"prefill +\d+\.\d{3} s for \d+ tokens: \d+\.\d tok/s", lines[-2])
   assert re.fullmatch(r"decode +\d+\.\d{3} s for 7 tokens: \d+\.\d tok/s \(8 generated, stop: "

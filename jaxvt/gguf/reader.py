@@ -103,9 +103,10 @@ class GGUFFile:
 
   def read_into(self, dst: np.ndarray, t: TensorInfo, start: int = 0) -> None:
     """dst (flat uint8, written whole) = bytes [start, start + dst.size) of tensor t, read from
-    the open file with pread: one copy from the page cache in the kernel, where a copy from the
-    memory map first faults each page into this process (several times slower on a first
-    read: docs/BENCHMARKS.md, "Reading the weights"). Releases the GIL while it reads."""
+    the open file with pread: one copy from the page cache in the kernel, with no page of the
+    memory map faulted into this process (docs/BENCHMARKS.md, "Reading the weights"), and a
+    file cut short since it was opened is the one-line error where a read through the map
+    ends the process (SIGBUS). Releases the GIL while it reads."""
     if self._file is None or t.offset < 0 or start < 0 or start + dst.size > t.n_bytes:
       raise ValueError(f"read_into: bytes {start}..{start + dst.size} of tensor '{t.name}' "
                        "are not in this file")
