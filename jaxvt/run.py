@@ -124,13 +124,12 @@ class _Bar:
     self.shown = -2
 
 
-def timing_report(eng, out, before: tuple[int, int, float], after: tuple[int, int, float]) -> str:
+def timing_report(eng, out, compiled: int, cached: int) -> str:
   """The run's timings, as llama.cpp reports them: loading (and where placing spent it),
   compiling (Engine.warm_up: in load while the weights were placed, and in generate) on a line
-  of its own, then steady-state prefill and decode rates. `before`/`after`:
-  jaxvt.programs.CompileCounter snapshots around load and generate."""
+  of its own, then steady-state prefill and decode rates. `compiled`, `cached`: XLA's compiles
+  in those two (jaxvt.programs.CompileCounter), `cached` of them loaded from the cache."""
   s = out.stats
-  compiled, cached = after[0] - before[0], after[1] - before[1]
   check = f" (+ {eng.check_seconds:.2f} s XLA memory check)" if eng.check_seconds else ""
   lt, gib = eng.load_times, lambda n: f"{n / 2**30:.2f} GiB"
   placing = "" if lt is None else (
@@ -337,12 +336,15 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
       cache = programs.cache_root(None, os.environ) or True
     params = SamplingParams(F.temperature, F.top_k, F.top_p)
 
+    marks = []  # CompileCounter snapshots around the compiles of the first token and generate
+
     def first_token_programs(early):
       """While the weights load: the programs of the first token (prefill's and its sampling);
       decode's compile after it, when generate first needs them."""
+      marks.append(counter.snapshot())
       early.warm_up(len(early.encode_prompt(prompt)), 1, params)
+      marks.append(counter.snapshot())
 
-    before = counter.snapshot()
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
                           mesh=F.mesh, offload_pattern=tuple(F.offload_pattern),
@@ -358,12 +360,16 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
         sys.stdout.flush()
         interrupts.stdout_open = not text.endswith("\n")
 
+      marks.append(counter.snapshot())
       out = eng.generate(prompt, max_tokens=F.max_tokens, sampling=params, seed=F.seed,
                          on_text=emit)  # the chat template was applied by _preflight
       sys.stdout.write("\n")
       sys.stdout.flush()
       interrupts.stdout_open = False
-      print(timing_report(eng, out, before, counter.snapshot()), file=sys.stderr)
+      marks.append(counter.snapshot())
+      spans = list(zip(marks[::2], marks[1::2]))
+      print(timing_report(eng, out, sum(b[0] - a[0] for a, b in spans),
+                          sum(b[1] - a[1] for a, b in spans)), file=sys.stderr)
   except JaxvtError as e:
     if bar:
       bar.finish()
