@@ -48,38 +48,8 @@ from jaxvt.offload.placement import Placed
 from jaxvt.offload.plan import Q4_K_S_LIKE, Policy, estimate_bytes, parse_overrides
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
-from jaxvt.sampling import SamplingParams, sample
-
-@dataclasses.dataclass
-class GenerationStats:
-  """What a generate call did. The rates are steady-state: compiling the programs new to this
-  engine (prefill's before it runs, each decode program when first needed) is
-  `compile_seconds`, counted apart."""
-  prompt_tokens: int = 0
-  generated_tokens: int = 0
-  prefill_seconds: float = 0.0
-  decode_seconds: float = 0.0
-  compile_seconds: float = 0.0
-  decode_steps: int = 0  # steps the device ran (a chunk runs on past a stop token)
-
-  @property
-  def prefill_tok_s(self) -> float:
-    return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-  @property
-  def decode_tok_s(self) -> float:
-    # the first generated token comes from prefill; decode produced the rest
-    n = max(self.generated_tokens - 1, 0)
-    return n / self.decode_seconds if self.decode_seconds else 0.0
-
-
-@dataclasses.dataclass
-class Generation:
-  tokens: list[int]
-  text: str
-  stats: GenerationStats
-  stopped_by: str  # "eos" | "max_tokens" | "context"
-
+from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
+                            SamplingParams, sample)
 
 class ClosedWeights:
   """What `Engine.weights` is after `close()`: passing it to a jitted function, indexing or
@@ -117,6 +87,9 @@ class Engine:
   decode_chunk: int = DECODE_CHUNK  # decode steps per device program in generate
   prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill call (the plan's RunShape.prefill_chunk)
   check_seconds: float = 0.0  # load's XLA memory check (ahead-of-time compiles), not in load
+  warm_seconds: float = 0.0  # load's while_loading (in load_seconds where it overlapped placing)
+  place_seconds: float = 0.0  # of load_seconds: placing the weights (its thread's wall time)
+  load_times: object = None  # loader.LoadTimes: the placing threads' read / upload / host time
   warmed: set = dataclasses.field(default_factory=set, repr=False)  # Engine.warm_up's record
   _closed: bool = dataclasses.field(default=False, init=False, repr=False)
 
@@ -316,6 +289,9 @@ class Engine:
     self._check_open()
     n = inputs.whole("prompt_tokens", prompt_tokens, 1, inputs.INT32_MAX)
     max_tokens = inputs.max_tokens(max_tokens)
+    top_k = inputs.top_k_for(sampling.top_k, self.cfg.vocab_size)  # as generate samples
+    if top_k != sampling.top_k:
+      sampling = dataclasses.replace(sampling, top_k=top_k)
     if n > self.max_context:
       self.prefill([0] * n)  # raises the prompt-too-long error
     pre = ("prefill", self.prefill_shapes(n), sampling)
@@ -488,10 +464,12 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
 
 
 def place(model: Model, placed: Placed, par: Par, *, host=None,
-          progress: Callable[[int], None] | None = None) -> dict:
+          progress: Callable[[int], None] | None = None, times=None) -> dict:
   """`model`'s weights where `placed` puts them: over the mesh of `par` (`layout`) and in the
-  host tier `host` (needed when the plan offloads). Returns the weights pytree."""
-  return loader.place(model, placed.placement, par=par, host=host, progress=progress)
+  host tier `host` (needed when the plan offloads). Returns the weights pytree; `times`
+  (loader.LoadTimes) collects where placing spent its time."""
+  return loader.place(model, placed.placement, par=par, host=host, progress=progress,
+                      times=times)
 
 
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
@@ -499,7 +477,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
          progress: Callable[[int], None] | None = None, device=None,
          on_plan: Callable[[Placed], None] | None = None, offload_pattern: tuple[str, ...] = (),
          mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK, deterministic: bool = True,
-         compile_cache: bool | str | None = None) -> Engine:
+         compile_cache: bool | str | None = None,
+         while_loading: Callable[[Engine], object] | None = None) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
@@ -509,7 +488,12 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   budget (jaxvt.programs; False lets XLA:GPU time its GEMM algorithms). `compile_cache`: JAX's
   persistent compilation cache under this directory; None: $JAXVT_COMPILE_CACHE (0 turns it
   off) or ~/.cache/jaxvt ($XDG_CACHE_HOME/jaxvt); False: off. A cache configured in JAX
-  already is left as it is."""
+  already is left as it is. `while_loading(engine)`: runs on this thread while loader threads
+  place the weights, given an Engine whose tokenizer is built and whose weights are only their
+  shapes and shardings (loader.abstract_weights): compile there what the first call will run
+  (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits the
+  record of what was warmed); running the model there fails. On a mesh of several devices it
+  runs after the weights are placed."""
   t0 = time.perf_counter()
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
@@ -545,16 +529,39 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   if on_plan:
     on_plan(placed)
   host_tier = HostTier() if placed.host_bytes else None
+  times = loader.LoadTimes()
+  overlap = while_loading is not None and par.size == 1
+  early, warm_seconds = None, 0.0
+  tp = time.perf_counter()
+  placing = lambda: place(m, placed, par, host=host_tier, progress=progress, times=times)
   try:
-    weights = place(m, placed, par, host=host_tier, progress=progress)
+    if overlap:  # compile on this thread while loader threads place the weights
+      job = loader.Placing(placing)
+      try:
+        early = Engine(cfg=cfg, ex=ex, weights=loader.abstract_weights(m, placed.placement, par),
+                       tokenizer=Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path),
+                       max_context=max_context, path=m.path,
+                       prefill_chunk=placed.shape.prefill_chunk)
+        while_loading(early)
+      finally:
+        warm_seconds = time.perf_counter() - tp
+        job.result()  # the weights are written before anything is freed; placing's error first
+      weights, place_seconds = job.result(), job.seconds
+    else:
+      weights = placing()
+      place_seconds = time.perf_counter() - tp
   except BaseException:
     if host_tier is not None:
       host_tier.close()
     raise
-  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=None, max_context=max_context,
-               path=m.path, load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,
+  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=early and early.tokenizer,
+               max_context=max_context, path=m.path,
+               load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,
                host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk,
-               check_seconds=sum(seconds))
+               check_seconds=sum(seconds), warm_seconds=warm_seconds,
+               place_seconds=place_seconds, load_times=times)
+  if early is not None:
+    eng.warmed = early.warmed  # compiled against the weights' shapes: the same programs
   # On a mesh of several devices, where memory is planned tight (weights offloaded, or
   # --device-gb), the estimate of the program's workspace is replaced by XLA's own analysis of the
   # largest prefill (per device) and the plan checked again before anything runs. (One device
@@ -568,9 +575,14 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       ws = xla_workspace_bytes(eng)
       if ws is not None:
         placed.recheck(ws, force=force)
-    t1 = time.perf_counter()
-    eng.tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path)
-    eng.load_seconds += time.perf_counter() - t1
+    if eng.tokenizer is None:
+      t1 = time.perf_counter()
+      eng.tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path)
+      eng.load_seconds += time.perf_counter() - t1
+    if while_loading is not None and not overlap:
+      t1 = time.perf_counter()
+      while_loading(eng)
+      eng.warm_seconds = time.perf_counter() - t1
   except BaseException:
     eng.close()
     raise

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import contextlib
 import functools
 import os
 import re
+import threading
+import time
 from typing import Callable
 
 import jax
@@ -132,7 +135,7 @@ def unit_bytes(gf: GGUFFile, arch: str, decls: list[WeightDecl]) -> list[UnitByt
 
 
 # ---------------------------------------------------------------------------------------------
-# Copies
+# Copies: rows read from the file on threads, packed into stacks, uploaded while later stacks pack
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
@@ -140,11 +143,21 @@ def _set_rows(buf, i, rows, axis: int = 0):
   return jax.lax.dynamic_update_slice_in_dim(buf, rows, i, axis)
 
 
-COPY_CHUNK = 32 << 20  # bytes per thread task when copying a tensor
+COPY_CHUNK = 64 << 20  # bytes per thread task when reading or copying a row
+# Bytes of a device stack uploaded per transfer on an accelerator. A GPU client copies a host
+# array into pinned staging memory of the array's size while device_put runs; pinning
+# multi-GiB buffers is slow and they stay pinned, so stacks go up in pieces that reuse it.
+UPLOAD_PIECE = 512 << 20
+# Weights placed at once on an accelerator: later stacks pack while earlier ones upload. The CPU
+# backend places one at a time on the calling thread: its device arrays are host memory that
+# the uploading thread allocates, and allocated on other threads they stayed in those threads'
+# malloc arenas after close (the default model's load/close cycles grew RSS by 30-140 MiB
+# before it settled; tests/test_hostile_api.py).
+STACKS_IN_FLIGHT = 3
 
 
 def _upload_max() -> int:
-  """Host bytes of a device stack packed for one upload: a quarter of free RAM, >= 1 GiB."""
+  """Host bytes of packed stacks held at once: a quarter of free RAM, >= 1 GiB."""
   try:
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError):
@@ -158,18 +171,45 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
                                                thread_name_prefix="jaxvt-copy")
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One row of a stack: `size` bytes that `write(dst, start)` puts into dst (flat uint8):
+  the row's bytes [start, start + dst.size). Writers run on threads and release the GIL."""
+  size: int
+  write: Callable[[np.ndarray, int], None]
+
+
+def array_row(a: np.ndarray) -> Row:
+  """A row copied from an array (a view into the file's memory map, or a shard of one)."""
+  a = np.asarray(a).reshape(-1)
+  return Row(a.size, lambda dst, start: np.copyto(dst, a[start:start + dst.size]))
+
+
+def file_row(gf: GGUFFile, t: TensorInfo) -> Row:
+  """A whole tensor's bytes, read from the open file (GGUFFile.read_into)."""
+  return Row(t.n_bytes, lambda dst, start: gf.read_into(dst, t, start))
+
+
+def _as_row(r) -> Row:
+  return r if isinstance(r, Row) else array_row(r())
+
+
+def _write_rows(dsts: list[np.ndarray], rows: list[Row]) -> None:
+  """dsts[i][:] = rows[i]'s bytes, in COPY_CHUNK pieces on the copy threads."""
+  jobs = [(dst[i:i + COPY_CHUNK], r, i) for dst, r in zip(dsts, rows)
+          for i in range(0, r.size, COPY_CHUNK)]
+  if len(jobs) <= 1:
+    for d, r, i in jobs:
+      r.write(d, i)
+    return
+  for f in [_pool().submit(r.write, d, i) for d, r, i in jobs]:
+    f.result()
+
+
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
   """dst[:] = src for flat uint8 arrays, in COPY_CHUNK pieces on threads (numpy drops the GIL
-  while copying; the source is usually the file's memory map, so this also spreads its page
-  faults over cores)."""
-  n = src.size
-  if n <= 2 * COPY_CHUNK:
-    dst[:] = src
-    return
-  futs = [_pool().submit(np.copyto, dst[i:i + COPY_CHUNK], src[i:i + COPY_CHUNK])
-          for i in range(0, n, COPY_CHUNK)]
-  for f in futs:
-    f.result()
+  while copying)."""
+  _write_rows([dst], [array_row(src)])
 
 
 def need_host_tier(host) -> None:
@@ -181,31 +221,88 @@ def need_host_tier(host) -> None:
 
 def pack_rows(tensors: list[TensorInfo], stride: int) -> np.ndarray:
   """uint8 [len(tensors), stride]: each tensor's raw bytes in one row, zero-padded."""
-  return _pack([lambda t=t: t.raw().reshape(-1) for t in tensors], stride)
+  return _pack([array_row(t.raw()) for t in tensors], stride)
 
 
-def _pack(rows: list[Callable[[], np.ndarray]], stride: int) -> np.ndarray:
+def _pack(rows: list, stride: int) -> np.ndarray:
+  rows = [_as_row(r) for r in rows]
   out = np.empty((len(rows), stride), np.uint8)
-  for dst, row in zip(out, rows):
-    src = row()
-    copy_bytes(dst[:src.size], src)
-    dst[src.size:] = 0
+  for dst, r in zip(out, rows):
+    dst[r.size:] = 0
+  _write_rows([dst[:r.size] for dst, r in zip(out, rows)], rows)
   return out
 
 
-def _device_stack(rows: list[Callable[[], np.ndarray]], stride: int, device,
-                  lead: int = 0) -> jax.Array:
-  """uint8 [(1,) * lead, len(rows), stride] on `device` (row i: rows[i]() zero-padded): packed
-  on the host and uploaded in one transfer, or in pieces of _upload_max() bytes written into one
-  donated device array (device memory stays 1x)."""
-  per = max(1, _upload_max() // stride)
+class _Budget:
+  """Host bytes of packed pieces alive at once, across the threads that place stacks: a piece
+  waits until it fits under `limit` (or nothing else is held)."""
+
+  def __init__(self, limit: int):
+    self.limit, self.held = limit, 0
+    self._cv = threading.Condition()
+
+  @contextlib.contextmanager
+  def hold(self, n: int):
+    with self._cv:
+      self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.limit)
+      self.held += n
+    try:
+      yield
+    finally:
+      with self._cv:
+        self.held -= n
+        self._cv.notify_all()
+
+
+@dataclasses.dataclass
+class LoadTimes:
+  """Where placing spent its time, summed over the threads that did it (they overlap, so the
+  parts add up to more than the wall time): `read` packing rows from the file, `upload`
+  handing packed stacks to the device, `host` filling host-tier buffers; bytes of each."""
+  read: float = 0.0
+  upload: float = 0.0
+  host: float = 0.0
+  read_bytes: int = 0
+  upload_bytes: int = 0
+  host_bytes: int = 0
+  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  def add(self, part: str, seconds: float, nbytes: int) -> None:
+    with self._lock:
+      setattr(self, part, getattr(self, part) + seconds)
+      setattr(self, part + "_bytes", getattr(self, part + "_bytes") + nbytes)
+
+
+def _device_stack(rows: list, stride: int, device, lead: int = 0,
+                  budget: _Budget | None = None, times: LoadTimes | None = None) -> jax.Array:
+  """uint8 [(1,) * lead, len(rows), stride] on `device` (row i: rows[i] zero-padded): packed on
+  the host and uploaded in one transfer, or in pieces (UPLOAD_PIECE on an accelerator, at most
+  _upload_max() bytes) written into one donated device array (device memory stays 1x)."""
+  times = times or LoadTimes()
+  budget = budget or _Budget(_upload_max())
+  piece = _upload_max() if device.platform == "cpu" else min(UPLOAD_PIECE, _upload_max())
+  per = max(1, piece // stride)
   lead_shape = (1,) * lead
+
+  def packed(part: list) -> np.ndarray:
+    t0 = time.perf_counter()
+    arr = _pack(part, stride).reshape(lead_shape + (len(part), stride))
+    times.add("read", time.perf_counter() - t0, arr.nbytes)
+    return arr
+
+  def put(arr: np.ndarray) -> jax.Array:
+    t0 = time.perf_counter()
+    out = jax.device_put(arr, device)  # returns once the host array has been taken
+    times.add("upload", time.perf_counter() - t0, arr.nbytes)
+    return out
+
   if len(rows) <= per:
-    return jax.device_put(_pack(rows, stride).reshape(lead_shape + (len(rows), stride)), device)
+    with budget.hold(len(rows) * stride):
+      return put(packed(rows))
   data = jnp.zeros(lead_shape + (len(rows), stride), jnp.uint8, device=device)
   for i in range(0, len(rows), per):
-    piece = _pack(rows[i:i + per], stride).reshape(lead_shape + (-1, stride))
-    data = _set_rows(data, jnp.int32(i), jax.device_put(piece, device), lead)
+    with budget.hold(min(per, len(rows) - i) * stride):
+      data = _set_rows(data, jnp.int32(i), put(packed(rows[i:i + per])), lead)
   return data
 
 
@@ -223,12 +320,23 @@ def _vector(model: Model, d: WeightDecl, r: sharding.Rule, par: Par) -> jax.Arra
 
 
 def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Placement,
-            host) -> QWeight:
+            host, budget: _Budget | None = None, times: LoadTimes | None = None) -> QWeight:
   """A QWeight of every layer of matrix `d`; with a sharded rule, of S shards (leading axis)."""
+  times = times or LoadTimes()
   tensors = model.tensors(d)
   S = sharding.n_shards(r, par)
   lshape = sharding.local_shape(d, r)
-  part = lambda t, s: sharding.shard_bytes(t.raw(), t.type_id, d, r, s, t.name)
+
+  def row(t: TensorInfo, s: int) -> Row:
+    if r.kind == "replicate" and model.gguf is not None:  # whole: read from the file
+      return file_row(model.gguf, t)
+    return array_row(sharding.shard_bytes(t.raw(), t.type_id, d, r, s, t.name))
+
+  def fill(a: np.ndarray, t: TensorInfo, s: int) -> None:
+    t0 = time.perf_counter()
+    _write_rows([a], [row(t, s)])
+    times.add("host", time.perf_counter() - t0, a.size)
+
   fmts = np.array([t.type_id for t in tensors], np.int32)
   table = np.zeros((S, len(tensors)), np.uint64)
   host_pos, dev_pos, sizes = [], [], []
@@ -237,8 +345,8 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
     if where(d.name, l) == "host":
       need_host_tier(host)
       for s in range(S):
-        fill = lambda a, t=t, s=s: copy_bytes(a, part(t, s))
-        buf = host.copy(t.name if S == 1 else f"{t.name}#{s}", sizes[i], fill)
+        buf = host.copy(t.name if S == 1 else f"{t.name}#{s}", sizes[i],
+                        lambda a, t=t, s=s: fill(a, t, s))
         table[s, i] = buf.device_address
       fmts[i] |= HOST_BIT
       host_pos.append(i)
@@ -252,8 +360,8 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
   arrays = []
   for device, index in sh.addressable_devices_indices_map(gshape).items():
     s = (index[0].start or 0) if lead else 0
-    rows = [lambda t=tensors[i], s=s: part(t, s) for i in dev_pos]
-    arrays.append(_device_stack(rows, stride, device, lead) if rows else
+    rows = [row(tensors[i], s) for i in dev_pos]
+    arrays.append(_device_stack(rows, stride, device, lead, budget, times) if rows else
                   jnp.zeros((1,) * lead + (1, 1), jnp.uint8, device=device))
   data = jax.make_array_from_single_device_arrays(gshape, sh, arrays)
   meta = QMeta(rows=lshape[-2], cols=lshape[-1], experts=lshape[0] if len(lshape) == 3 else 0,
@@ -266,25 +374,91 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
 
 
 def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, par: Par | None = None,
-                 host=None, progress: Progress | None = None):
+                 host=None, progress: Progress | None = None, times: LoadTimes | None = None,
+                 _budget: _Budget | None = None):
   """Declaration `d` placed over `par` (default: the 1 x 1 mesh on JAX's first device) as
-  `where` says, by its rule (jaxvt.model.sharding): a QWeight (matrices) or a float32 array."""
+  `where` says, by its rule (jaxvt.model.sharding): a QWeight (matrices) or a float32 array.
+  `times` collects where the time went (LoadTimes)."""
   par = par or sharding.one_device()
   r = sharding.rule(d, par)
-  w = _matrix(model, d, r, par, where, host) if d.matrix else _vector(model, d, r, par)
+  w = (_matrix(model, d, r, par, where, host, _budget, times) if d.matrix else
+       _vector(model, d, r, par))
   if progress:
     for t in model.tensors(d):
       progress(t.n_bytes)
   return w
 
 
+def _stacks_in_flight(platform: str) -> int:
+  return 1 if platform == "cpu" else STACKS_IN_FLIGHT
+
+
+@functools.cache
+def _stack_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jaxvt-place")
+
+
 def place(model: Model, where: Placement = all_device, *, par: Par | None = None, host=None,
-          progress: Progress | None = None) -> dict:
+          progress: Progress | None = None, times: LoadTimes | None = None) -> dict:
   """Places every declared weight over `par` (default: the 1 x 1 mesh on JAX's first device)
-  and in the host tier `host`; returns {canonical name: QWeight | float32 array}."""
+  and in the host tier `host`; returns {canonical name: QWeight | float32 array}.
+
+  On an accelerator STACKS_IN_FLIGHT weights at once, on threads (the CPU backend: one at a
+  time, on this thread): while one stack uploads, the next ones are read from the file (host
+  memory for packed stacks bounded by _upload_max() in all). Each weight is placed as
+  place_weight places it alone, so the arrays hold the same bytes. `progress` is called on
+  this thread, in declaration order; the first error is raised once every weight in flight
+  has stopped."""
   par = par or sharding.one_device()
-  return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress)
-          for d in model.decls}
+  budget = _Budget(_upload_max())
+  n = _stacks_in_flight(par.devices[0].platform)
+  if n == 1:
+    return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress,
+                                 times=times, _budget=budget) for d in model.decls}
+  futs = [_stack_pool(n).submit(place_weight, model, d, where, par=par, host=host, times=times,
+                                _budget=budget) for d in model.decls]
+  weights, error = {}, None
+  for d, f in zip(model.decls, futs):
+    try:
+      weights[d.name] = f.result()
+    except BaseException as e:  # pylint: disable=broad-except
+      if error is None:
+        error = e
+        for g in futs:
+          g.cancel()
+      continue
+    if progress and error is None:
+      for t in model.tensors(d):
+        progress(t.n_bytes)
+  if error is not None:
+    raise error
+  return weights
+
+
+class Placing:
+  """`fn()` (a place) running on a thread, started at once. `result()` waits for it to finish
+  and returns its weights or raises its error (again on every call): the caller learns
+  nothing until the host tier's buffers are no longer being written."""
+
+  def __init__(self, fn: Callable[[], dict]):
+    self._box: dict = {}
+    self.seconds = 0.0  # how long fn ran (set when it ends)
+    self._thread = threading.Thread(target=self._run, args=(fn,), name="jaxvt-load", daemon=True)
+    self._thread.start()
+
+  def _run(self, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+      self._box["weights"] = fn()
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised by result)
+      self._box["error"] = e
+    self.seconds = time.perf_counter() - t0
+
+  def result(self) -> dict:
+    self._thread.join()
+    if "error" in self._box:
+      raise self._box["error"]
+    return self._box["weights"]
 
 
 def abstract_weights(model: Model, where: Placement = all_device, par: Par | None = None) -> dict:

@@ -124,22 +124,28 @@ class _Bar:
     self.shown = -2
 
 
-def timing_report(eng, out, before: tuple[int, int, float], after: tuple[int, int, float]) -> str:
-  """The run's timings, as llama.cpp reports them: loading, compiling (Engine.warm_up) on a
-  line of its own, then steady-state prefill and decode rates. `before`/`after`:
-  jaxvt.programs.CompileCounter snapshots around generate."""
+def timing_report(eng, out, compiled: int, cached: int) -> str:
+  """The run's timings, as llama.cpp reports them: loading (and where placing spent it),
+  compiling (Engine.warm_up: in load while the weights were placed, and in generate) on a line
+  of its own, then steady-state prefill and decode rates. `compiled`, `cached`: XLA's compiles
+  in those two (jaxvt.programs.CompileCounter), `cached` of them loaded from the cache."""
   s = out.stats
-  compiled, cached = after[0] - before[0], after[1] - before[1]
   check = f" (+ {eng.check_seconds:.2f} s XLA memory check)" if eng.check_seconds else ""
+  lt, gib = eng.load_times, lambda n: f"{n / 2**30:.2f} GiB"
+  placing = "" if lt is None else (
+      f" (placing {eng.place_seconds:.2f} s; thread-seconds: read {gib(lt.read_bytes)} "
+      f"{lt.read:.2f} s, upload {lt.upload:.2f} s, host tier {gib(lt.host_bytes)} {lt.host:.2f} s)")
+  during = (f"; {eng.warm_seconds:.2f} s of it while the weights loaded" if eng.warm_seconds and
+            eng.place_seconds else "")
   n_dec = max(s.generated_tokens - 1, 0)  # the first token comes from prefill
   steps = ""
   if s.decode_steps > n_dec and s.decode_seconds > 0:  # a chunk ran on past the stop
     steps = (f"; the device ran {s.decode_steps} steps: "
              f"{s.decode_steps / s.decode_seconds:.1f} steps/s")
   return "\n".join([
-      f"load     {eng.load_seconds:8.2f} s{check}",
-      f"compile  {s.compile_seconds:8.2f} s ({compiled - cached} programs compiled, {cached} "
-      "loaded from the compilation cache)",
+      f"load     {eng.load_seconds:8.2f} s{check}{placing}",
+      f"compile  {s.compile_seconds + eng.warm_seconds:8.2f} s ({compiled - cached} programs "
+      f"compiled, {cached} loaded from the compilation cache{during})",
       f"prefill  {s.prefill_seconds:8.3f} s for {s.prompt_tokens} tokens: "
       f"{s.prefill_tok_s:.1f} tok/s",
       f"decode   {s.decode_seconds:8.3f} s for {n_dec} tokens: {s.decode_tok_s:.1f} tok/s "
@@ -328,28 +334,42 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
     cache = F.compile_cache  # None: JAXVT_COMPILE_CACHE or the default directory
     if cache:  # on even where the environment says off; in its directory if it names one
       cache = programs.cache_root(None, os.environ) or True
+    params = SamplingParams(F.temperature, F.top_k, F.top_p)
+
+    marks = []  # CompileCounter snapshots around the compiles of the first token and generate
+
+    def first_token_programs(early):
+      """While the weights load: the programs of the first token (prefill's and its sampling);
+      decode's compile after it, when generate first needs them."""
+      marks.append(counter.snapshot())
+      early.warm_up(len(early.encode_prompt(prompt)), 1, params)
+      marks.append(counter.snapshot())
+
     eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
                           mesh=F.mesh, offload_pattern=tuple(F.offload_pattern),
-                          deterministic=deterministic, compile_cache=cache)
+                          deterministic=deterministic, compile_cache=cache,
+                          while_loading=first_token_programs)
     interrupts.engine = eng
     if bar:
       bar.finish()
     with eng:
-      params = SamplingParams(F.temperature, F.top_k, F.top_p)
 
       def emit(text):
         sys.stdout.write(escape(text, None, keep="\n\t"))
         sys.stdout.flush()
         interrupts.stdout_open = not text.endswith("\n")
 
-      before = counter.snapshot()
+      marks.append(counter.snapshot())
       out = eng.generate(prompt, max_tokens=F.max_tokens, sampling=params, seed=F.seed,
                          on_text=emit)  # the chat template was applied by _preflight
       sys.stdout.write("\n")
       sys.stdout.flush()
       interrupts.stdout_open = False
-      print(timing_report(eng, out, before, counter.snapshot()), file=sys.stderr)
+      marks.append(counter.snapshot())
+      spans = list(zip(marks[::2], marks[1::2]))
+      print(timing_report(eng, out, sum(b[0] - a[0] for a, b in spans),
+                          sum(b[1] - a[1] for a, b in spans)), file=sys.stderr)
   except JaxvtError as e:
     if bar:
       bar.finish()

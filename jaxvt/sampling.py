@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p (nucleus), as pure jittable functions."""
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus), as pure jittable functions; and
+what a generation returns (Generation, GenerationStats: jaxvt.engine.Engine.generate)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,34 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x < cutoff, -jnp.inf, x)
   return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+  """What a generate call did. The rates are steady-state: compiling the programs new to this
+  engine (prefill's before it runs, each decode program when first needed) is
+  `compile_seconds`, counted apart."""
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  prefill_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  compile_seconds: float = 0.0
+  decode_steps: int = 0  # steps the device ran (a chunk runs on past a stop token)
+
+  @property
+  def prefill_tok_s(self) -> float:
+    return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+  @property
+  def decode_tok_s(self) -> float:
+    # the first generated token comes from prefill; decode produced the rest
+    n = max(self.generated_tokens - 1, 0)
+    return n / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: list[int]
+  text: str
+  stats: GenerationStats
+  stopped_by: str  # "eos" | "max_tokens" | "context"

@@ -72,14 +72,20 @@ def test_second_run_loads_its_programs_from_the_cache(tmp_path):
 
 @needs_ext
 def test_cli_reports_compile_apart_from_steady_rates(tmp_path):
-  """The timing lines: load, compile (with its warm-up), then prefill and decode rates that
-  hold no compile; and a log (stderr not a terminal) gets no progress-bar redraws."""
+  """The timing lines: load (where placing spent it), compile (with its warm-up, the first
+  token's part while the weights loaded), then prefill and decode rates that hold no compile;
+  and a log (stderr not a terminal) gets no progress-bar redraws."""
   p = _cli("--prompt", "The capital of France is", "--max-tokens", "8", "--nochat",
            env={"JAXVT_COMPILE_CACHE": str(tmp_path)})
   assert p.returncode == 0, p.stderr
   lines = p.stderr.splitlines()
   tail = [l.split()[0] for l in lines[-4:]]
   assert tail == ["load", "compile", "prefill", "decode"], p.stderr
+  # where placing spent its time; the first token's programs compiled while the weights loaded
+  assert re.fullmatch(r"load +\d+\.\d\d s \(placing \d+\.\d\d s; thread-seconds: read "
+                      r"\d+\.\d\d GiB \d+\.\d\d s, upload \d+\.\d\d s, host tier 0\.00 GiB "
+                      r"0\.00 s\)", lines[-4])
+  assert re.search(r"; \d+\.\d\d s of it while the weights loaded\)$", lines[-3]), lines[-3]
   assert re.fullmatch(r"prefill +\d+\.\d{3} s for \d+ tokens: \d+\.\d tok/s", lines[-2])
   assert re.fullmatch(r"decode +\d+\.\d{3} s for 7 tokens: \d+\.\d tok/s \(8 generated, stop: "
                       r"max_tokens(; the device ran 8 steps: \d+\.\d steps/s)?\)", lines[-1])

@@ -54,6 +54,7 @@ class TensorInfo:
   shape: tuple[int, ...]  # numpy order: rows... , cols (cols = GGUF ne0, contiguous)
   data: np.ndarray  # memmap view: uint8 [..., row_bytes] for block formats; typed for floats
   n_bytes: int
+  offset: int = -1  # where its bytes start in the file (-1: not from a file)
 
   def raw(self) -> np.ndarray:
     """The tensor's bytes as uint8 [prod(shape[:-1]), row_bytes] (a view; no copy)."""
@@ -94,10 +95,28 @@ class GGUFFile:
   metadata: Mapping[str, Any]
   tensors: dict[str, TensorInfo]
   _map: Any = None  # the file's memory map, which every tensor view shares
+  _file: Any = None  # the file, open (read_into reads it with pread)
 
   @property
   def arch(self) -> str:
     return str(self.metadata.get("general.architecture", ""))
+
+  def read_into(self, dst: np.ndarray, t: TensorInfo, start: int = 0) -> None:
+    """dst (flat uint8, written whole) = bytes [start, start + dst.size) of tensor t, read from
+    the open file with pread: one copy from the page cache in the kernel, with no page of the
+    memory map faulted into this process (docs/BENCHMARKS.md, "Reading the weights"), and a
+    file cut short since it was opened is the one-line error where a read through the map
+    ends the process (SIGBUS). Releases the GIL while it reads."""
+    if self._file is None or t.offset < 0 or start < 0 or start + dst.size > t.n_bytes:
+      raise ValueError(f"read_into: bytes {start}..{start + dst.size} of tensor '{t.name}' "
+                       "are not in this file")
+    view, pos, fd = memoryview(dst).cast("B"), t.offset + start, self._file.fileno()
+    while len(view):
+      got = os.preadv(fd, [view], pos)
+      if got <= 0:
+        raise JaxvtError(f"{escape(self.path)} changed while it was read (tensor "
+                         f"'{escape(t.name, 80)}' ends early); open it again")
+      view, pos = view[got:], pos + got
 
 
 def check_path(path: str) -> int:
@@ -314,16 +333,22 @@ def _tensor(mm: np.ndarray, path: str, name: str, shape: tuple[int, ...], type_i
     data = raw.view(dt).reshape(shape)
   else:
     data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,))
-  return TensorInfo(name, type_id, shape, data, n_bytes)
+  return TensorInfo(name, type_id, shape, data, n_bytes, start)
 
 
-def _map(path: str, size: int) -> mmap.mmap:
-  with open(path, "rb") as f:
+def _map(path: str, size: int):
+  """(the file's memory map, the file open for reading: the same inode the map shows)."""
+  f = open(path, "rb", buffering=0)
+  try:
     m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  except BaseException:
+    f.close()
+    raise
   if len(m) != size:  # the file changed between the check and the map
     m.close()
+    f.close()
     raise JaxvtError(f"{escape(path)} changed while it was being opened; try again")
-  return m
+  return m, f
 
 
 def _corrupt(path: str, e: Exception) -> JaxvtError:
@@ -336,7 +361,7 @@ def open_gguf(path: str) -> GGUFFile:
   non-GGUF, truncated or corrupt file."""
   size = check_path(path)
   path = os.fspath(path)
-  m = _map(path, size)
+  m, f = _map(path, size)
   mm = np.frombuffer(m, np.uint8)  # the tensors' views share it; it keeps the map alive
   try:
     w, n_tensors, n_kv = _header(m, size)
@@ -354,8 +379,12 @@ def open_gguf(path: str) -> GGUFFile:
                          "corrupt")
       tensors[name] = _tensor(mm, path, name, shape, type_id, data_start + offset, size)
   except _Corrupt as e:
+    f.close()
     raise _corrupt(path, e) from None
-  return GGUFFile(path, metadata, tensors, mm)
+  except BaseException:
+    f.close()
+    raise
+  return GGUFFile(path, metadata, tensors, mm, f)
 
 
 def read_metadata(path: str, prefixes: Iterable[str] | None = None) -> dict[str, Any]:

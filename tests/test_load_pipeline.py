@@ -1,0 +1,184 @@
+"""Loading in a pipeline: rows read from the file on threads, stacks placed while others upload,
+and the first token's programs compiled while the weights load (jaxvt.load's while_loading).
+Every tier holds the file's bytes exactly as the one-row-at-a-time copy from the memory map did;
+errors come out once nothing is being written; what was compiled early is what generate runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jaxvt
+from jaxvt import engine, ffi, loader, programs, synth
+from jaxvt.errors import JaxvtError
+from jaxvt.gguf.reader import open_gguf
+from jaxvt.offload.host_tier import HostTier
+from jaxvt.qweight import HOST_BIT, QWeight
+
+pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
+                                reason="the jaxvt extension is not built (pip install -e .)")
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("pipeline") / "tiny-q35moe.gguf")
+  synth.write_model(path, synth.tiny_config("qwen35moe", n_layers=8), "mixed", seed=5)
+  return path
+
+
+def _host_bytes(tier: HostTier) -> dict[int, np.ndarray]:
+  return {b.device_address: b.array for b in tier._buffers}  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("stacks", [1, 3])
+@pytest.mark.parametrize("where", ["device", "host", "alternate"])
+def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, stacks):
+  """Each matrix's device rows equal the tensors' bytes packed from the memory map (the loader
+  before it read with pread), zero-padded; each host-tier buffer equals its tensor's bytes;
+  vectors equal the file's floats. Small copy pieces, small uploads and a small host budget make
+  every path run: chunked reads, uploads in pieces into a donated array, stacks waiting for
+  host memory; with stacks=3 three weights at once on threads, as on an accelerator."""
+  monkeypatch.setattr(loader, "_stacks_in_flight", lambda platform: stacks)
+  monkeypatch.setattr(loader, "COPY_CHUNK", 4096 + 17)
+  monkeypatch.setattr(loader, "_upload_max", lambda: 3 * 4096)
+  m = loader.open_model(moe_file)
+  placement = {"device": loader.all_device,
+               "host": lambda n, l: "host",
+               "alternate": lambda n, l: "host" if (l or 0) % 2 else "device"}[where]
+  with HostTier(backend="cpu") as tier:
+    times = loader.LoadTimes()
+    weights = loader.place(m, placement, host=tier, times=times)
+    host = _host_bytes(tier)
+    n_host = 0
+    for d in m.decls:
+      w, tensors = weights[d.name], m.tensors(d)
+      if not isinstance(w, QWeight):
+        want = np.stack([np.asarray(t.data, np.float32).reshape(d.shape) for t in tensors])
+        np.testing.assert_array_equal(np.asarray(w), want if d.layers else want[0])
+        continue
+      table = np.asarray(w.table).astype(np.uint64)
+      addr = table[:, 0] | (table[:, 1] << np.uint64(32))
+      fmts = np.asarray(w.fmts)
+      dev = [i for i in range(len(tensors)) if not fmts[i] & HOST_BIT]
+      for i, t in enumerate(tensors):
+        if fmts[i] & HOST_BIT:
+          n_host += 1
+          np.testing.assert_array_equal(host[int(addr[i])], t.raw().reshape(-1))
+      if dev:
+        stride = max(tensors[i].n_bytes for i in dev)
+        np.testing.assert_array_equal(np.asarray(w.data),
+                                      loader.pack_rows([tensors[i] for i in dev], stride))
+        assert [int(addr[i]) for i in dev] == list(range(len(dev)))
+    assert (n_host > 0) == (where != "device")
+    matrices = sum(t.n_bytes for d in m.decls if d.matrix for t in m.tensors(d))
+    assert times.read_bytes + times.host_bytes >= matrices
+
+
+def test_read_into_refuses_a_file_that_shrank(moe_file, tmp_path):
+  """pread past the end of a file cut short after it was opened is the one-line error (a read
+  through the memory map would end the process with SIGBUS)."""
+  path = str(tmp_path / "cut.gguf")
+  shutil.copy(moe_file, path)
+  gf = open_gguf(path)
+  t = max(gf.tensors.values(), key=lambda t: t.offset)
+  dst = np.empty(t.n_bytes, np.uint8)
+  gf.read_into(dst, t)
+  np.testing.assert_array_equal(dst, t.raw().reshape(-1))
+  part = np.empty(100, np.uint8)
+  gf.read_into(part, t, 7)
+  np.testing.assert_array_equal(part, dst[7:107])
+  os.truncate(path, t.offset + 10)
+  with pytest.raises(JaxvtError, match="changed while it was read"):
+    gf.read_into(dst, t)
+  with pytest.raises(ValueError):
+    gf.read_into(np.empty(t.n_bytes + 1, np.uint8), t)
+
+
+class _Recording(HostTier):
+  """A CPU host tier that notes whether every fill had ended when it was closed."""
+  tiers: list = []
+
+  def __init__(self, backend=None):
+    super().__init__("cpu")
+    self.started = self.ended = 0
+    self.open_fills_at_close = None
+    _Recording.tiers.append(self)
+
+  def copy(self, key, nbytes, fill):
+    self.started += 1
+    try:
+      return super().copy(key, nbytes, fill)
+    finally:
+      self.ended += 1
+
+  def close(self):
+    if self.open_fills_at_close is None:
+      self.open_fills_at_close = self.started - self.ended
+    super().close()
+
+
+def test_a_failed_weight_stops_the_load_after_every_write(moe_file, monkeypatch):
+  """One weight's error is the load's error, raised once the other weights in flight have
+  stopped writing into the host tier, which is then freed."""
+  real = loader._vector
+
+  def broken(model, d, r, par):
+    if d.name == "final_norm":
+      raise JaxvtError("final_norm is broken")
+    return real(model, d, r, par)
+
+  monkeypatch.setattr(loader, "_vector", broken)
+  monkeypatch.setattr(loader, "_stacks_in_flight", lambda platform: 3)
+  monkeypatch.setattr(engine, "HostTier", _Recording)
+  _Recording.tiers.clear()
+  for warm in (None, lambda e: e.warm_up(3, 1)):
+    with pytest.raises(JaxvtError, match="final_norm is broken"):
+      jaxvt.load(moe_file, max_context=64, offload_gb=64, while_loading=warm)
+  assert len(_Recording.tiers) == 2
+  for tier in _Recording.tiers:
+    assert tier.closed and tier.started > 0 and tier.open_fills_at_close == 0
+
+
+def test_an_error_while_loading_waits_for_the_weights(moe_file, monkeypatch):
+  """while_loading's own error comes out after placing ended, with the host tier freed."""
+  monkeypatch.setattr(engine, "HostTier", _Recording)
+  _Recording.tiers.clear()
+
+  def fails(early):
+    raise JaxvtError("no warm-up today")
+
+  with pytest.raises(JaxvtError, match="no warm-up today"):
+    jaxvt.load(moe_file, max_context=64, offload_gb=64, while_loading=fails)
+  (tier,) = _Recording.tiers
+  assert tier.closed and tier.ended == tier.started > 0 and tier.open_fills_at_close == 0
+
+
+@pytest.mark.parametrize("offload_gb", [0.0, 0.02])
+def test_programs_compiled_while_loading_are_the_ones_generate_runs(offload_gb):
+  """warm_up against the weights' shapes (while_loading) leaves generate nothing to compile
+  (no XLA compile, no persistent-cache load) and the same tokens as a plain load; a plain load
+  of another context length (programs of other shapes) does compile in generate."""
+  counter = programs.compile_counter()
+  ctx = 200 if offload_gb else 201  # shapes no other test compiled in this process
+  seen = []
+
+  def warm(early):
+    seen.append({type(a).__name__ for a in jax.tree_util.tree_leaves(early.weights)})
+    early.warm_up(len(early.encode_prompt(PROMPT)), 1)
+
+  with jaxvt.load(max_context=ctx, offload_gb=offload_gb, while_loading=warm) as eng:
+    assert seen == [{"ShapeDtypeStruct"}] and eng.warm_seconds > 0 and eng.warmed
+    assert eng.place_seconds > 0 and eng.load_times.read_bytes > 0
+    before = counter.snapshot()
+    early = eng.generate(PROMPT, max_tokens=1)
+    assert counter.snapshot()[0] == before[0] and early.stats.compile_seconds == 0
+  with jaxvt.load(max_context=ctx - 2, offload_gb=offload_gb) as plain:
+    before = counter.snapshot()
+    g = plain.generate(PROMPT, max_tokens=1)
+    assert counter.snapshot()[0] > before[0] and g.stats.compile_seconds > 0
+  assert early.tokens == g.tokens
