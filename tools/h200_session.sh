@@ -155,9 +155,14 @@ if [ "$what" = step ]; then  # the fused ops' GPU tests, the attention step alon
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
 fi
 if [ "$what" = first ]; then  # the 35B file's first token, cold and from the compilation cache
+  # (the pipelined load), auto on the emulated 16 GiB card, the loader's tests on the GPU
   python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
-  timeout 200 python3 tools/first_token.py --runs ${FT_RUNS:-2} -- --model $M --max-tokens 32 \
+  timeout 150 python3 tools/first_token.py --runs ${FT_RUNS:-3} -- --model $M --max-tokens 32 \
     > "$OUT/first_token.txt" 2>&1; tail -8 "$OUT/first_token.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 70 python3 -m jaxvt.run --model $M --offload-gb auto \
+    --device-gb 16 --max-tokens 16 > "$OUT/auto16.txt" 2>&1; echo "auto16 exit $?"; tail -6 "$OUT/auto16.txt"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_load_pipeline.py \
+    > "$OUT/load_tests.txt" 2>&1; tail -4 "$OUT/load_tests.txt"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress
