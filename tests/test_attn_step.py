@@ -6,7 +6,6 @@ GPU (the `device` fixture)."""
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,8 @@ from jaxvt.errors import JaxvtError
 from jaxvt.ffi import attn
 from jaxvt.model import sharding
 from jaxvt.model.layers import GPU_PRODUCTS, Products, attn_step_ref
+
+from test_ffi_cases import stack_writes
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -324,19 +325,6 @@ def test_fused_decode_in_the_model(model):
     assert "jaxvt_attn_step" not in text
 
 
-def _stack_writes(text: str, shape) -> dict:
-  """{op: count} of the instructions of a compiled HLO `text` whose result is a whole f32 stack
-  of `shape`, other than parameter / get-tuple-element / tuple / while (which only pass it on)."""
-  want = "f32[" + ",".join(map(str, shape)) + "]{"
-  counts = {}
-  for line in text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?\S+ = (\S+) ([\w-]+)\(", line)
-    if m and m.group(1).startswith(want) and m.group(2) not in (
-        "parameter", "get-tuple-element", "tuple", "while"):
-      counts[m.group(2)] = counts.get(m.group(2), 0) + 1
-  return counts
-
-
 def test_fused_decode_updates_the_cache_in_place(model):
   """The compiled decode program with attn_fused writes the cache's k / v stacks only through
   jaxvt_attn_step's aliased results: no copy, scatter, dynamic-update-slice or fusion producing
@@ -352,6 +340,6 @@ def test_fused_decode_updates_the_cache_in_place(model):
     fused, plain = compiled(True), compiled(False)
     assert fused.count('custom_call_target="jaxvt_attn_step"') >= 1
     for name in ("k", "v"):
-      assert _stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
-      writes = _stack_writes(fused, spec[name].shape)
+      assert stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
+      writes = stack_writes(fused, spec[name].shape)
       assert writes == {}, f"{name}: the fused program writes the whole stack with {writes}"

@@ -1,4 +1,5 @@
-"""Shared fixtures of the FFI kernel tests (test_ffi.py on CPU, test_ffi_gpu.py on GPU); no tests.
+"""Shared fixtures of the FFI kernel tests (test_ffi.py on CPU, test_ffi_gpu.py on GPU), and the
+fused decode steps' in-place check (stack_writes: test_gdn_step.py, test_attn_step.py); no tests.
 
 Random valid GGUF blocks, QWeight stacks with chosen formats and tiers, and float64 numpy
 references built on gguf-py's own dequantizer (independent of jaxvt's code).
@@ -20,6 +21,8 @@ x is replaced by its quantized value on both sides, so the same bound applies.
 """
 
 from __future__ import annotations
+
+import re
 
 import dataclasses
 
@@ -208,3 +211,16 @@ def poison_experts(raw: np.ndarray, fmt: int, experts: int, keep: set[int]) -> n
     else:  # float formats: all-ones bytes are NaN in f32, f16 and bf16
       out[e] = 0xFF
   return out.reshape(raw.shape)
+
+
+def stack_writes(text: str, shape) -> dict:
+  """{op: count} of the instructions of a compiled HLO `text` whose result is a whole f32 stack
+  of `shape`, other than parameter / get-tuple-element / tuple / while (which only pass it on)."""
+  want = "f32[" + ",".join(map(str, shape)) + "]{"
+  counts = {}
+  for line in text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?\S+ = (\S+) ([\w-]+)\(", line)
+    if m and m.group(1).startswith(want) and m.group(2) not in (
+        "parameter", "get-tuple-element", "tuple", "while"):
+      counts[m.group(2)] = counts.get(m.group(2), 0) + 1
+  return counts

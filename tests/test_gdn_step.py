@@ -6,7 +6,6 @@ rule with gdn_fused against the jnp path. tests/test_gdn_step_gpu.py reruns the 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,8 @@ from jaxvt.errors import JaxvtError
 from jaxvt.ffi import gdn
 from jaxvt.model.deltanet import gdn_step_ref
 from jaxvt.model.layers import GPU_PRODUCTS, Products
+
+from test_ffi_cases import stack_writes
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -244,19 +245,6 @@ def test_fused_decode_in_the_model(qwen35moe):
     assert "jaxvt_gdn_step" not in text
 
 
-def _stack_writes(text: str, shape) -> dict:
-  """{op: count} of the instructions of a compiled HLO `text` whose result is a whole f32 stack
-  of `shape`, other than parameter / get-tuple-element / tuple / while (which only pass it on)."""
-  want = "f32[" + ",".join(map(str, shape)) + "]{"
-  counts = {}
-  for line in text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?\S+ = (\S+) ([\w-]+)\(", line)
-    if m and m.group(1).startswith(want) and m.group(2) not in (
-        "parameter", "get-tuple-element", "tuple", "while"):
-      counts[m.group(2)] = counts.get(m.group(2), 0) + 1
-  return counts
-
-
 def test_fused_decode_updates_the_stacks_in_place(qwen35moe):
   """The CPU-compiled decode program with gdn_fused writes the cache's state stacks only through
   jaxvt_gdn_step's aliased results: no copy, dynamic-update-slice or fusion producing a whole
@@ -273,6 +261,6 @@ def test_fused_decode_updates_the_stacks_in_place(qwen35moe):
     fused, plain = compiled(True), compiled(False)
     assert fused.count('custom_call_target="jaxvt_gdn_step"') >= 1
     for name in ("ssm", "conv"):
-      assert _stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
-      writes = _stack_writes(fused, spec[name].shape)
+      assert stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
+      writes = stack_writes(fused, spec[name].shape)
       assert writes == {}, f"{name}: the fused program writes the whole stack with {writes}"
