@@ -19,7 +19,7 @@ from jaxvt.ffi import attn
 from jaxvt.model import sharding
 from jaxvt.model.layers import GPU_PRODUCTS, Products, attn_step_ref
 
-from test_ffi_cases import stack_writes
+from test_ffi_cases import assert_rel, stack_writes
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -106,10 +106,7 @@ def _fns(device, c: Case):
 
 
 def assert_close(got, want, what):
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.shape == want.shape and got.dtype == want.dtype, what
-  err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-  assert err <= TOL, f"{what}: relative error {err:.2e}"
+  assert_rel(got, want, what, TOL)
 
 
 def written(x, c: Case) -> np.ndarray:

@@ -224,3 +224,11 @@ def stack_writes(text: str, shape) -> dict:
         "parameter", "get-tuple-element", "tuple", "while"):
       counts[m.group(2)] = counts.get(m.group(2), 0) + 1
   return counts
+
+
+def assert_rel(got, want, what: str, tol: float) -> None:
+  """got == want in shape and dtype, and within tol of want's largest magnitude everywhere."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape and got.dtype == want.dtype, what
+  err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+  assert err <= tol, f"{what}: relative error {err:.2e}"

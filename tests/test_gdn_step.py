@@ -19,7 +19,7 @@ from jaxvt.ffi import gdn
 from jaxvt.model.deltanet import gdn_step_ref
 from jaxvt.model.layers import GPU_PRODUCTS, Products
 
-from test_ffi_cases import stack_writes
+from test_ffi_cases import assert_rel, stack_writes
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -75,10 +75,7 @@ def _fns(device, order):
 
 
 def assert_close(got, want, what):
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.shape == want.shape and got.dtype == want.dtype, what
-  err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-  assert err <= TOL, f"{what}: relative error {err:.2e}"
+  assert_rel(got, want, what, TOL)
 
 
 def assert_step(got, want, x, what):

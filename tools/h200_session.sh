@@ -12,7 +12,7 @@
 #                                       # tools/prefill_rules.py in HBM and from the host tier
 #   bash tools/h200_session.sh ab       # this build against .dev/prev's, side by side
 #   bash tools/h200_session.sh waves    # the decode products by grid size; command buffers
-#   bash tools/h200_session.sh step     # the fused ops' tests, the attention probe, a decode
+#   bash tools/h200_session.sh final    # (or step) the fused ops' tests, the attention probe, a decode
 #                                       # step, determinism (llama-bench built for the sweep)
 #   bash tools/h200_session.sh first    # the 35B first token, cold and cached
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
@@ -23,6 +23,7 @@ source tools/h200_build.sh
 M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf
 FRAC=0.1167  # XLA's pool at 16 GiB of the H200 (jaxvt.bench.offload.pool_fraction)
 t0=$(date +%s)
+model() { python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null; }  # the 35B-shaped file, made once per machine
 start_llama() {  # llama-bench built in the background; setsid: the build outlives this call
   if [ ! -x /tmp/llama-build/bin/llama-bench ] && [ ! -e /tmp/llama-build/.building ] &&
      [ -d .llama/llama.cpp ]; then
@@ -39,7 +40,7 @@ if [ "$what" = checks ]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_grouped_gpu.py \
     > "$OUT/grouped_tests.txt" 2>&1
   tail -3 "$OUT/grouped_tests.txt"
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)"
+  model
   timeout 130 python3 -m jaxvt.bench determinism --model $M --cost-only --prompt 512 --tokens 128 \
     --repeats 3 > "$OUT/determinism_cost.txt" 2>&1; tail -12 "$OUT/determinism_cost.txt"
   timeout 150 python3 tools/first_token.py --runs 2 -- --model $M --max-tokens 32 \
@@ -63,7 +64,7 @@ fi
 if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-token prefill
   # (#15: 0.33x llama-bench -p 16), 512 tokens at auto's budget on the 16 GiB card (#15: 0.55x of
   # all in HBM), and a decode step all in HBM (#14: 0.68x)
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)"
+  model
   timeout 150 python3 -m jaxvt.bench profile --model $M --prefill --prompt 16 > "$OUT/profile_prefill16.txt" 2>&1
   tail -30 "$OUT/profile_prefill16.txt"
   XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
@@ -78,11 +79,14 @@ if [ "$what" = profile ]; then  # where the missed goals' time goes: a warm 16-t
     --offload-gb 16.88 --device-gb 16 > "$OUT/prefill_rules_host.txt" 2>&1
   cat "$OUT/prefill_rules_host.txt"
 fi
-if [ "$what" = final ]; then  # the fused ops' GPU tests, a decode step's profile, determinism
+if [ "$what" = final ] || [ "$what" = step ]; then  # the fused ops' GPU tests, the attention
+  # step alone, a decode step's profile, determinism; llama-bench built for the sweep's call
   start_llama
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_moe_route_gpu.py \
-    tests/test_gdn_step_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -6 "$OUT/gpu_tests.txt"
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short ${TESTS:-tests/test_attn_step_gpu.py \
+    tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py} > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
+  timeout 90 python3 tools/attn_probe.py --positions 100,600,2000,8000 > "$OUT/attn_probe.txt" 2>&1
+  tail -12 "$OUT/attn_probe.txt"
+  model
   timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 60 > "$OUT/profile_decode.txt" 2>&1
   head -40 "$OUT/profile_decode.txt"
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
@@ -98,7 +102,7 @@ if [ "$what" = kernels ]; then  # every GPU kernel test, then the decode product
 fi
 if [ "$what" = diagnose ]; then  # where the decode step's time goes: each product alone, and
   # every kernel of a step (all names) with the decode program's optimized HLO to name them
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  model
   timeout 120 python3 tools/kernel_probe.py --modes q8 > "$OUT/kernel_probe.txt" 2>&1
   cat "$OUT/kernel_probe.txt"
   XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*decode.*" timeout 150 \
@@ -115,7 +119,7 @@ if [ "$what" = ab ]; then  # this build against the one in .dev/prev (carry both
   timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     ${TESTS:-tests/test_ffi_gpu.py tests/test_grouped_gpu.py} > "$OUT/gpu_tests.txt" 2>&1
   tail -12 "$OUT/gpu_tests.txt"
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  model
   for v in new old; do
     if [ $v = new ]; then cp /tmp/new.so $SO; else cp .dev/prev/$(basename $SO) $SO; fi
     timeout 90 python3 tools/kernel_probe.py --modes q8 > "$OUT/kernel_probe_$v.txt" 2>&1
@@ -129,7 +133,7 @@ if [ "$what" = ab ]; then  # this build against the one in .dev/prev (carry both
 fi
 if [ "$what" = waves ]; then  # each decode product alone with grids of 1, 2, 4, 8 waves of
   # resident blocks; a decode step with XLA's defaults and with command buffers over loops
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  model
   for w in ${WAVES:-1 2 4 8}; do
     timeout 90 python3 tools/kernel_probe.py --modes q8 --waves $w > "$OUT/kernel_probe_w$w.txt" 2>&1
     grep -v "^ *$" "$OUT/kernel_probe_w$w.txt" | tail -12
@@ -140,23 +144,9 @@ if [ "$what" = waves ]; then  # each decode product alone with grids of 1, 2, 4,
     timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 30 > "$OUT/profile_decode_cmdbuf.txt" 2>&1
   head -3 "$OUT/profile_decode_cmdbuf.txt"
 fi
-if [ "$what" = step ]; then  # the fused ops' GPU tests, the attention step alone, a decode step,
-  # determinism (processes x budgets); llama-bench built in the background for the sweep's call
-  start_llama
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short ${TESTS:-tests/test_attn_step_gpu.py \
-    tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py} > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
-  timeout 90 python3 tools/attn_probe.py --positions 100,600,2000,8000 > "$OUT/attn_probe.txt" 2>&1
-  tail -12 "$OUT/attn_probe.txt"
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
-  timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 60 > "$OUT/profile_decode.txt" 2>&1
-  head -40 "$OUT/profile_decode.txt"
-  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
-    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
-  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
-fi
 if [ "$what" = first ]; then  # the 35B file's first token, cold and from the compilation cache
   # (the pipelined load), auto on the emulated 16 GiB card, the loader's tests on the GPU
-  python3 -c "from jaxvt.bench.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+  model
   timeout 150 python3 tools/first_token.py --runs ${FT_RUNS:-3} -- --model $M --max-tokens 32 \
     > "$OUT/first_token.txt" 2>&1; tail -8 "$OUT/first_token.txt"
   XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 70 python3 -m jaxvt.run --model $M --offload-gb auto \
