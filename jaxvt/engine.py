@@ -35,17 +35,16 @@ from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.declare import UnitBytes, declare
 from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
-from jaxvt.model.presets import PRESETS
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
                              decode_fn, decode_loop_fn, decode_sample_fn, prefill_chunks,
                              prefill_fn)  # noqa: F401 (engine.decode_sample_fn etc. stay public)
 from jaxvt.offload import placement as placement_mod
+from jaxvt.offload import host_tier
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
-from jaxvt.offload.plan import Q4_K_S_LIKE, Policy, estimate_bytes, parse_overrides
+from jaxvt.offload.plan import Policy, parse_overrides
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
@@ -215,14 +214,40 @@ class Engine:
     stats.prefill_seconds = time.perf_counter() - t0
 
     out: list[int] = []
-    pending: list[int] = []  # tokens the device sampled ahead, in order
+    pending: list[int] = []  # tokens read back from the device, in order
+    inflight: list[jax.Array] = []  # tokens of decode calls dispatched, not yet read (oldest first)
+    made = 1  # tokens sampled or being sampled (the first came from prefill)
+    feed = (jnp.asarray([nxt], jnp.int32), len(ids))  # the next decode call's token and position
     stopped_by = "max_tokens"
     pos = len(ids)  # where `nxt` goes when it is fed back
     compiling = 0.0  # of the decode time
+
+    def dispatch() -> None:
+      """Sends the next decode call (decode_steps of the tokens still to make; sampling on the
+      device) without waiting for it."""
+      nonlocal cache, key, made, feed, compiling
+      n = self.decode_steps(max_tokens - made)
+      args = (self.weights, cache, feed[0], jnp.int32(feed[1]), key)
+      static = dict(cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(feed[1] + n), params=sampling,
+                    steps=n)
+      program = ("decode", static["kv_len"], n, sampling, made == 1)  # as warm_up keys it
+      if program not in self.warmed:
+        jax.block_until_ready(inflight)  # what runs meanwhile is decode time, not compile time
+        tc = time.perf_counter()
+        decode_loop_fn.lower(*args, **static).compile()
+        self.warmed.add(program)
+        compiling += time.perf_counter() - tc
+      toks, cache, key, last = decode_loop_fn(*args, **static)
+      inflight.append(toks)
+      made, feed = made + n, (last, feed[1] + n)
+      stats.decode_steps += n
+
     t1 = time.perf_counter()
     # Decode runs DECODE_CHUNK steps per device program (sampling on the device), so the host
-    # reads tokens back once per chunk rather than once per token; tokens sampled after a stop
-    # are discarded.
+    # reads tokens back once per call rather than once per token, and the next call is already
+    # on its way when it does (its token and cache never leave the device): the device never
+    # waits on the host between calls. Tokens sampled after a stop are discarded (a stop costs
+    # up to one call of steps that nobody reads).
     while True:
       if nxt in stops:
         stopped_by = "eos"
@@ -238,19 +263,11 @@ class Engine:
         stopped_by = "context"
         break
       if not pending:
-        n = self.decode_steps(max_tokens - len(out))
-        args = (self.weights, cache, jnp.asarray([nxt], jnp.int32), jnp.int32(pos), key)
-        static = dict(cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(pos + n), params=sampling,
-                      steps=n)
-        program = ("decode", static["kv_len"], n, sampling, not stats.decode_steps)  # as warm_up
-        if program not in self.warmed:
-          tc = time.perf_counter()
-          decode_loop_fn.lower(*args, **static).compile()
-          self.warmed.add(program)
-          compiling += time.perf_counter() - tc
-        toks, cache, key = decode_loop_fn(*args, **static)
-        pending = np.asarray(toks)[:, 0].tolist()
-        stats.decode_steps += n
+        if not inflight:
+          dispatch()
+        if made < max_tokens and feed[1] < self.max_context:
+          dispatch()
+        pending = np.asarray(inflight.pop(0))[:, 0].tolist()
       nxt = pending.pop(0)
       pos += 1
     stats.decode_seconds = time.perf_counter() - t1 - compiling
@@ -296,8 +313,9 @@ class Engine:
       self.prefill([0] * n)  # raises the prompt-too-long error
     pre = ("prefill", self.prefill_shapes(n), sampling)
     # A program is keyed by its static arguments and by how its arguments are placed: the
-    # first decode call takes the key generate split off on the host, later calls the key the
-    # previous call returned on the device (so too the cache of prefill's first chunk).
+    # first decode call takes the token sampled from prefill's logits and the key generate
+    # split off, later calls the token and key the previous call returned on the device (so too
+    # the cache of prefill's first chunk).
     calls = [(("decode", kv, steps, sampling, i == 0), pos)
              for i, (kv, steps, pos) in enumerate(self.decode_calls(n, max_tokens))]
     if pre in self.warmed and all(k in self.warmed for k, _ in calls):
@@ -317,16 +335,16 @@ class Engine:
       logits = jax.device_put(jnp.zeros((1, self.cfg.vocab_size), jnp.float32), logits_sharding)
       int(sample(logits[0][None], sub, sampling)[0])
       self.warmed.add(pre)
+    token = jnp.asarray([0], jnp.int32)
     for i, (k, pos) in enumerate(calls):
       if k in self.warmed and i:
         continue
-      step = decode_loop_fn.lower(self.weights, cache, jnp.asarray([0], jnp.int32),
-                                  jnp.int32(pos), key, cfg=self.cfg, ex=self.ex, kv_len=k[1],
-                                  params=sampling, steps=k[2])
+      step = decode_loop_fn.lower(self.weights, cache, token, jnp.int32(pos), key, cfg=self.cfg,
+                                  ex=self.ex, kv_len=k[1], params=sampling, steps=k[2])
       shardings = step.compile().output_shardings
       self.warmed.add(k)
-      if i == 0:  # later calls take the cache and key as this one returns them
-        cache, key = spec(step.out_info[1], shardings[1]), spec(step.out_info[2], shardings[2])
+      if i == 0:  # later calls take the cache, key and token as this one returns them
+        cache, key, token = (spec(step.out_info[j], shardings[j]) for j in (1, 2, 3))
     return time.perf_counter() - t0
 
   def warm_up_buckets(self, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -422,15 +440,6 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True)
               deterministic=deterministic)
 
 
-def open_preset(name: str) -> Model:
-  """A weightless model of jaxvt.model.presets.PRESETS: its configuration and declarations, and
-  each unit's bytes estimated for Q4_K_S-like formats (what `--plan --model NAME` plans)."""
-  cfg = PRESETS[name][1]()
-  decls = declare(cfg)
-  units = [UnitBytes(n, l, b, -1) for (n, l), b in estimate_bytes(decls, Q4_K_S_LIKE).items()]
-  return Model(name, cfg, decls, units)
-
-
 def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
          force: bool = False, device=None, max_context: int = 2048, kernels: bool | None = None,
          offload_pattern: tuple[str, ...] = (), mesh: sharding.Sizes | None = None,
@@ -467,9 +476,10 @@ def place(model: Model, placed: Placed, par: Par, *, host=None,
           progress: Callable[[int], None] | None = None, times=None) -> dict:
   """`model`'s weights where `placed` puts them: over the mesh of `par` (`layout`) and in the
   host tier `host` (needed when the plan offloads). Returns the weights pytree; `times`
-  (loader.LoadTimes) collects where placing spent its time."""
+  (loader.LoadTimes) collects where placing spent its time. On a GPU the stacks go up through
+  pinned staging buffers (host_tier.staging_for)."""
   return loader.place(model, placed.placement, par=par, host=host, progress=progress,
-                      times=times)
+                      times=times, staging=host_tier.staging_for)
 
 
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
@@ -588,18 +598,3 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     raise
   eng.memory = placed.breakdown
   return eng
-
-
-def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
-                max_context: int = 2048, mesh: str | None = None,
-                offload_pattern: tuple[str, ...] = ()) -> str:
-  """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without placing
-  any weights; with `mesh`, one device's plan (its shards, its budget)."""
-  weightless = path.lower() in PRESETS and not os.path.exists(path)
-  m = open_preset(path.lower()) if weightless else open_model(path)
-  placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=True,
-                max_context=max_context, kernels=True, offload_pattern=offload_pattern,
-                mesh=mesh_mod.parse(mesh))
-  head = (f"{PRESETS[m.path][0]} (weightless; {m.cfg.n_layers} layers)" if weightless else
-          f"{path} ({m.cfg.arch}, {m.cfg.n_layers} layers)")
-  return f"model: {head}\n" + placed.plan_text(mesh)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxvt import ffi
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf import names as gguf_names
 from jaxvt.gguf import quants
@@ -154,6 +155,10 @@ UPLOAD_PIECE = 512 << 20
 # malloc arenas after close (the default model's load/close cycles grew RSS by 30-140 MiB
 # before it settled; tests/test_hostile_api.py).
 STACKS_IN_FLIGHT = 3
+# Bytes of a stack per pinned staging buffer on a GPU (place's `staging`; STACKS_IN_FLIGHT of
+# them): eight COPY_CHUNK reads each, so that the weights in flight keep 16 readers busy (pread
+# from the page cache: 5 GB/s on one thread, 30 on 16; tools/read_probe.py on the H200 host).
+STAGE_PIECE = 512 << 20
 
 
 def _upload_max() -> int:
@@ -167,16 +172,19 @@ def _upload_max() -> int:
 
 @functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1),
+  return concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1),
                                                thread_name_prefix="jaxvt-copy")
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One row of a stack: `size` bytes that `write(dst, start)` puts into dst (flat uint8):
-  the row's bytes [start, start + dst.size). Writers run on threads and release the GIL."""
+  the row's bytes [start, start + dst.size). Writers run on threads and release the GIL.
+  `file`: (GGUFFile, TensorInfo) when the row is a whole tensor of an open file (file_row),
+  which the staged path reads on native threads (GGUFFile.read_ranges)."""
   size: int
   write: Callable[[np.ndarray, int], None]
+  file: tuple | None = None
 
 
 def array_row(a: np.ndarray) -> Row:
@@ -187,17 +195,19 @@ def array_row(a: np.ndarray) -> Row:
 
 def file_row(gf: GGUFFile, t: TensorInfo) -> Row:
   """A whole tensor's bytes, read from the open file (GGUFFile.read_into)."""
-  return Row(t.n_bytes, lambda dst, start: gf.read_into(dst, t, start))
+  return Row(t.n_bytes, lambda dst, start: gf.read_into(dst, t, start), (gf, t))
 
 
 def _as_row(r) -> Row:
   return r if isinstance(r, Row) else array_row(r())
 
 
-def _write_rows(dsts: list[np.ndarray], rows: list[Row]) -> None:
-  """dsts[i][:] = rows[i]'s bytes, in COPY_CHUNK pieces on the copy threads."""
-  jobs = [(dst[i:i + COPY_CHUNK], r, i) for dst, r in zip(dsts, rows)
-          for i in range(0, r.size, COPY_CHUNK)]
+def _write_rows(dsts: list[np.ndarray], rows: list[Row], starts: list[int] | None = None) -> None:
+  """dsts[i][:] = rows[i]'s bytes from starts[i] on (default 0), in COPY_CHUNK pieces on the copy
+  threads."""
+  starts = starts or [0] * len(rows)
+  jobs = [(dst[i:i + COPY_CHUNK], r, s + i) for dst, r, s in zip(dsts, rows, starts)
+          for i in range(0, dst.size, COPY_CHUNK)]
   if len(jobs) <= 1:
     for d, r, i in jobs:
       r.write(d, i)
@@ -258,13 +268,19 @@ class _Budget:
 class LoadTimes:
   """Where placing spent its time, summed over the threads that did it (they overlap, so the
   parts add up to more than the wall time): `read` packing rows from the file, `upload`
-  handing packed stacks to the device, `host` filling host-tier buffers; bytes of each."""
+  handing packed stacks to the device, `host` filling host-tier buffers, `arrays` making the
+  device stacks' arrays (the staged path, once), `wait` waiting for a staging buffer; bytes
+  of each."""
   read: float = 0.0
   upload: float = 0.0
   host: float = 0.0
+  arrays: float = 0.0
+  wait: float = 0.0
   read_bytes: int = 0
   upload_bytes: int = 0
   host_bytes: int = 0
+  arrays_bytes: int = 0
+  wait_bytes: int = 0
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
   def add(self, part: str, seconds: float, nbytes: int) -> None:
@@ -273,12 +289,77 @@ class LoadTimes:
       setattr(self, part + "_bytes", getattr(self, part + "_bytes") + nbytes)
 
 
+def _fill_range(dst: np.ndarray, rows: list[Row], stride: int, lo: int,
+                address: int | None = None) -> None:
+  """dst (flat uint8) = bytes [lo, lo + dst.size) of the stack whose row i is rows[i] at
+  i * stride, zero-padded to stride. With dst's `address` (memory that stays put: a staging
+  buffer), file rows are read by the extension on native threads in one call per file."""
+  hi = lo + dst.size
+  read = _native_reader() if address is not None else None
+  dsts, parts, starts, native = [], [], [], {}
+  for i in range(lo // stride, -(-hi // stride)):
+    a, b = max(lo, i * stride), min(hi, (i + 1) * stride)  # this row's slice of [lo, hi)
+    end = min(b, i * stride + rows[i].size)  # where its bytes end and padding starts
+    if end > a and read and rows[i].file:
+      gf, t = rows[i].file
+      native.setdefault(id(gf), (gf, []))[1].append((t, a - i * stride, address + a - lo, end - a))
+    elif end > a:
+      dsts.append(dst[a - lo:end - lo])
+      parts.append(rows[i])
+      starts.append(a - i * stride)
+    dst[max(a, end) - lo:b - lo] = 0
+  _write_rows(dsts, parts, starts)
+  for gf, items in native.values():
+    gf.read_ranges(items, read)
+
+
+def _native_reader():
+  """read(fd, ranges) on the extension's native threads (as many as the copy pool), or None."""
+  ext = ffi.extension()
+  if ext is None or not hasattr(ext, "read_ranges"):
+    return None
+  threads = _pool()._max_workers  # pylint: disable=protected-access
+  return lambda fd, ranges: ext.read_ranges(fd, ranges, threads, COPY_CHUNK)
+
+
+def _staged_stack(rows: list[Row], stride: int, device, lead: int, staging,
+                  times: LoadTimes, data: jax.Array | None = None) -> jax.Array:
+  """_device_stack through pinned buffers (host_tier.Staging): each piece of the stack read into
+  one, then copied by the extension straight into the device array's memory: `data` (made by
+  _device_arrays) or a new one. Nothing else reads or writes that array until it is returned
+  (it is ready before the first copy)."""
+  shape = (1,) * lead + (len(rows), stride)
+  if data is None:
+    data = jnp.zeros(shape, jnp.uint8, device=device)
+  if data.shape != shape:
+    raise ValueError(f"the stack's device array is {data.shape}, not {shape}")
+  data.block_until_ready()
+  dst = data.unsafe_buffer_pointer()
+  total = len(rows) * stride
+  for lo in range(0, total, staging.piece):
+    n = min(staging.piece, total - lo)
+    tw = time.perf_counter()
+    with staging.buffer() as buf:
+      t0 = time.perf_counter()
+      times.add("wait", t0 - tw, 0)
+      _fill_range(buf.array[:n], rows, stride, lo, buf.host_address)
+      t1 = time.perf_counter()
+      staging.upload(dst + lo, buf, n, device)
+      times.add("read", t1 - t0, n)
+      times.add("upload", time.perf_counter() - t1, n)
+  return data
+
+
 def _device_stack(rows: list, stride: int, device, lead: int = 0,
-                  budget: _Budget | None = None, times: LoadTimes | None = None) -> jax.Array:
-  """uint8 [(1,) * lead, len(rows), stride] on `device` (row i: rows[i] zero-padded): packed on
-  the host and uploaded in one transfer, or in pieces (UPLOAD_PIECE on an accelerator, at most
-  _upload_max() bytes) written into one donated device array (device memory stays 1x)."""
+                  budget: _Budget | None = None, times: LoadTimes | None = None,
+                  staging=None, data: jax.Array | None = None) -> jax.Array:
+  """uint8 [(1,) * lead, len(rows), stride] on `device` (row i: rows[i] zero-padded). With
+  `staging` (host_tier.Staging), through its pinned buffers (_staged_stack). Otherwise packed
+  on the host and uploaded in one transfer, or in pieces (UPLOAD_PIECE on an accelerator, at
+  most _upload_max() bytes) written into one donated device array (device memory stays 1x)."""
   times = times or LoadTimes()
+  if staging is not None:
+    return _staged_stack([_as_row(r) for r in rows], stride, device, lead, staging, times, data)
   budget = budget or _Budget(_upload_max())
   piece = _upload_max() if device.platform == "cpu" else min(UPLOAD_PIECE, _upload_max())
   per = max(1, piece // stride)
@@ -320,7 +401,8 @@ def _vector(model: Model, d: WeightDecl, r: sharding.Rule, par: Par) -> jax.Arra
 
 
 def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Placement,
-            host, budget: _Budget | None = None, times: LoadTimes | None = None) -> QWeight:
+            host, budget: _Budget | None = None, times: LoadTimes | None = None,
+            staging=None, stack: jax.Array | None = None) -> QWeight:
   """A QWeight of every layer of matrix `d`; with a sharded rule, of S shards (leading axis)."""
   times = times or LoadTimes()
   tensors = model.tensors(d)
@@ -361,7 +443,7 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
   for device, index in sh.addressable_devices_indices_map(gshape).items():
     s = (index[0].start or 0) if lead else 0
     rows = [row(tensors[i], s) for i in dev_pos]
-    arrays.append(_device_stack(rows, stride, device, lead, budget, times) if rows else
+    arrays.append(_device_stack(rows, stride, device, lead, budget, times, staging, stack) if rows else
                   jnp.zeros((1,) * lead + (1, 1), jnp.uint8, device=device))
   data = jax.make_array_from_single_device_arrays(gshape, sh, arrays)
   meta = QMeta(rows=lshape[-2], cols=lshape[-1], experts=lshape[0] if len(lshape) == 3 else 0,
@@ -375,13 +457,13 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
 
 def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, par: Par | None = None,
                  host=None, progress: Progress | None = None, times: LoadTimes | None = None,
-                 _budget: _Budget | None = None):
+                 _budget: _Budget | None = None, _staging=None, _stack=None):
   """Declaration `d` placed over `par` (default: the 1 x 1 mesh on JAX's first device) as
   `where` says, by its rule (jaxvt.model.sharding): a QWeight (matrices) or a float32 array.
   `times` collects where the time went (LoadTimes)."""
   par = par or sharding.one_device()
   r = sharding.rule(d, par)
-  w = (_matrix(model, d, r, par, where, host, _budget, times) if d.matrix else
+  w = (_matrix(model, d, r, par, where, host, _budget, times, _staging, _stack) if d.matrix else
        _vector(model, d, r, par))
   if progress:
     for t in model.tensors(d):
@@ -399,7 +481,8 @@ def _stack_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def place(model: Model, where: Placement = all_device, *, par: Par | None = None, host=None,
-          progress: Progress | None = None, times: LoadTimes | None = None) -> dict:
+          progress: Progress | None = None, times: LoadTimes | None = None,
+          staging: Callable | None = None) -> dict:
   """Places every declared weight over `par` (default: the 1 x 1 mesh on JAX's first device)
   and in the host tier `host`; returns {canonical name: QWeight | float32 array}.
 
@@ -408,31 +491,65 @@ def place(model: Model, where: Placement = all_device, *, par: Par | None = None
   memory for packed stacks bounded by _upload_max() in all). Each weight is placed as
   place_weight places it alone, so the arrays hold the same bytes. `progress` is called on
   this thread, in declaration order; the first error is raised once every weight in flight
-  has stopped."""
+  has stopped. `staging(platform, n, piece)`: pinned staging buffers for n weights in flight
+  (host_tier.staging_for, which gives None where the device cannot take them), through which
+  device stacks go up (_staged_stack) instead of device_put; closed when placing ends."""
   par = par or sharding.one_device()
   budget = _Budget(_upload_max())
   n = _stacks_in_flight(par.devices[0].platform)
-  if n == 1:
-    return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress,
-                                 times=times, _budget=budget) for d in model.decls}
-  futs = [_stack_pool(n).submit(place_weight, model, d, where, par=par, host=host, times=times,
-                                _budget=budget) for d in model.decls]
-  weights, error = {}, None
-  for d, f in zip(model.decls, futs):
-    try:
-      weights[d.name] = f.result()
-    except BaseException as e:  # pylint: disable=broad-except
-      if error is None:
-        error = e
-        for g in futs:
-          g.cancel()
-      continue
-    if progress and error is None:
-      for t in model.tensors(d):
-        progress(t.n_bytes)
-  if error is not None:
-    raise error
-  return weights
+  staging = staging(par.devices[0].platform, n, STAGE_PIECE) if staging else None
+  times = times or LoadTimes()
+  t0 = time.perf_counter()
+  stacks = _device_arrays(model, where, par) if staging is not None and par.size == 1 else {}
+  times.add("arrays", time.perf_counter() - t0, sum(a.nbytes for a in stacks.values()))
+  try:
+    if n == 1:
+      return {d.name: place_weight(model, d, where, par=par, host=host, progress=progress,
+                                   times=times, _budget=budget, _staging=staging,
+                                   _stack=stacks.pop(d.name, None))
+              for d in model.decls}
+    futs = [_stack_pool(n).submit(place_weight, model, d, where, par=par, host=host, times=times,
+                                  _budget=budget, _staging=staging, _stack=stacks.pop(d.name, None))
+            for d in model.decls]
+    weights, error = {}, None
+    for d, f in zip(model.decls, futs):
+      try:
+        weights[d.name] = f.result()
+      except BaseException as e:  # pylint: disable=broad-except
+        if error is None:
+          error = e
+          for g in futs:
+            g.cancel()
+        continue
+      if progress and error is None:
+        for t in model.tensors(d):
+          progress(t.n_bytes)
+    if error is not None:
+      raise error
+    return weights
+  finally:
+    if staging is not None:
+      staging.close()  # every copy through it has returned: the futures are done
+
+
+def _device_arrays(model: Model, where: Placement, par: Par) -> dict:
+  """{name: uint8 device array} of every matrix's device stack (one device), made by one program:
+  one compile (or load from the compilation cache) where a zeros per stack compiled one per
+  shape, which on the H200 cost seconds of the cached first token. Their bytes are arbitrary
+  (_staged_stack writes them all); the arrays are distinct buffers (checked; {} otherwise)."""
+  shapes = {n: w.data.shape for n, w in abstract_weights(model, where, par).items()
+            if isinstance(w, QWeight) and len(w.meta.host_layers) < w.meta.n_layers}
+  names = sorted(shapes)
+  if not names:
+    return {}
+  # each filled with its own byte (the staged path writes every byte of a stack): identical
+  # zeros of one shape are one value to XLA, which may hand out one buffer for them
+  make = jax.jit(lambda: [jnp.full(shapes[n], i % 251 + 1, jnp.uint8) for i, n in enumerate(names)],
+                 out_shardings=jax.sharding.SingleDeviceSharding(par.devices[0]))
+  arrays = make()
+  if len({a.unsafe_buffer_pointer() for a in arrays}) != len(arrays):
+    return {}
+  return dict(zip(names, arrays))
 
 
 class Placing:

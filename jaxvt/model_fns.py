@@ -85,8 +85,10 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
 
   token int32 [b]: the last sampled token (not yet in the cache); position int32 []: where it
   goes; key: the sampling key, split once per step as generate splits it. Returns (tokens int32
-  [steps, b]: the sampled tokens in order, cache, key). Positions past the cache are dropped, so
-  a caller stops consuming tokens at the context's end."""
+  [steps, b]: the sampled tokens in order, cache, key, last int32 [b]: the last of them, the
+  next call's `token`, so that call can be dispatched before these tokens are read back).
+  Positions past the cache are dropped, so a caller stops consuming tokens at the context's
+  end."""
   b = token.shape[0]
 
   def step(i, carry):
@@ -98,5 +100,6 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
     return cache, nxt, key, out.at[i].set(nxt)
 
   out = jnp.zeros((steps, b), jnp.int32)
-  cache, _, key, out = jax.lax.fori_loop(0, steps, step, (cache, token.astype(jnp.int32), key, out))
-  return out, cache, key
+  cache, last, key, out = jax.lax.fori_loop(0, steps, step,
+                                            (cache, token.astype(jnp.int32), key, out))
+  return out, cache, key, last

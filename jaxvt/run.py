@@ -253,6 +253,38 @@ class _Interrupts:
       os._exit(130)
 
 
+def open_preset(name: str):  # the imports here and below: the CLI imports JAX only once it runs
+  """A weightless model of jaxvt.model.presets.PRESETS: its configuration and declarations, and
+  each unit's bytes estimated for Q4_K_S-like formats (what `--plan --model NAME` plans)."""
+  from jaxvt.loader import Model
+  from jaxvt.model.declare import UnitBytes, declare
+  from jaxvt.model.presets import PRESETS
+  from jaxvt.offload.plan import Q4_K_S_LIKE, estimate_bytes
+  cfg = PRESETS[name][1]()
+  decls = declare(cfg)
+  units = [UnitBytes(n, l, b, -1) for (n, l), b in estimate_bytes(decls, Q4_K_S_LIKE).items()]
+  return Model(name, cfg, decls, units)
+
+
+def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
+                max_context: int = 2048, mesh: str | None = None,
+                offload_pattern: tuple[str, ...] = ()) -> str:
+  """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without placing
+  any weights; with `mesh`, one device's plan (its shards, its budget)."""
+  from jaxvt.engine import plan
+  from jaxvt.loader import open_model
+  from jaxvt.model.presets import PRESETS
+  from jaxvt.parallel import mesh as mesh_mod
+  weightless = path.lower() in PRESETS and not os.path.exists(path)
+  m = open_preset(path.lower()) if weightless else open_model(path)
+  placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=True,
+                max_context=max_context, kernels=True, offload_pattern=offload_pattern,
+                mesh=mesh_mod.parse(mesh))
+  head = (f"{PRESETS[m.path][0]} (weightless; {m.cfg.n_layers} layers)" if weightless else
+          f"{path} ({m.cfg.arch}, {m.cfg.n_layers} layers)")
+  return f"model: {head}\n" + placed.plan_text(mesh)
+
+
 def main(argv: list[str]) -> int:
   with _Interrupts() as interrupts:
     try:
@@ -313,9 +345,9 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
     if F.plan:
-      text = engine_mod.plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                                    max_context=F.max_context, mesh=F.mesh,
-                                    offload_pattern=tuple(F.offload_pattern))
+      text = plan_report(path, offload_gb=offload, device_gb=F.device_gb,
+                         max_context=F.max_context, mesh=F.mesh,
+                         offload_pattern=tuple(F.offload_pattern))
       _print_escaped(text)
       unsafe = [l for l in text.splitlines() if l.startswith("UNSAFE:")]
       if unsafe and not F.force:

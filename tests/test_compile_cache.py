@@ -151,3 +151,43 @@ def test_first_token_before_decode_compiles():
     again = eng.generate([1] * 240, max_tokens=30)
     assert again.stats.compile_seconds == 0 and counter.snapshot()[0] == before[0]
     assert again.tokens == g.tokens
+
+
+@needs_ext
+def test_generate_sends_the_next_decode_call_before_reading_tokens(monkeypatch):
+  """The device never waits on the host between decode calls: generate dispatches the next
+  call (its token and cache as the previous call returned them, on the device) before it reads
+  the previous call's tokens; the tokens are those of the one-call-at-a-time order (the same
+  greedy tokens as decode chunks of one step each, where every call is read before the next)."""
+  from jaxvt import engine
+  from jaxvt.bench.arms import no_stops
+  events = []
+  real_fn, real_np = engine.decode_loop_fn, engine.np
+
+  class Fn:
+    def __call__(self, *a, **k):
+      events.append(("call", k["steps"]))
+      return real_fn(*a, **k)
+
+    def lower(self, *a, **k):
+      return real_fn.lower(*a, **k)
+
+  class Np:
+    def __getattr__(self, name):
+      return getattr(real_np, name)
+
+    def asarray(self, a, *args, **kw):
+      events.append(("read", a.shape[0]))
+      return real_np.asarray(a, *args, **kw)
+
+  with no_stops(jaxvt.load(max_context=300)) as eng:
+    eng.decode_chunk = 1
+    one = eng.generate([1, 2, 3], max_tokens=12).tokens
+    eng.decode_chunk = 4
+    monkeypatch.setattr(engine, "decode_loop_fn", Fn())
+    monkeypatch.setattr(engine, "np", Np())
+    g = eng.generate([1, 2, 3], max_tokens=12)
+  assert g.tokens == one and len(one) == 12
+  # 11 decode tokens in calls of 4 (decode_steps): each read comes after the next call is sent
+  assert events == [("call", 4), ("call", 4), ("read", 4), ("call", 4), ("read", 4),
+                    ("read", 4)], events

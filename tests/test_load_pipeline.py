@@ -14,9 +14,10 @@ import pytest
 
 import jaxvt
 from jaxvt import engine, ffi, loader, programs, synth
+from jaxvt.model import sharding
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf.reader import open_gguf
-from jaxvt.offload.host_tier import HostTier
+from jaxvt.offload.host_tier import HostTier, Staging, staging_for
 from jaxvt.qweight import HOST_BIT, QWeight
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
@@ -35,24 +36,54 @@ def _host_bytes(tier: HostTier) -> dict[int, np.ndarray]:
   return {b.device_address: b.array for b in tier._buffers}  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("stacks", [1, 3])
+def _gpu_case(*values):
+  from gpu_cases import OK, REASON  # pylint: disable=import-outside-toplevel
+  return pytest.param(*values, marks=[pytest.mark.gpu, pytest.mark.skipif(not OK, reason=REASON)])
+
+
+@pytest.mark.parametrize("backend,stacks,staged", [("cpu", 1, False), ("cpu", 3, False),
+                                                   ("cpu", 1, True), ("cpu", 3, True),
+                                                   _gpu_case("gpu", 3, True)])
 @pytest.mark.parametrize("where", ["device", "host", "alternate"])
-def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, stacks):
+def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, backend, stacks, staged):
   """Each matrix's device rows equal the tensors' bytes packed from the memory map (the loader
   before it read with pread), zero-padded; each host-tier buffer equals its tensor's bytes;
   vectors equal the file's floats. Small copy pieces, small uploads and a small host budget make
   every path run: chunked reads, uploads in pieces into a donated array, stacks waiting for
-  host memory; with stacks=3 three weights at once on threads, as on an accelerator."""
+  host memory; with stacks=3 three weights at once on threads, as on an accelerator. staged:
+  through pinned-staging buffers copied into device arrays made up front by one program
+  (host_tier.Staging, loader._device_arrays: the GPU's path; on the CPU its CPU form), file rows
+  read on the extension's native threads, pieces smaller than a row and not a multiple of the
+  row stride, and fewer buffers than weights in flight; the buffers are freed when placing
+  ends. gpu: the real GPU path (run with -m gpu on a GPU host)."""
   monkeypatch.setattr(loader, "_stacks_in_flight", lambda platform: stacks)
   monkeypatch.setattr(loader, "COPY_CHUNK", 4096 + 17)
   monkeypatch.setattr(loader, "_upload_max", lambda: 3 * 4096)
+  monkeypatch.setattr(loader, "STAGE_PIECE", 3 * 4096 + 5)
+  made, arrays = [], []
+  real_arrays = loader._device_arrays  # pylint: disable=protected-access
+
+  def staging(platform, n, piece):
+    assert platform == backend and piece == loader.STAGE_PIECE
+    made.append(Staging(max(1, n - 1), piece, backend="cpu") if backend == "cpu"
+                else staging_for(platform, n, piece))
+    return made[-1]
+
+  def device_arrays(*a):
+    out = real_arrays(*a)
+    arrays.append(len(out))  # (placing takes its arrays out of the dict)
+    return out
+  if staged:
+    monkeypatch.setattr(loader, "_device_arrays", device_arrays)
   m = loader.open_model(moe_file)
   placement = {"device": loader.all_device,
                "host": lambda n, l: "host",
                "alternate": lambda n, l: "host" if (l or 0) % 2 else "device"}[where]
-  with HostTier(backend="cpu") as tier:
+  par = sharding.one_device(jax.devices(backend)[0])
+  with HostTier(backend=backend) as tier:
     times = loader.LoadTimes()
-    weights = loader.place(m, placement, host=tier, times=times)
+    weights = loader.place(m, placement, par=par, host=tier, times=times,
+                           staging=staging if staged else None)
     host = _host_bytes(tier)
     n_host = 0
     for d in m.decls:
@@ -70,6 +101,7 @@ def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, stacks):
           n_host += 1
           np.testing.assert_array_equal(host[int(addr[i])], t.raw().reshape(-1))
       if dev:
+        assert w.data.devices() == {par.devices[0]}
         stride = max(tensors[i].n_bytes for i in dev)
         np.testing.assert_array_equal(np.asarray(w.data),
                                       loader.pack_rows([tensors[i] for i in dev], stride))
@@ -77,6 +109,29 @@ def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, stacks):
     assert (n_host > 0) == (where != "device")
     matrices = sum(t.n_bytes for d in m.decls if d.matrix for t in m.tensors(d))
     assert times.read_bytes + times.host_bytes >= matrices
+    assert all(s.tier.closed and s.tier.nbytes == 0 for s in made) and len(made) == staged
+    # the device stacks came from _device_arrays' one program (none where all is in the host tier)
+    assert [n > 0 for n in arrays] == ([where != "host"] if staged else [])
+
+
+@pytest.mark.parametrize("backend", ["cpu", _gpu_case("gpu")])
+@pytest.mark.parametrize("piece", [7, 4096, 3 * 5003 + 1, 1 << 20])
+def test_staged_stack_is_the_packed_stack(piece, backend):
+  """A stack through the staging buffers (rows of unequal sizes, so padding; pieces cutting rows
+  anywhere, smaller and larger than a row) holds exactly the packed rows, whatever the reused
+  buffer held before (here 0xff). gpu: pinned buffers DMA-copied into a GPU array (run with
+  -m gpu on a GPU host)."""
+  rng = np.random.default_rng(piece)
+  sizes = [5003, 17, 4999, 1, 5003, 2500]
+  rows = [loader.array_row(rng.integers(0, 256, s, dtype=np.uint8)) for s in sizes]
+  stride = max(sizes)
+  with Staging(2, piece, backend=backend) as staging:
+    with staging.buffer() as buf:
+      buf.array[:] = 0xff
+    got = loader._device_stack(rows, stride, jax.devices(backend)[0], lead=1,  # pylint: disable=protected-access
+                               staging=staging)
+    assert got.shape == (1, len(rows), stride)
+    np.testing.assert_array_equal(np.asarray(got)[0], loader._pack(rows, stride))  # pylint: disable=protected-access
 
 
 def test_read_into_refuses_a_file_that_shrank(moe_file, tmp_path):
@@ -92,11 +147,22 @@ def test_read_into_refuses_a_file_that_shrank(moe_file, tmp_path):
   part = np.empty(100, np.uint8)
   gf.read_into(part, t, 7)
   np.testing.assert_array_equal(part, dst[7:107])
+  # the same through the extension's native reader (the staged path), in pieces of 64 bytes
+  read = lambda fd, ranges: ffi.extension().read_ranges(fd, ranges, 2, 64)
+  many = np.full(t.n_bytes + 100, 0xff, np.uint8)
+  gf.read_ranges([(t, 0, many.ctypes.data, t.n_bytes), (t, 7, many.ctypes.data + t.n_bytes, 100)],
+                 read)
+  np.testing.assert_array_equal(many[:t.n_bytes], dst)
+  np.testing.assert_array_equal(many[t.n_bytes:], dst[7:107])
   os.truncate(path, t.offset + 10)
   with pytest.raises(JaxvtError, match="changed while it was read"):
     gf.read_into(dst, t)
+  with pytest.raises(JaxvtError, match=f"changed while it was read .*'{t.name}' ends early"):
+    gf.read_ranges([(t, 0, many.ctypes.data, t.n_bytes)], read)
   with pytest.raises(ValueError):
     gf.read_into(np.empty(t.n_bytes + 1, np.uint8), t)
+  with pytest.raises(ValueError):
+    gf.read_ranges([(t, 1, many.ctypes.data, t.n_bytes)], read)
 
 
 class _Recording(HostTier):

@@ -41,6 +41,9 @@ def main(argv: list[str]) -> int:
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--cache", default=None, help="cache directory (default: a fresh temporary one)")
   ap.add_argument("--no-cache", action="store_true")
+  ap.add_argument("--stderr-dir", default=None,
+                  help="write each run's stderr to DIR/run-N.txt (with JAX_LOG_COMPILES=1: what "
+                       "each program cost)")
   a = ap.parse_args(argv)
   with tempfile.TemporaryDirectory(prefix="jaxvt-cache-") as tmp:
     env = dict(os.environ, JAXVT_COMPILE_CACHE="0" if a.no_cache else a.cache or tmp)
@@ -48,6 +51,10 @@ def main(argv: list[str]) -> int:
     for i in range(a.runs):
       t, total, err = run_once(cli, env)
       first = first or t
+      if a.stderr_dir:
+        os.makedirs(a.stderr_dir, exist_ok=True)
+        with open(os.path.join(a.stderr_dir, f"run-{i + 1}.txt"), "w") as f:
+          f.write(err)
       lines = [l for l in err.splitlines() if l.startswith(("load ", "compile "))]
       print(f"run {i + 1}: first token {t:.2f} s ({100 * t / first:.0f}% of run 1), "
             f"total {total:.2f} s | " + " | ".join(" ".join(l.split()) for l in lines),

@@ -14,6 +14,12 @@
 #   bash tools/h200_session.sh waves    # the decode products by grid size; command buffers
 #   bash tools/h200_session.sh final    # (or step) the fused ops' tests, the attention probe, a decode
 #                                       # step, determinism (llama-bench built for the sweep)
+#   bash tools/h200_session.sh probe    # a host layer's read on a second stream, the file's
+#                                       # read rate, generate's decode rate, the first token
+#   bash tools/h200_session.sh last     # the staged load's GPU tests, the first token, determinism
+#                                       # (llama-bench built for the sweep's call)
+#   bash tools/h200_session.sh loadtime # a load's timeline (tools/load_timeline.py), first token
+#   bash tools/h200_session.sh flags    # the loader's GPU tests; a decode step under XLA flags
 #   bash tools/h200_session.sh first    # the 35B first token, cold and cached
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
@@ -143,6 +149,58 @@ if [ "$what" = waves ]; then  # each decode product alone with grids of 1, 2, 4,
   XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
     timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 30 > "$OUT/profile_decode_cmdbuf.txt" 2>&1
   head -3 "$OUT/profile_decode_cmdbuf.txt"
+fi
+if [ "$what" = probe ]; then  # a host layer's read on XLA's second stream beside compute; the
+  # file's read rate; generate's decode rate against one call at a time; the first token, cold
+  # and cached, with each program's compile log (JAX_LOG_COMPILES, in $OUT/ft.tgz)
+  start_llama
+  timeout 60 python3 tools/stream_probe.py > "$OUT/stream_probe.txt" 2>&1; cat "$OUT/stream_probe.txt"
+  XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true timeout 60 python3 tools/stream_probe.py \
+    > "$OUT/stream_probe_annot.txt" 2>&1; tail -4 "$OUT/stream_probe_annot.txt"
+  model
+  timeout 100 python3 tools/read_probe.py $M --gib 8 --threads 1,4,8,16 > "$OUT/read_probe.txt" 2>&1
+  cat "$OUT/read_probe.txt"
+  timeout 120 python3 tools/decode_rate.py --model $M > "$OUT/decode_rate.txt" 2>&1; tail -2 "$OUT/decode_rate.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/decode_rate.py --model $M --offload-gb auto \
+    --device-gb 16 > "$OUT/decode_rate_auto.txt" 2>&1; tail -2 "$OUT/decode_rate_auto.txt"
+  JAX_LOG_COMPILES=1 timeout 150 python3 tools/first_token.py --runs 2 --stderr-dir /tmp/ft -- \
+    --model $M --max-tokens 32 > "$OUT/first_token.txt" 2>&1; tail -8 "$OUT/first_token.txt"
+  tar czf "$OUT/ft.tgz" -C /tmp ft
+fi
+if [ "$what" = last ]; then  # the staged load's GPU tests, the first token cold and cached, the
+  # determinism test (generate's decode calls pipelined); llama-bench built for the sweep's call
+  start_llama
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_load_pipeline.py \
+    > "$OUT/load_tests_gpu.txt" 2>&1; tail -3 "$OUT/load_tests_gpu.txt"
+  model
+  timeout 150 python3 tools/first_token.py --runs 3 -- --model $M --max-tokens 32 \
+    > "$OUT/first_token.txt" 2>&1; tail -8 "$OUT/first_token.txt"
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = loadtime ]; then  # where a load's time goes (cold, then from the compilation
+  # cache), and the first token, cold and cached
+  model
+  for r in 1 2; do
+    timeout 90 python3 tools/load_timeline.py --model $M --warm --cache /tmp/lt-cache \
+      > "$OUT/load_timeline_$r.txt" 2>&1; cat "$OUT/load_timeline_$r.txt" | head -20
+  done
+  timeout 150 python3 tools/first_token.py --runs 3 -- --model $M --max-tokens 32 \
+    > "$OUT/first_token.txt" 2>&1; tail -8 "$OUT/first_token.txt"
+fi
+if [ "$what" = flags ]; then  # the loader's GPU tests; a decode step under XLA fusion flags
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_load_pipeline.py \
+    > "$OUT/load_tests_gpu.txt" 2>&1; tail -3 "$OUT/load_tests_gpu.txt"
+  model
+  for f in "" ${FLAGS:---xla_gpu_experimental_enable_triton_softmax_priority_fusion=true \
+      --xla_gpu_experimental_enable_triton_heroless_priority_fusion=true \
+      --xla_gpu_experimental_enable_fusion_block_level_rewriter=true \
+      --xla_gpu_experimental_all_fusions_with_triton=true}; do
+    XLA_FLAGS="$f" timeout 60 python3 -m jaxvt.bench profile --model $M --steps 16 --top 12 \
+      > /tmp/prof.txt 2>&1; echo "== ${f:-defaults}"; head -2 /tmp/prof.txt | cut -c1-220
+    grep -i "error" /tmp/prof.txt | head -2 | cut -c1-200
+  done
 fi
 if [ "$what" = first ]; then  # the 35B file's first token, cold and from the compilation cache
   # (the pipelined load), auto on the emulated 16 GiB card, the loader's tests on the GPU

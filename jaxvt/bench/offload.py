@@ -174,7 +174,7 @@ class Session:
 
 def warm_up(eng, ids: list[int], overlap: bool) -> None:
   """Compiles and runs once what a timed `eng.generate(ids, ...)` runs (one device): a generate
-  of one token (prefill, first sample) and one decode chunk (engine.decode_loop_fn). With `overlap` the two run on two
+  of one token (prefill, first sample) and two decode chunks (engine.decode_loop_fn). With `overlap` the two run on two
   threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
   run them one after the other, so that the warm-up's device memory is what a plain run needs.
   `eng` generates to max_tokens (arms.NoStops)."""
@@ -184,13 +184,15 @@ def warm_up(eng, ids: list[int], overlap: bool) -> None:
   def first():
     eng.generate(ids, max_tokens=1)
 
-  def step():  # the decode call generate makes: a cache over the mesh, as prefill returns it
-    cache = eng.new_cache(1)
+  def step():  # the decode calls generate makes: a cache over the mesh, as prefill returns it;
+    # the first call's token from the host, the next one's as the first returns it
+    cache, token, key, pos = eng.new_cache(1), jnp.asarray([1], jnp.int32), jax.random.key(0), n
     steps = eng.decode_chunk
-    toks, _, _ = engine.decode_loop_fn(
-        eng.weights, cache, jnp.asarray([1], jnp.int32), jnp.int32(n), jax.random.key(0),
-        cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(n + steps), params=SamplingParams(),
-        steps=steps)
+    for _ in range(2):
+      toks, cache, key, token = engine.decode_loop_fn(
+          eng.weights, cache, token, jnp.int32(pos), key, cfg=eng.cfg, ex=eng.ex,
+          kv_len=eng.kv_len(pos + steps), params=SamplingParams(), steps=steps)
+      pos += steps
     int(toks[0, 0])
 
   def guarded(f):

@@ -25,7 +25,7 @@ import mmap
 import os
 import stat
 import struct
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import gguf
 import numpy as np
@@ -114,9 +114,28 @@ class GGUFFile:
     while len(view):
       got = os.preadv(fd, [view], pos)
       if got <= 0:
-        raise JaxvtError(f"{escape(self.path)} changed while it was read (tensor "
-                         f"'{escape(t.name, 80)}' ends early); open it again")
+        raise self._ended_early(t)
       view, pos = view[got:], pos + got
+
+  def _ended_early(self, t: TensorInfo) -> JaxvtError:
+    return JaxvtError(f"{escape(self.path)} changed while it was read (tensor "
+                      f"'{escape(t.name, 80)}' ends early); open it again")
+
+
+  def read_ranges(self, parts: list[tuple[TensorInfo, int, int, int]],
+                  read: Callable[[int, list[tuple[int, int, int]]], int]) -> None:
+    """read_into for many pieces at once: each (tensor, start, destination address, bytes) part
+    gets bytes [start, start + bytes) of its tensor, read by `read(fd, [(file offset, address,
+    bytes), ...])` (the extension's read_ranges: native threads, the GIL released once), which
+    returns -1, or the file offset where the file ended early (the error read_into raises)."""
+    for t, start, _, n in parts:
+      if self._file is None or t.offset < 0 or start < 0 or n < 0 or start + n > t.n_bytes:
+        raise ValueError(f"read_ranges: bytes {start}..{start + n} of tensor '{t.name}' are not "
+                         "in this file")
+    short = read(self._file.fileno(), [(t.offset + s, a, n) for t, s, a, n in parts])
+    if short >= 0:
+      raise self._ended_early(next((t for t, s, _, n in parts
+                                    if t.offset + s <= short < t.offset + s + n), parts[0][0]))
 
 
 def check_path(path: str) -> int:

@@ -20,7 +20,9 @@ close a tier only after the arrays and compiled functions that use it are gone.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import queue
 import threading
 import weakref
 from typing import Callable
@@ -175,6 +177,72 @@ class HostTier:
   def __repr__(self) -> str:
     return (f"HostTier(backend={self.backend!r}, buffers={len(self._buffers)}, "
             f"{'closed' if self._closed else _gib(self.nbytes)})")
+
+
+class Staging:
+  """Pinned buffers of `piece` bytes (a tier of their own) through which the loader writes device
+  arrays: it fills a buffer from the file, then `upload` copies it straight into the array's
+  device memory (the extension's copy_to_device: one DMA at the link's rate, where
+  jax.device_put of pageable memory first copies the bytes into staging memory of its own, at a
+  few GB/s). At most `n` buffers, made when first wanted; `buffer()` waits for a free one.
+  `close()` frees them all."""
+
+  def __init__(self, n: int, piece: int, backend: str | None = None):
+    self.tier = HostTier(backend)
+    self.piece, self._n, self._made = int(piece), int(n), 0
+    self._free: queue.SimpleQueue = queue.SimpleQueue()
+    self._lock = threading.Lock()
+
+  @contextlib.contextmanager
+  def buffer(self):
+    """A free buffer (HostBuffer of `piece` bytes) for the block's duration."""
+    buf = None
+    with self._lock:
+      if self._free.empty() and self._made < self._n:
+        try:
+          buf = self.tier.alloc(self.piece)
+          self._made += 1
+        except JaxvtError:
+          if not self._made:
+            raise
+          self._n = self._made  # no room for another: wait for one of those made
+    if buf is None:
+      buf = self._free.get()
+    try:
+      yield buf
+    finally:
+      self._free.put(buf)
+
+  def upload(self, dst_address: int, buf: HostBuffer, nbytes: int, device) -> None:
+    """buf's first nbytes into the device buffer at dst_address, on `device` (a jax Device of
+    this tier's backend: a GPU, or the CPU for a "cpu" tier), waiting until they are there."""
+    gpu = self.tier.backend == "gpu"
+    if gpu == (device.platform == "cpu"):
+      raise JaxvtError(f"a {self.tier.backend} staging tier cannot upload to a {device.platform} "
+                       f"device")
+    _ext().copy_to_device(dst_address, buf.host_address, int(nbytes), gpu,
+                          int(device.local_hardware_id or 0) if gpu else 0)
+
+  def close(self) -> None:
+    self.tier.close()
+
+  def __enter__(self) -> Staging:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def staging_for(platform: str, n: int, piece: int) -> Staging | None:
+  """Staging buffers (n of `piece` bytes) for placing weights on a device of `platform`: pinned
+  and copied by DMA on a GPU the extension can reach; None on the CPU backend, or where the
+  extension has no GPU support or sees no GPU (the loader then uploads with device_put)."""
+  if platform == "cpu":
+    return None
+  ext = extension()
+  if ext is None or not ext.gpu_platform() or ext.gpu_device_count() == 0:
+    return None
+  return Staging(n, piece, backend="gpu")
 
 
 class ManagedBuffer:

@@ -32,6 +32,12 @@ void host_free(uintptr_t host);
 bool managed_alloc(size_t nbytes, uintptr_t* ptr, std::string* err);
 void managed_free(uintptr_t ptr);
 
+// Copies nbytes from host memory at src (pinned: a DMA at the link's rate) to device memory at
+// dst on GPU `device`, on a stream of its own, and returns once the bytes are there; false (and
+// *err) on failure. For the loader, which writes weights into device arrays nothing else touches
+// while it does.
+bool copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, int device, std::string* err);
+
 // GB/s (1e9 bytes/s). Negative on failure, with *err set.
 // kind: the host memory's HostKind (the source of the copies / the memory read).
 double measure_dma_h2d(size_t nbytes, int iters, int kind, std::string* err);

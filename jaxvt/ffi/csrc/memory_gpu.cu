@@ -175,6 +175,17 @@ void managed_free(uintptr_t ptr) {
   if (ptr) (void)gpuFree(reinterpret_cast<void*>(ptr));
 }
 
+bool copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, int device, std::string* err) {
+  if (!ok(gpuSetDevice(device), "set device", err)) return false;
+  gpuStream_t s = nullptr;
+  if (!ok(gpuStreamCreate(&s), "stream", err)) return false;
+  const bool good = ok(gpuMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                                      nbytes, gpuMemcpyHostToDevice, s), "copy", err) &&
+                    ok(gpuStreamSynchronize(s), "copy", err);
+  (void)gpuStreamDestroy(s);
+  return good;
+}
+
 double measure_dma_h2d(size_t nbytes, int iters, int kind, std::string* err) {
   Timer t(err);
   if (!t.ready) return -1;

@@ -5,9 +5,13 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -15,6 +19,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -192,6 +197,69 @@ double CpuRead(size_t nbytes, int iters) {
   return static_cast<double>(n) * 8 * iters / 1e9 / Seconds(std::chrono::steady_clock::now() - t0);
 }
 
+// dst: a device array's buffer (gpu: on GPU `device`; else host memory, the CPU backend's),
+// src: host memory (a host-tier buffer: pinned on a GPU). Waits for the copy; the GIL is
+// released meanwhile.
+void CopyToDevice(uintptr_t dst, uintptr_t src, size_t nbytes, bool gpu, int device) {
+  if (nbytes == 0) return;
+  if (gpu && !UseGpu())
+    throw std::runtime_error("this build of jaxvt sees no GPU (rebuild with JAXVT_GPU=CUDA or HIP)");
+  nb::gil_scoped_release release;
+#if defined(JAXVT_WITH_GPU)
+  if (gpu) {
+    std::string err;
+    if (!jaxvt::gpu_mem::copy_h2d(dst, src, nbytes, device, &err)) throw std::runtime_error(err);
+    return;
+  }
+#endif
+  (void)device;
+  std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+}
+
+// ---- reading a file on native threads -----------------------------------------------------------
+
+using Range = std::tuple<int64_t, uintptr_t, int64_t>;  // (file offset, destination, bytes)
+
+// Reads every range of file descriptor fd into memory, in pieces of at most `piece` bytes on
+// `threads` threads, with the GIL released throughout (one release for all of it, where Python
+// threads reading the same pieces each wait for the GIL between reads). Returns -1 when every
+// byte was read, else the file offset at which the file ended early; raises on a read error.
+int64_t ReadRanges(int fd, const std::vector<Range>& ranges, int threads, int64_t piece) {
+  if (piece < 1) throw std::invalid_argument("read_ranges: piece must be positive");
+  std::vector<Range> jobs;
+  for (const auto& [off, dst, n] : ranges) {
+    if (off < 0 || n < 0) throw std::invalid_argument("read_ranges: negative offset or size");
+    for (int64_t i = 0; i < n; i += piece)
+      jobs.emplace_back(off + i, dst + static_cast<uintptr_t>(i), std::min(piece, n - i));
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<int64_t> short_at{-1};
+  std::atomic<int> error{0};
+  auto work = [&] {
+    for (size_t j; (j = next.fetch_add(1)) < jobs.size() && !error && short_at < 0;) {
+      auto [off, dst, n] = jobs[j];
+      char* p = reinterpret_cast<char*>(dst);
+      while (n > 0) {
+        const ssize_t got = pread(fd, p, static_cast<size_t>(n), off);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { error = errno; return; }
+        if (got == 0) { short_at = off; return; }
+        p += got, off += got, n -= got;
+      }
+    }
+  };
+  {
+    nb::gil_scoped_release release;
+    const int n = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
+    std::vector<std::thread> pool;
+    for (int t = 1; t < n; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  }
+  if (error) throw std::runtime_error(std::string("read error: ") + std::strerror(error));
+  return short_at;
+}
+
 double MeasureDmaH2D(size_t nbytes, int iters, int kind) {
   if (iters < 1) iters = 1;
 #if defined(JAXVT_WITH_GPU)
@@ -323,6 +391,14 @@ NB_MODULE(_jaxvt_ffi, m) {
         "Managed-memory address, or None where the backend has none (CPU builds, no device, "
         "no concurrent managed access).");
   m.def("managed_free", &ManagedFree, nb::arg("ptr"));
+  m.def("copy_to_device", &CopyToDevice, nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"),
+        nb::arg("gpu") = false, nb::arg("device") = 0,
+        "Copies nbytes of host memory at src into the buffer at dst (gpu: device memory of GPU "
+        "`device`; else host memory, a memcpy) and waits for it; the GIL is released meanwhile.");
+  m.def("read_ranges", &ReadRanges, nb::arg("fd"), nb::arg("ranges"), nb::arg("threads"),
+        nb::arg("piece") = int64_t{64} << 20,
+        "Reads each (file offset, destination address, bytes) of fd in pieces on native "
+        "threads, the GIL released; -1 when all was read, else where the file ended early.");
   m.def("measure_dma_h2d", &MeasureDmaH2D, nb::arg("nbytes"), nb::arg("iters"), nb::arg("kind") = 0,
         "GB/s of pinned host -> device copies (memcpy GB/s on CPU).");
   m.def("measure_zero_copy_read", &MeasureZeroCopyRead, nb::arg("nbytes"), nb::arg("iters"),
