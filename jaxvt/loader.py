@@ -295,7 +295,9 @@ def _fill_range(dst: np.ndarray, rows: list[Row], stride: int, lo: int,
   i * stride, zero-padded to stride. With dst's `address` (memory that stays put: a staging
   buffer), file rows are read by the extension on native threads in one call per file."""
   hi = lo + dst.size
-  read = _native_reader() if address is not None else None
+  ext = ffi.extension() if address is not None else None  # read(fd, ranges): native threads
+  read = (None if ext is None or not hasattr(ext, "read_ranges") else lambda fd, ranges:
+          ext.read_ranges(fd, ranges, _pool()._max_workers, COPY_CHUNK))  # pylint: disable=protected-access
   dsts, parts, starts, native = [], [], [], {}
   for i in range(lo // stride, -(-hi // stride)):
     a, b = max(lo, i * stride), min(hi, (i + 1) * stride)  # this row's slice of [lo, hi)
@@ -313,15 +315,6 @@ def _fill_range(dst: np.ndarray, rows: list[Row], stride: int, lo: int,
     gf.read_ranges(items, read)
 
 
-def _native_reader():
-  """read(fd, ranges) on the extension's native threads (as many as the copy pool), or None."""
-  ext = ffi.extension()
-  if ext is None or not hasattr(ext, "read_ranges"):
-    return None
-  threads = _pool()._max_workers  # pylint: disable=protected-access
-  return lambda fd, ranges: ext.read_ranges(fd, ranges, threads, COPY_CHUNK)
-
-
 def _staged_stack(rows: list[Row], stride: int, device, lead: int, staging,
                   times: LoadTimes, data: jax.Array | None = None) -> jax.Array:
   """_device_stack through pinned buffers (host_tier.Staging): each piece of the stack read into
@@ -329,8 +322,7 @@ def _staged_stack(rows: list[Row], stride: int, device, lead: int, staging,
   _device_arrays) or a new one. Nothing else reads or writes that array until it is returned
   (it is ready before the first copy)."""
   shape = (1,) * lead + (len(rows), stride)
-  if data is None:
-    data = jnp.zeros(shape, jnp.uint8, device=device)
+  data = jnp.zeros(shape, jnp.uint8, device=device) if data is None else data
   if data.shape != shape:
     raise ValueError(f"the stack's device array is {data.shape}, not {shape}")
   data.block_until_ready()
