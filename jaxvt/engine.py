@@ -374,9 +374,8 @@ class Engine:
     if self._closed:
       return
     self._closed = True
-    # Every computation dispatched so far has its outputs among the live arrays, also one
-    # dispatched an instant before an interrupt closed the engine (before generate could note
-    # it): waiting for them all means no kernel still reads the host tier when it is freed.
+    # Every computation dispatched so far (also one an instant before an interrupt) has outputs
+    # among the live arrays: waiting for them all, no kernel still reads the freed host tier.
     for a in jax.live_arrays():
       try:
         a.block_until_ready()
@@ -474,12 +473,15 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
 
 def place(model: Model, placed: Placed, par: Par, *, host=None,
           progress: Callable[[int], None] | None = None, times=None) -> dict:
-  """`model`'s weights where `placed` puts them: over the mesh of `par` (`layout`) and in the
-  host tier `host` (needed when the plan offloads). Returns the weights pytree; `times`
-  (loader.LoadTimes) collects where placing spent its time. On a GPU the stacks go up through
-  pinned staging buffers (host_tier.staging_for)."""
-  return loader.place(model, placed.placement, par=par, host=host, progress=progress,
-                      times=times, staging=host_tier.staging_for)
+  """`model`'s weights where `placed` puts them, over the mesh of `par` and in the host tier
+  `host` (needed when the plan offloads; its tables told to the extension for prefill's copies,
+  ffi.prefetch); `times` (loader.LoadTimes) collects where placing spent its time. On a GPU the
+  stacks go up through pinned staging buffers (host_tier.staging_for)."""
+  weights = loader.place(model, placed.placement, par=par, host=host, progress=progress,
+                         times=times, staging=host_tier.staging_for)
+  if host is not None:
+    host.register_tables(weights)
+  return weights
 
 
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
@@ -572,10 +574,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                place_seconds=place_seconds, load_times=times)
   if early is not None:
     eng.warmed = early.warmed  # compiled against the weights' shapes: the same programs
-  # On a mesh of several devices, where memory is planned tight (weights offloaded, or
-  # --device-gb), the estimate of the program's workspace is replaced by XLA's own analysis of the
-  # largest prefill (per device) and the plan checked again before anything runs. (One device
-  # settles its plan with that analysis before placing anything: workspace_of above.)
+  # A mesh of several devices planned tight (offloaded, or --device-gb) checks its plan again with
+  # XLA's analysis of the largest prefill per device (one device did so before placing).
   # The tokenizer is built last, from the file: its vocabulary is tens of thousands of small
   # Python objects, and alive while the weights were placed they would share the heap's arenas
   # with small objects JAX keeps for the life of the process, which would then keep those

@@ -70,8 +70,10 @@ def test_default_order_and_fractions():
   p = base_plan("qwen36_35b")
   order = [p.units[i] for i in p.order]
   assert order[0].unit == ("embed", None)
-  assert [u.unit for u in order[1:4]] == [("moe.w_gate", 0), ("moe.w_up", 0), ("moe.w_down", 0)]
-  assert order[4].unit == ("moe.w_gate", 1)
+  # experts by spread layers (P.spread_order: the last layer, then 19, 29, 9, ...), gate/up/down
+  # of each layer together
+  assert [u.unit for u in order[1:4]] == [("moe.w_gate", 39), ("moe.w_up", 39), ("moe.w_down", 39)]
+  assert order[4].unit == ("moe.w_gate", 19) and order[7].unit == ("moe.w_gate", 29)
   assert order[-1].unit == ("lm_head", None)
   roles = [u.role for u in order]
   assert roles.index(Role.ATTENTION) > max(i for i, r in enumerate(roles) if r is Role.DELTANET)
@@ -89,13 +91,36 @@ def test_layers_last_reverses_within_a_rank():
   assert order[1:4] == [("moe.w_gate", 39), ("moe.w_up", 39), ("moe.w_down", 39)]
 
 
+def test_layers_first_takes_layers_in_order():
+  cfg, decls, sizes = model("qwen36_35b")
+  p = P.plan(cfg, decls, sizes, 6 * GiB, P.Policy(layers="first"))
+  hosts = host_set(p)
+  assert all((n, l) in hosts for l in range(13) for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
+  assert ("moe.w_up", 13) not in hosts
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 13, 40, 94])
+def test_spread_order_spaces_every_prefix(n):
+  """Every prefix of k layers has gaps of at most twice the even spacing n / k (counting the
+  start of the step), and the order is a permutation."""
+  o = P.spread_order(n)
+  assert sorted(o) == list(range(n))
+  for k in range(1, n + 1):
+    taken = sorted(o[:k])
+    gaps = [b - a for a, b in zip([-1] + taken, taken)]
+    assert max(gaps) <= max(1, 2 * n / k), (k, taken)
+
+
 def test_35b_6gib_plan():
   p = base_plan("qwen36_35b").rebudget(6 * GiB)
   assert p.host_bytes <= 6 * GiB
   hosts = host_set(p)
   assert ("embed", None) in hosts
-  assert all((n, l) in hosts for l in range(13) for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
-  assert ("moe.w_up", 13) not in hosts
+  # 13 whole layers of experts at spread layers, and the gate of the next spread layer
+  spread = P.spread_order(40)
+  assert all((n, l) in hosts for l in spread[:13] for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
+  assert ("moe.w_gate", spread[13]) in hosts and ("moe.w_up", spread[13]) not in hosts
+  assert sum(1 for n, _ in hosts if n.startswith("moe.")) == 40
   assert p.host_read_bytes == sum(u.read_bytes for u in p.units if u.unit in hosts)
   assert p.host_bytes + p.device_bytes == p.total_bytes
 

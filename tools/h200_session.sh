@@ -21,6 +21,15 @@
 #   bash tools/h200_session.sh loadtime # a load's timeline (tools/load_timeline.py), first token
 #   bash tools/h200_session.sh flags    # the loader's GPU tests; a decode step under XLA flags
 #   bash tools/h200_session.sh first    # the 35B first token, cold and cached
+#   bash tools/h200_session.sh prefetch # the prefetch ops' GPU tests; prefill with host-tier
+#                                       # expert layers copied ahead and read in place
+#                                       # (tools/prefill_rate.py) in HBM, at auto and with every
+#                                       # routed expert in the host tier on the 16 GiB card
+#   bash tools/h200_session.sh ws       # prefill's workspace at auto (XLA's buffer assignment)
+#   bash tools/h200_session.sh closing  # llama-bench built for the sweep's call; the prefetch and
+#                                       # loader GPU tests, determinism, prefill at auto
+#   bash tools/h200_session.sh split    # auto's prefill on the whole pool; prefill profiles
+#   bash tools/h200_session.sh slop     # prefill at auto with XLA's memory limit lifted
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -211,6 +220,62 @@ if [ "$what" = first ]; then  # the 35B file's first token, cold and from the co
     --device-gb 16 --max-tokens 16 > "$OUT/auto16.txt" 2>&1; echo "auto16 exit $?"; tail -6 "$OUT/auto16.txt"
   timeout 60 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_load_pipeline.py \
     > "$OUT/load_tests.txt" 2>&1; tail -4 "$OUT/load_tests.txt"
+fi
+if [ "$what" = prefetch ]; then  # #15: prefill at auto against all in HBM
+  [ -n "${LLAMA:-}" ] && start_llama
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    > "$OUT/prefetch_tests.txt" 2>&1; tail -4 "$OUT/prefetch_tests.txt"
+  model
+  timeout 120 python3 tools/prefill_rate.py --model $M > "$OUT/prefill_rate.txt" 2>&1
+  tail -2 "$OUT/prefill_rate.txt"
+  for b in auto ${BUDGETS:-16.88}; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 tools/prefill_rate.py --model $M \
+      --offload-gb $b --device-gb 16 >> "$OUT/prefill_rate.txt" 2>&1; tail -2 "$OUT/prefill_rate.txt"
+  done
+fi
+if [ "$what" = ws ]; then  # the prefetch tests; what prefill's workspace at auto is made of (XLA's
+  # buffer assignment); a prefill profile at auto's budget
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    > "$OUT/prefetch_tests.txt" 2>&1; tail -4 "$OUT/prefetch_tests.txt"
+  model
+  XLA_FLAGS="--xla_dump_to=/tmp/xd --xla_dump_hlo_module_re=.*prefill.*" XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC \
+    timeout 200 python3 tools/prefill_rate.py --model $M --offload-gb auto --device-gb 16 \
+    > "$OUT/prefill_rate_ws.txt" 2>&1; tail -1 "$OUT/prefill_rate_ws.txt"
+  python3 tools/buffers_probe.py /tmp/xd --top 16 > "$OUT/buffers.txt" 2>&1; head -60 "$OUT/buffers.txt"
+  b=$(sed -n 's/.*= budget \([0-9.]*\) GiB.*/\1/p' "$OUT/prefill_rate_ws.txt" | tail -1)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
+    --prompt 512 --offload-gb ${b:-3.9} --device-gb 16 --top 25 > "$OUT/profile_prefill_auto.txt" 2>&1
+  head -32 "$OUT/profile_prefill_auto.txt" | cut -c1-160
+fi
+if [ "$what" = closing ]; then
+  start_llama
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    tests/test_load_pipeline.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  model
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 tools/prefill_rate.py --model $M \
+    --offload-gb auto --device-gb 16 > "$OUT/prefill_rate.txt" 2>&1; tail -1 "$OUT/prefill_rate.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = split ]; then  # #15: what auto's prefill pays beyond all in HBM: auto's budget on
+  # the whole pool (no 16 GiB card), and the prefill profiles all in HBM and at auto
+  model
+  timeout 150 python3 tools/prefill_rate.py --model $M --offload-gb 4.063 > "$OUT/prefill_rate.txt" 2>&1
+  tail -1 "$OUT/prefill_rate.txt"
+  timeout 150 python3 -m jaxvt.bench profile --model $M --prefill --prompt 512 --top 30 \
+    > "$OUT/profile_prefill_hbm.txt" 2>&1; head -34 "$OUT/profile_prefill_hbm.txt" | cut -c1-150
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
+    --prompt 512 --offload-gb 4.063 --device-gb 16 --top 30 > "$OUT/profile_prefill_auto.txt" 2>&1
+  head -34 "$OUT/profile_prefill_auto.txt" | cut -c1-150
+fi
+if [ "$what" = slop ]; then  # #15: does XLA's memory-limited compile (remat) cost prefill at auto?
+  model
+  for f in "" "--xla_gpu_memory_limit_slop_factor=1000"; do
+    XLA_FLAGS="$f" XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 tools/prefill_rate.py \
+      --model $M --offload-gb auto --device-gb 16 > /tmp/pr.txt 2>&1
+    echo "== ${f:-defaults}"; grep -i "remat" /tmp/pr.txt | head -2 | cut -c1-200; tail -1 /tmp/pr.txt
+  done 2>&1 | tee "$OUT/slop.txt"
 fi
 if [ "$what" = sweep ]; then
   start_llama  # the sweep runs llama-bench last and waits for a build in progress

@@ -66,6 +66,9 @@ class KeptTier:
       buf = self.bufs[key] = self.tier.copy(key, nbytes, fill)
     return buf
 
+  def register_tables(self, weights: dict) -> int:
+    return self.tier.register_tables(weights)
+
   def close(self) -> None:
     self.bufs.clear()
     self.tier.close()

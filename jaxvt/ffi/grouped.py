@@ -123,12 +123,13 @@ def qmatmul_tiled_ref(x: jax.Array, w: QWeight, layer) -> jax.Array:
       "...c,rc->...r", xs, _bf16_weights(raw, f, m.cols), precision=jax.lax.Precision.HIGHEST))
 
 
-def moe_grouped(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):
+def moe_grouped(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
+                on_down=None):
   """moe_experts with the grouped kernel (bf16 products, float32 SwiGLU and sum): one sort of the
-  slots serves gate, up and down."""
+  slots serves gate, up and down. on_down as for ops.moe_experts."""
   groups = group_slots(ids, w_gate.meta.experts)
   mm = lambda x, w, l, i, mode: qmatmul_grouped(x, w, l, i, groups)
-  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, "f32")
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, "f32", on_down=on_down)
 
 
 def moe_grouped_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):

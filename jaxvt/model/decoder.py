@@ -56,11 +56,13 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
   return kv + st
 
 
-def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
+def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: dict):
+  """(the FFN's output, rings): rings (moe.start_rings) carry the prefetched expert layers."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex)
+    return moe.moe_block(h, w, li, cfg, ex, rings) if rings else (moe.moe_block(h, w, li, cfg, ex),
+                                                                   rings)
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
-                       ex)
+                       ex), rings
 
 
 def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
@@ -83,9 +85,11 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   n_att = period.count("attention")
   n_gdn = P - n_att
   w = weights
+  # host-tier expert layers copied ahead of their turn (Products.prefetch_per_expert)
+  rings = moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t))
 
   def body(carry, p):
-    x, cache = carry
+    x, cache, rings = carry
     cache = dict(cache)
     a_j = g_j = 0
     for j, kind in enumerate(period):
@@ -106,10 +110,13 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
       x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
-        x = x + _ffn(h, w, li, cfg, ex)
-    return (x, cache), None
+        y, rings = _ffn(h, w, li, cfg, ex, rings)
+        x = x + y
+    return (x, cache, rings), None
 
-  (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
+  (x, cache, rings), _ = jax.lax.scan(body, (x, cache, rings),
+                                      jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
+  x = moe.join_rings(x, rings)
   if logits_at is not None:
     x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
   x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps, ex)

@@ -37,6 +37,12 @@ TILED_ROWS = 32  # dense layers too large to stage: the tile kernel (grouped.qma
 # grouped, 1.3x the bytes at 128 of 256 experts, 2.3x at 512 (an estimate; not measured). So per
 # slot up to the 16-row program, grouped from the 64-row one.
 GROUPED_SLOTS = 256
+# host-tier routed experts copied ahead of their layer (Products.prefetch_per_expert) in calls of at
+# least 4 routed slots per expert: there a uniform router picks 1 - (1 - 1/E)^(4E) ~ 98% of a
+# layer's experts, so the copy of the whole layer moves the bytes the router picked (nearly all)
+# and no others worth counting; it overlaps the layers before it instead of stalling the layer.
+# The 35B-shaped model (256 experts, top 8): prompts of 128 tokens or more.
+PREFETCH_PER_EXPERT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,12 @@ class Products:
   the attention and the output gate) as one custom call (jaxvt.ffi.attn.attn_step) on the whole
   cache stacks instead of about 25 small XLA kernels; float32 like the jnp path, summed in
   another order. False on the CPU (its ggml path is matched against llama.cpp).
+
+  prefetch_per_expert: from this many routed slots per expert (T*k >= this * E) a call copies
+  each host-tier layer of the routed experts' stacks to the device ahead of its turn, while the
+  layers before it compute (jaxvt.ffi.prefetch: a ring per stack in the program's workspace, the
+  copy on a stream of jaxvt's own); the layer's kernels then read the copy, with the same bytes.
+  0 never (the CPU: its ops run one after another, nothing to overlap).
   """
 
   tiled_rows: int = 0
@@ -73,6 +85,7 @@ class Products:
   fused_route: bool = False
   gdn_fused: bool = False
   attn_fused: bool = False
+  prefetch_per_expert: int = 0
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -97,7 +110,7 @@ class Products:
 # XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
                         grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True,
-                        attn_fused=True)
+                        attn_fused=True, prefetch_per_expert=PREFETCH_PER_EXPERT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import grouped, numerics, ops
+from jaxvt.ffi import grouped, numerics, ops, prefetch
 from jaxvt.gguf import quants
 from jaxvt.model import layers
 from jaxvt.model.config import ModelConfig
@@ -112,9 +112,41 @@ def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Arr
   return jnp.where(mine, local, -1), jnp.where(mine, wts, 0.0)
 
 
-def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Array:
+ROUTED = ("moe.w_gate", "moe.w_up", "moe.w_down")
+
+
+def prefetched(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str, ...]:
+  """The routed-expert stacks whose host-tier layers a call of n_tokens tokens copies to the
+  device ahead of their turn (Products.prefetch_per_expert; one device)."""
+  p = ex.products.prefetch_per_expert
+  if (not cfg.is_moe or not ex.kernels or not p or n_tokens * cfg.n_experts_used < p * cfg.n_experts
+      or (ex.par is not None and ex.par.size > 1)):
+    return ()
+  # a weight type that moves layers itself (bench arms) keeps its own path
+  return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
+
+
+def start_rings(w: dict, names: tuple[str, ...]) -> dict:
+  """A ring per stack of `names`, each already receiving the stack's first host-tier layer."""
+  out = {}
+  for n in names:
+    first, _ = prefetch.schedule(w[n].meta)
+    out[n] = prefetch.fetch(prefetch.new_ring(w[n].meta), w[n], first, first=True)
+  return out
+
+
+def join_rings(x: jax.Array, rings: dict) -> jax.Array:
+  """x once no copy into `rings` is still under way (prefetch.join on every ring)."""
+  for r in rings.values():
+    x = prefetch.join(x, r)
+  return x
+
+
+def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: dict | None = None):
   """MoE FFN of layer `li` (traced int32 index into the stacks). h [b, t, d] (already normed)
-  -> float32 [b, t, d]."""
+  -> float32 [b, t, d]. With `rings` (start_rings: the prefetched stacks' rings) the routed
+  experts read layer `li` from its ring where the ring holds it, then the ring fetches the
+  stack's next host-tier layer; returns (y, rings) then."""
   b, t, d = h.shape
   x = h.reshape(b * t, d).astype(jnp.float32)
   with jax.named_scope("router"):
@@ -128,9 +160,17 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
-    (wg, lg), (wu, _), (wd, _) = (w[n].layer_view(li) for n in
-                                  ("moe.w_gate", "moe.w_up", "moe.w_down"))
-    y = routed(x, wg, wu, wd, lg, ids, wts)  # sharded: this device's experts' partial sum
+    views = {n: w[n] for n in ROUTED}
+    rings = None if rings is None else dict(rings)
+    for n in rings or ():  # waits (on the device) for layer li's copy where the ring has it
+      rings[n], views[n] = prefetch.take(rings[n], w[n], li)
+    (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
+    down = []  # the down product's output: the rings' last reader is done once it exists
+    kw = {"on_down": down.append} if rings else {}
+    y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
+    for n in rings or ():  # then the ring fetches the stack's next host-tier layer
+      nxt = jnp.asarray(prefetch.schedule(w[n].meta)[1])[li]
+      rings[n] = prefetch.fetch(rings[n], w[n], nxt, after=down[0])
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
       s = layers.swiglu_down(gu[0], gu[1], w["shexp.w_down"], li, ex)
@@ -142,6 +182,8 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec) -> jax.Arra
                                     precision=jax.lax.Precision.HIGHEST))  # [T]
       if ex.par is not None and ex.par.ep > 1:  # s is split over tp only, the experts over both
         y = layers.reduce(y, ex, experts=True) + gate[:, None] * layers.reduce(s, ex)
-        return y.reshape(b, t, d)
+        y = y.reshape(b, t, d)
+        return y if rings is None else (y, rings)
       y = y + gate[:, None] * s  # (one psum for both when experts and s split over tp alone)
-  return layers.reduce(y, ex, experts=True).reshape(b, t, d)
+  y = layers.reduce(y, ex, experts=True).reshape(b, t, d)
+  return y if rings is None else (y, rings)

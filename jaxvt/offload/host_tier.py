@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import extension
+from jaxvt.qweight import QWeight
 
 
 def _ext():
@@ -85,10 +86,13 @@ class HostBuffer:
     return f"HostBuffer(nbytes={self.nbytes}, {state})"
 
 
-def _free_all(records: list, gpu: bool, lock: threading.Lock) -> None:
-  """Frees every buffer in records (list of HostBuffer); safe to call more than once."""
+def _free_all(records: list, gpu: bool, lock: threading.Lock, tables: list) -> None:
+  """Frees every buffer in records (list of HostBuffer) and forgets `tables` (register_tables);
+  safe to call more than once."""
   ext = _ext()
   with lock:
+    while tables:
+      ext.prefetch_unregister(tables.pop())
     while records:
       buf = records.pop()
       if not buf.closed:
@@ -112,10 +116,11 @@ class HostTier:
                        "rebuild with JAXVT_GPU=CUDA (or HIP) or use backend='cpu'")
     self.backend = backend
     self._buffers: list[HostBuffer] = []
+    self._tables: list[int] = []
     self._lock = threading.Lock()
     self._closed = False
     self._finalizer = weakref.finalize(self, _free_all, self._buffers, backend == "gpu",
-                                       self._lock)
+                                       self._lock, self._tables)
 
   @property
   def closed(self) -> bool:
@@ -162,6 +167,26 @@ class HostTier:
     buf = self.alloc(nbytes)
     fill(buf.array)
     return buf
+
+  def register_tables(self, weights: dict) -> int:
+    """Tells the extension each host-tier layer's address and format in the tables of the
+    weights' QWeight stacks (by each table's device address), so that prefetch (jaxvt.ffi.prefetch)
+    copies them with DMAs on a GPU; forgotten at close. Returns the number of tables told."""
+    ext = _ext()
+    for w in weights.values():
+      if not isinstance(w, QWeight) or not w.meta.any_host:
+        continue
+      try:
+        ptr = w.table.unsafe_buffer_pointer()
+      except Exception:  # an array over several devices: prefetch runs on one device only
+        continue
+      t = np.asarray(w.table).astype(np.uint64)
+      addrs = t[:, 0] | (t[:, 1] << np.uint64(32))
+      fmts = np.asarray(w.fmts).astype(np.int64) & 0xFFFFFFFF
+      ext.prefetch_register(ptr, [int(a) for a in addrs] + [int(f) for f in fmts])
+      with self._lock:
+        self._tables.append(ptr)
+    return len(self._tables)
 
   def close(self) -> None:
     """Frees every buffer (idempotent)."""

@@ -30,11 +30,16 @@ and are ranked by how well their reads hide: large dense-FFN matrices stream bes
 and DeltaNet matrices are mid-sized; attention matrices are small (per-call overhead dominates);
 the output head is last, a single large read at the end of the step that nothing overlaps.
 A tied embedding is also the output head (read whole every step), so it ranks as OUTPUT.
-Within a rank: by layer, first to last, then in declaration order, so each layer's gate/up/down
-move together and a budget of N layers' experts offloads exactly the experts of layers 0..N-1, as
-llama.cpp's `--n-cpu-moe N` and vLLM's `--cpu-offload-gb` do: A/B runs against those peers
-then move the same tensors. The scan runs every layer through one body and a layer's tier is
-data, so which end goes first does not change the per-step cost. `Policy.layers="last"` reverses.
+Within a rank: by layer, spread ("spread", the default, spread_order): the first unit of a rank
+is its last layer, and each next one the middle of the widest gap left between the layers
+already taken and the start of the step, so any budget's host-tier layers are about evenly
+spaced, the first of them a long way in (40 layers, 7 taken: 9, 14, 19, 24, 29, 34, 39; 8: 4 as well). Prefill copies each
+host-tier expert layer to the device while the layers before it compute (Products.prefetch_per_expert):
+a copy takes several layers' compute, so it needs device-tier layers between host-tier ones. Then
+in declaration order, so each layer's gate/up/down move together. Decode's per-step cost does
+not depend on which layers: the scan runs every layer through one body and a layer's tier is
+data. `Policy.layers="first"` takes layers 0..N-1 (llama.cpp's `--n-cpu-moe N` moves those),
+"last" the last first.
 """
 
 from __future__ import annotations
@@ -173,14 +178,14 @@ def parse_overrides(specs: Iterable[str]) -> tuple[Override, ...]:
 class Policy:
   batch: int = 1  # sequences decoded per step (read fractions depend on it)
   order: tuple[tuple[Role, ...], ...] = DEFAULT_ORDER  # offload ranks, first offloaded first
-  layers: str = "first"  # "first": layer 0 first within a rank; "last": the last layer first
+  layers: str = "spread"  # within a rank: "spread" (spread_order), "first" (layer 0 first), "last"
   overrides: tuple[Override, ...] = ()
 
   def __post_init__(self):
     if self.batch < 1:
       raise JaxvtError(f"batch {self.batch} must be at least 1")
-    if self.layers not in ("first", "last"):
-      raise ValueError(f"Policy.layers must be 'first' or 'last', not {self.layers!r}")
+    if self.layers not in ("spread", "first", "last"):
+      raise ValueError(f"Policy.layers must be 'spread', 'first' or 'last', not {self.layers!r}")
     ranked = [r for group in self.order for r in group]
     if sorted(ranked) != sorted(OFFLOADABLE) or len(set(ranked)) != len(ranked):
       raise ValueError("Policy.order must rank every offloadable role exactly once")
@@ -283,15 +288,39 @@ def _forced(arch: str, infos: Sequence[UnitInfo],
   return tuple(forced)
 
 
+@functools.cache
+def spread_order(n_layers: int) -> tuple[int, ...]:
+  """Layers 0..n-1: the last, then each next the middle of the widest gap between layers already
+  taken (the step's start, -1, bounds the first gap; ties: the later gap, so a short gap falls
+  late, where its copy has had the longest lead). Every prefix of k layers is about evenly
+  spaced: no gap wider than 2 n / k (see the module docstring)."""
+  if n_layers < 1:
+    return ()
+  taken, gaps = [n_layers - 1], [(-1, n_layers - 1)]
+  while len(taken) < n_layers:
+    i = max(range(len(gaps)), key=lambda j: (gaps[j][1] - gaps[j][0], gaps[j][0]))
+    a, b = gaps.pop(i)
+    if b - a < 2:
+      continue  # no layer strictly inside
+    m = (a + b + 1) // 2
+    taken.append(m)
+    gaps += [(a, m), (m, b)]
+  return tuple(taken)
+
+
 def offload_order(infos: Sequence[UnitInfo], policy: Policy,
                   forced: Sequence[str | None]) -> tuple[int, ...]:
   """Indices of the units the budget fills, first offloaded first (budget-independent)."""
-  sign = 1 if policy.layers == "first" else -1
+  n = 1 + max((u.layer for u in infos if u.layer is not None), default=0)
+  pos = {"first": list(range(n)), "last": [-l for l in range(n)]}.get(policy.layers)
+  if pos is None:
+    pos = [0] * n
+    for i, l in enumerate(spread_order(n)):
+      pos[l] = i
 
   def key(i: int):
     u = infos[i]
-    layer = -1 if u.layer is None else u.layer
-    return (policy.rank(u.rank_role), sign * layer, i)
+    return (policy.rank(u.rank_role), -1 - n if u.layer is None else pos[u.layer], i)
 
   return tuple(sorted((i for i, u in enumerate(infos) if u.offloadable and forced[i] is None),
                       key=key))

@@ -1,4 +1,5 @@
-// The XLA FFI handler symbols module.cc exposes (handlers_cpu.cc, handlers_gpu.cu).
+// The XLA FFI handler symbols module.cc exposes (handlers_cpu.cc, handlers_gpu.cu, prefetch_cpu.cc,
+// prefetch_gpu.cu).
 #ifndef JAXVT_FFI_CSRC_HANDLERS_H_
 #define JAXVT_FFI_CSRC_HANDLERS_H_
 
@@ -18,6 +19,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtQMatmulGroupedCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtMoeRouteCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtGdnStepCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtAttnStepCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtPrefetchFetchCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtPrefetchTakeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtPrefetchJoinCpu);
 
 #if defined(JAXVT_WITH_GPU)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtQMatmulGpu);
@@ -32,6 +36,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtQMatmulGroupedGpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtMoeRouteGpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtGdnStepGpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtAttnStepGpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtPrefetchFetchGpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtPrefetchTakeGpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxvtPrefetchJoinGpu);
 #endif
 
 #endif  // JAXVT_FFI_CSRC_HANDLERS_H_

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace jaxvt::gpu_mem {
 
@@ -52,6 +53,19 @@ double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes,
                          std::string* err);
 // First and repeated device read of host-written managed memory; false if unsupported.
 bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err);
+
+// Whether [device_addr, device_addr + nbytes) lies inside one live host_alloc allocation (by its
+// device address).
+bool host_range_live(uintptr_t device_addr, size_t nbytes);
+
+// Prefetch (prefetch_gpu.cu, prefetch.h): each layer's address in a QWeight's table (0 for a
+// device-tier layer), by the table's device address, so that a fetch the host can address is a
+// DMA (the copy engine: no multiprocessor taken from the layers computing beside it) instead of a
+// copy kernel. Checked before use (the source must be a live host_alloc range, and on the device
+// the table must hold that address), so a stale entry only costs the DMA's speed.
+// addrs: L addresses, then L formats (fmts[l], host bit included).
+void prefetch_register(uintptr_t table, std::vector<uint64_t> addrs);
+void prefetch_unregister(uintptr_t table);
 
 }  // namespace jaxvt::gpu_mem
 

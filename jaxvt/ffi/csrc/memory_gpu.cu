@@ -2,6 +2,7 @@
 #include <sys/mman.h>
 
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -67,6 +68,9 @@ struct Mapping {
 };
 std::mutex g_mu;
 std::unordered_map<uintptr_t, Mapping> g_registered;
+// Live host_alloc allocations: device address -> bytes, and host address -> device address.
+std::map<uintptr_t, size_t> g_live;
+std::unordered_map<uintptr_t, uintptr_t> g_live_host;
 
 constexpr size_t kHuge = size_t{2} << 20;
 
@@ -125,11 +129,19 @@ bool host_alloc(size_t nbytes, bool coherent, int kind, uintptr_t* host, uintptr
   }
   *host = reinterpret_cast<uintptr_t>(h);
   *device = reinterpret_cast<uintptr_t>(d);
-  if (m.base) {
-    std::lock_guard<std::mutex> g(g_mu);
-    g_registered[*host] = m;
-  }
+  std::lock_guard<std::mutex> g(g_mu);
+  if (m.base) g_registered[*host] = m;
+  g_live[*device] = nbytes;
+  g_live_host[*host] = *device;
   return true;
+}
+
+bool host_range_live(uintptr_t device_addr, size_t nbytes) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_live.upper_bound(device_addr);
+  if (it == g_live.begin()) return false;
+  --it;
+  return device_addr - it->first <= it->second && nbytes <= it->second - (device_addr - it->first);
 }
 
 void host_free(uintptr_t host) {
@@ -141,6 +153,11 @@ void host_free(uintptr_t host) {
     if (it != g_registered.end()) {
       m = it->second;
       g_registered.erase(it);
+    }
+    auto lh = g_live_host.find(host);
+    if (lh != g_live_host.end()) {
+      g_live.erase(lh->second);
+      g_live_host.erase(lh);
     }
   }
   if (m.base) {

@@ -62,6 +62,9 @@ nb::dict Registrations() {
   cpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteCpu);
   cpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepCpu);
   cpu["jaxvt_attn_step"] = Capsule(JaxvtAttnStepCpu);
+  cpu["jaxvt_prefetch_fetch"] = Capsule(JaxvtPrefetchFetchCpu);
+  cpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeCpu);
+  cpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -77,6 +80,9 @@ nb::dict Registrations() {
   gpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteGpu);
   gpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepGpu);
   gpu["jaxvt_attn_step"] = Capsule(JaxvtAttnStepGpu);
+  gpu["jaxvt_prefetch_fetch"] = Capsule(JaxvtPrefetchFetchGpu);
+  gpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeGpu);
+  gpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;
@@ -214,6 +220,25 @@ void CopyToDevice(uintptr_t dst, uintptr_t src, size_t nbytes, bool gpu, int dev
 #endif
   (void)device;
   std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+}
+
+// The host-tier addresses of a QWeight table's layers for prefetch (memory.h prefetch_register);
+// nothing to do without a GPU (the CPU's fetch reads the table itself).
+void PrefetchRegister(uintptr_t table, std::vector<uint64_t> addrs) {
+#if defined(JAXVT_WITH_GPU)
+  jaxvt::gpu_mem::prefetch_register(table, std::move(addrs));
+#else
+  (void)table;
+  (void)addrs;
+#endif
+}
+
+void PrefetchUnregister(uintptr_t table) {
+#if defined(JAXVT_WITH_GPU)
+  jaxvt::gpu_mem::prefetch_unregister(table);
+#else
+  (void)table;
+#endif
 }
 
 // ---- reading a file on native threads -----------------------------------------------------------
@@ -395,6 +420,10 @@ NB_MODULE(_jaxvt_ffi, m) {
         nb::arg("gpu") = false, nb::arg("device") = 0,
         "Copies nbytes of host memory at src into the buffer at dst (gpu: device memory of GPU "
         "`device`; else host memory, a memcpy) and waits for it; the GIL is released meanwhile.");
+  m.def("prefetch_register", &PrefetchRegister, nb::arg("table"), nb::arg("addrs"),
+        "For prefetch's DMA: the device address of a QWeight table, then its L layers' addresses "
+        "and L formats (host bit included).");
+  m.def("prefetch_unregister", &PrefetchUnregister, nb::arg("table"));
   m.def("read_ranges", &ReadRanges, nb::arg("fd"), nb::arg("ranges"), nb::arg("threads"),
         nb::arg("piece") = int64_t{64} << 20,
         "Reads each (file offset, destination address, bytes) of fd in pieces on native "

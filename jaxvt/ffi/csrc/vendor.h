@@ -37,6 +37,7 @@ typedef cudaEvent_t gpuEvent_t;
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
 #define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuStreamCreate cudaStreamCreate
 #define gpuStreamDestroy cudaStreamDestroy
@@ -46,6 +47,14 @@ typedef cudaEvent_t gpuEvent_t;
 #define gpuEventRecord cudaEventRecord
 #define gpuEventSynchronize cudaEventSynchronize
 #define gpuEventElapsedTime cudaEventElapsedTime
+#define gpuEventCreateWithFlags cudaEventCreateWithFlags
+#define gpuEventDisableTiming cudaEventDisableTiming
+#define gpuStreamWaitEvent cudaStreamWaitEvent
+#define gpuStreamCreateWithPriority cudaStreamCreateWithPriority
+#define gpuStreamNonBlocking cudaStreamNonBlocking
+#define gpuDeviceGetStreamPriorityRange cudaDeviceGetStreamPriorityRange
+// A thread's short pause in a device-side wait loop (about a microsecond).
+#define gpuSleep() __nanosleep(1000)
 // Pinned host memory. CUDA's pinned memory is always coherent; the coherent/non-coherent flags
 // exist on HIP only and are 0 here so callers can pass them unconditionally.
 #define gpuHostAlloc cudaHostAlloc
@@ -101,6 +110,7 @@ typedef hipEvent_t gpuEvent_t;
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
 #define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuMemcpyDefault hipMemcpyDefault
 #define gpuMemsetAsync hipMemsetAsync
 #define gpuStreamCreate hipStreamCreate
 #define gpuStreamDestroy hipStreamDestroy
@@ -110,6 +120,14 @@ typedef hipEvent_t gpuEvent_t;
 #define gpuEventRecord hipEventRecord
 #define gpuEventSynchronize hipEventSynchronize
 #define gpuEventElapsedTime hipEventElapsedTime
+#define gpuEventCreateWithFlags hipEventCreateWithFlags
+#define gpuEventDisableTiming hipEventDisableTiming
+#define gpuStreamWaitEvent hipStreamWaitEvent
+#define gpuStreamCreateWithPriority hipStreamCreateWithPriority
+#define gpuStreamNonBlocking hipStreamNonBlocking
+#define gpuDeviceGetStreamPriorityRange hipDeviceGetStreamPriorityRange
+// A thread's short pause in a device-side wait loop (s_sleep 127: 127 x 64 clocks).
+#define gpuSleep() __builtin_amdgcn_s_sleep(127)
 // Fine-grained ("coherent") host memory is not cached in the GPU's L2; coarse-grained
 // ("non-coherent") is. Weights are written once before any kernel reads them, so both are correct;
 // which one reads faster is a measurement (HostTier(coherent=...)).

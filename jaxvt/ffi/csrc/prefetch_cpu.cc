@@ -1,0 +1,110 @@
+// The prefetch ops (prefetch.h) for platform "cpu": XLA:CPU runs a program's ops one after
+// another on the host, so a fetch copies at once and take never waits; the results are what the
+// GPU's asynchronous copy gives.
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "handlers.h"
+#include "prefetch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxvt {
+namespace {
+
+prefetch::Header* header(ffi::ResultBuffer<ffi::U8>& ring) {
+  return reinterpret_cast<prefetch::Header*>(ring->typed_data() + ring->element_count() -
+                                             prefetch::kHeader);
+}
+
+// XLA aliases the ring to the result; were it not to, the result starts as a copy of the operand.
+void alias(const ffi::Buffer<ffi::U8>& ring, ffi::ResultBuffer<ffi::U8>& out) {
+  if (out->typed_data() != ring.typed_data())
+    std::memcpy(out->typed_data(), ring.typed_data(), ring.element_count());
+}
+
+ffi::Error FetchCpu(ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
+                    ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> target, ffi::AnyBuffer after,
+                    ffi::ResultBuffer<ffi::U8> out, int64_t rows, int64_t cols, int64_t experts,
+                    int64_t first, ffi::Span<const int32_t> schedule) {
+  (void)after;  // the CPU runs ops in order; first / schedule: the GPU's reckoning on the host
+  (void)first;
+  (void)schedule;
+  const int64_t n = static_cast<int64_t>(ring.element_count());
+  const int64_t L = static_cast<int64_t>(fmts.element_count());
+  if (const char* e = prefetch::check(n, static_cast<int64_t>(table.element_count()), L, rows,
+                                      cols, experts))
+    return ffi::Error::InvalidArgument(std::string("prefetch_fetch: ") + e);
+  alias(ring, out);
+  const int32_t t = target.typed_data()[0];
+  if (t < 0) return ffi::Error::Success();  // nothing asked: the ring keeps what it holds
+  const prefetch::Source s = prefetch::source(table.typed_data(), fmts.typed_data(), L, t, rows,
+                                              cols, experts, n - prefetch::kHeader);
+  prefetch::Header* h = header(out);
+  if (s.nbytes > 0) std::memcpy(out->typed_data(), s.src, static_cast<size_t>(s.nbytes));
+  h->intent = h->tag = s.nbytes > 0 ? static_cast<uint32_t>(t + 1) : 0u;
+  h->count = 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error TakeCpu(ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
+                   ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                   ffi::ResultBuffer<ffi::U8> out, ffi::ResultBuffer<ffi::U32> table2) {
+  const int64_t L = static_cast<int64_t>(fmts.element_count());
+  if (static_cast<int64_t>(table.element_count()) != 2 * L ||
+      static_cast<int64_t>(ring.element_count()) <= prefetch::kHeader)
+    return ffi::Error::InvalidArgument("prefetch_take: table must be [L, 2] for fmts [L]");
+  alias(ring, out);
+  std::memcpy(table2->typed_data(), table.typed_data(), table.size_bytes());
+  int32_t l = layer.typed_data()[0];
+  l = l < 0 ? 0 : (l >= L ? static_cast<int32_t>(L - 1) : l);  // as the kernels clamp it
+  const prefetch::Header* h = header(out);
+  const uint32_t want = static_cast<uint32_t>(l + 1);
+  if (h->intent == want && h->tag == want && (fmts.typed_data()[l] & kHostBit)) {
+    const uint64_t a = reinterpret_cast<uintptr_t>(out->typed_data());
+    table2->typed_data()[2 * l] = static_cast<uint32_t>(a & 0xFFFFFFFFu);
+    table2->typed_data()[2 * l + 1] = static_cast<uint32_t>(a >> 32);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error JoinCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring, ffi::Result<ffi::AnyBuffer> out) {
+  (void)ring;
+  if (out->untyped_data() != x.untyped_data())
+    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxvt
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchFetchCpu, jaxvt::FetchCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // ring
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fmts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // target layer
+                                  .Arg<ffi::AnyBuffer>()         // after (not read)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // ring (aliased)
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("first")
+                                  .Attr<ffi::Span<const int32_t>>("schedule"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchTakeCpu, jaxvt::TakeCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // ring
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fmts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // ring (aliased)
+                                  .Ret<ffi::Buffer<ffi::U32>>());  // table2
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinCpu, jaxvt::JoinCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // ring
+                                  .Ret<ffi::AnyBuffer>());        // x (aliased)

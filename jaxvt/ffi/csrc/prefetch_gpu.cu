@@ -1,0 +1,332 @@
+// The prefetch ops (prefetch.h) for platform "CUDA" / "ROCM".
+//
+// fetch: the handler works out on the host which layer the call asks for: fetch calls come in
+// the program's order, the first (attribute `first` >= 0) before the layers run and then one per
+// layer, so call c of a ring asks for schedule[c - 1] (prefetch.schedule); -1 enqueues nothing.
+// Where the table was registered (memory.h prefetch_register) and the layer's bytes are a live
+// host_alloc range, the copy is a DMA on a stream of jaxvt's own (one per device, the device's
+// highest priority): a one-thread kernel on XLA's stream first checks the host's reckoning
+// against the device (the traced target and the table's address must agree) and writes the
+// ring's intent (target + 1, or 0 when they disagree: the ring is then never read), an event
+// forks jaxvt's stream after everything XLA's stream had (the ring's last readers), the DMA
+// copies the layer, and a one-thread kernel after it sets the tag. Otherwise (a table nobody
+// registered) the same stream runs a copy kernel that reads the target and the table on the
+// device: a quarter of the multiprocessors' worth of blocks with several 16-byte loads in flight
+// per thread, its last block to finish setting the tag (after a fence); the call's request goes
+// through the header (req[c % kRequests], c this process's count of fetch calls), so the kernel
+// reads no buffer of XLA's that may be reused by the time it runs. XLA's stream does not wait.
+// take: a one-block kernel on XLA's stream copies the table; when the ring's intent is `layer`,
+// one thread waits (sleeping between reads) for the tag, then points the layer's entry at the
+// ring. Only a copy that fetch started can be waited for, and that copy's blocks are on the
+// device or scheduled before any later work of XLA's stream (which is held here), so the wait
+// ends; a bound of a few seconds keeps the host-tier address instead.
+// join(x, ring) -> x: XLA's stream waits for an event recorded after the last copy.
+// None of these carry the command-buffer trait: fetch and join enqueue work on a second stream.
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "handlers.h"
+#include "kernels_gpu.h"
+#include "memory.h"
+#include "prefetch.h"
+#include "vendor.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxvt {
+namespace {
+
+constexpr int kCopyThreads = 256;
+constexpr int kInFlight = 4;  // 16-byte loads per thread issued before their stores
+constexpr int64_t kSpinLimit = int64_t{1} << 22;  // gpuSleep()s before take gives up (seconds)
+
+__global__ void intent_kernel(prefetch::Header* h, const uint32_t* table, const int32_t* fmts,
+                              int64_t n_layers, const int32_t* target, int64_t rows, int64_t cols,
+                              int64_t experts, int64_t capacity, int slot) {
+  const int32_t t = *target;
+  if (t < 0) {  // nothing asked: the ring keeps its copy, finished or under way
+    h->req[slot] = 0;
+    return;
+  }
+  const prefetch::Source s = prefetch::source(table, fmts, n_layers, t, rows, cols, experts,
+                                              capacity);
+  const uint32_t r = s.nbytes > 0 ? static_cast<uint32_t>(t + 1) : 0u;
+  h->req[slot] = r;
+  h->intent = r;
+  h->tag = 0;
+  h->count = 0;
+}
+
+// DMA mode: the host's reckoning (target, its address, its bytes) checked against the device.
+__global__ void dma_intent_kernel(prefetch::Header* h, const uint32_t* table, const int32_t* fmts,
+                                  int64_t n_layers, const int32_t* target, int32_t host_target,
+                                  uint64_t host_src, int64_t host_nbytes, int64_t rows,
+                                  int64_t cols, int64_t experts, int64_t capacity) {
+  const prefetch::Source s = prefetch::source(table, fmts, n_layers, host_target, rows, cols,
+                                              experts, capacity);
+  const bool agree = *target == host_target && s.nbytes == host_nbytes &&
+                     reinterpret_cast<uintptr_t>(s.src) == host_src;
+  h->intent = agree ? static_cast<uint32_t>(host_target + 1) : 0u;
+  h->tag = 0;
+  h->count = 0;
+}
+
+__global__ void tag_kernel(prefetch::Header* h, uint32_t tag) {
+  __threadfence();
+  atomicExch(&h->tag, tag);
+}
+
+__global__ void __launch_bounds__(kCopyThreads)
+copy_kernel(uint8_t* ring, prefetch::Header* h, const uint32_t* table, const int32_t* fmts,
+            int64_t n_layers, int64_t rows, int64_t cols, int64_t experts, int64_t capacity,
+            int slot) {
+  const uint32_t intent = *reinterpret_cast<volatile uint32_t*>(&h->req[slot]);
+  if (intent == 0) return;
+  const prefetch::Source s = prefetch::source(table, fmts, n_layers,
+                                              static_cast<int32_t>(intent - 1), rows, cols,
+                                              experts, capacity);
+  const bool aligned = (reinterpret_cast<uintptr_t>(s.src) & 15) == 0;
+  const int64_t n16 = aligned ? s.nbytes / 16 : 0;
+  const uint4* src = reinterpret_cast<const uint4*>(s.src);
+  uint4* dst = reinterpret_cast<uint4*>(ring);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < n16;
+       base += stride * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (base + j * stride < n16) v[j] = src[base + j * stride];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (base + j * stride < n16) dst[base + j * stride] = v[j];
+  }
+  if (blockIdx.x == 0)  // the bytes after the last whole 16 (all of them if src is unaligned)
+    for (int64_t i = n16 * 16 + threadIdx.x; i < s.nbytes; i += blockDim.x) ring[i] = s.src[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&h->count, 1u) == gridDim.x - 1) {
+      __threadfence();
+      atomicExch(&h->tag, intent);
+    }
+  }
+}
+
+__global__ void take_kernel(const prefetch::Header* h, const uint32_t* table, const int32_t* fmts,
+                            int64_t n_layers, const int32_t* layer, uint32_t* table2,
+                            uint64_t ring) {
+  for (int64_t i = threadIdx.x; i < 2 * n_layers; i += blockDim.x) table2[i] = table[i];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int32_t l = *layer;
+  l = l < 0 ? 0 : (l >= n_layers ? static_cast<int32_t>(n_layers - 1) : l);
+  const uint32_t want = static_cast<uint32_t>(l + 1);
+  const volatile prefetch::Header* vh = h;
+  if (vh->intent != want || !(fmts[l] & kHostBit)) return;
+  for (int64_t i = 0; vh->tag != want; ++i) {
+    if (i == kSpinLimit) return;  // the copy did not complete: read the host tier in place
+    gpuSleep();
+  }
+  __threadfence();
+  table2[2 * l] = static_cast<uint32_t>(ring & 0xFFFFFFFFu);
+  table2[2 * l + 1] = static_cast<uint32_t>(ring >> 32);
+}
+
+// jaxvt's stream of each device, the event that forks it from XLA's stream, and the event that
+// joins it back (recorded after every copy).
+struct Side {
+  gpuStream_t stream = nullptr;
+  gpuEvent_t fork = nullptr, done = nullptr;
+  int blocks = 0;
+  bool used = false;
+};
+uint64_t g_calls = 0;  // fetch calls so far (all devices): request slots go round
+// prefetch_register: per layer of a table, (host-tier address or 0, format | host bit)
+std::unordered_map<uintptr_t, std::vector<std::pair<uint64_t, int32_t>>> g_tables;
+std::unordered_map<uintptr_t, int64_t> g_count;  // a ring's fetch calls since its first
+std::mutex g_mu;
+Side g_side[64];
+
+gpuError_t side_for(int dev, Side** out) {
+  if (dev < 0 || dev >= 64) return gpuErrorInvalidValue;
+  Side& s = g_side[dev];
+  if (!s.stream) {
+    int least = 0, greatest = 0;
+    if (gpuError_t e = gpuDeviceGetStreamPriorityRange(&least, &greatest)) return e;
+    if (gpuError_t e = gpuStreamCreateWithPriority(&s.stream, gpuStreamNonBlocking, greatest))
+      return e;
+    if (gpuError_t e = gpuEventCreateWithFlags(&s.fork, gpuEventDisableTiming)) return e;
+    if (gpuError_t e = gpuEventCreateWithFlags(&s.done, gpuEventDisableTiming)) return e;
+    // a quarter of the multiprocessors: enough loads in flight for the bus, little taken from
+    // the layers computing beside the copy
+    s.blocks = gpu::sm_count() / 4 > 0 ? gpu::sm_count() / 4 : 1;
+  }
+  *out = &s;
+  return gpuSuccess;
+}
+
+ffi::Error Status(gpuError_t e, const char* op) {
+  if (e == gpuSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxvt ") + op + ": " + gpuGetErrorString(e));
+}
+
+prefetch::Header* header(ffi::ResultBuffer<ffi::U8>& ring) {
+  return reinterpret_cast<prefetch::Header*>(ring->typed_data() + ring->element_count() -
+                                             prefetch::kHeader);
+}
+
+gpuError_t alias(gpuStream_t st, const ffi::Buffer<ffi::U8>& ring, ffi::ResultBuffer<ffi::U8>& out) {
+  if (out->typed_data() == ring.typed_data()) return gpuSuccess;
+  return gpuMemcpyAsync(out->typed_data(), ring.typed_data(), ring.element_count(),
+                        gpuMemcpyDeviceToDevice, st);
+}
+
+ffi::Error FetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
+                    ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> target, ffi::AnyBuffer after,
+                    ffi::ResultBuffer<ffi::U8> out, int64_t rows, int64_t cols, int64_t experts,
+                    int64_t first, ffi::Span<const int32_t> schedule) {
+  (void)after;
+  const int64_t n = static_cast<int64_t>(ring.element_count());
+  const int64_t L = static_cast<int64_t>(fmts.element_count());
+  if (const char* e = prefetch::check(n, static_cast<int64_t>(table.element_count()), L, rows,
+                                      cols, experts))
+    return ffi::Error::InvalidArgument(std::string("prefetch_fetch: ") + e);
+  if (static_cast<int64_t>(schedule.size()) != L)
+    return ffi::Error::InvalidArgument("prefetch_fetch: the schedule must have a layer's entry each");
+  if (gpuError_t e = alias(st, ring, out)) return Status(e, "prefetch_fetch");
+  prefetch::Header* h = header(out);
+  const int64_t cap = n - prefetch::kHeader;
+  const uintptr_t key = reinterpret_cast<uintptr_t>(out->typed_data());
+  int dev = 0;
+  if (gpuError_t e = gpuGetDevice(&dev)) return Status(e, "prefetch_fetch");
+  std::lock_guard<std::mutex> lock(g_mu);
+  Side* s = nullptr;
+  if (gpuError_t e = side_for(dev, &s)) return Status(e, "prefetch_fetch (stream)");
+  // The layer this call asks for, as the host reckons it (registered tables only: otherwise the
+  // copy kernel reads the target on the device).
+  const auto t = g_tables.find(reinterpret_cast<uintptr_t>(table.typed_data()));
+  int64_t want = first;
+  if (first >= 0) {
+    g_count[key] = 0;
+  } else {
+    const int64_t c = g_count[key]++;
+    want = c < L ? schedule[c] : -1;
+  }
+  uint64_t src = 0;
+  int64_t nbytes = 0;
+  if (t != g_tables.end()) {
+    if (want < 0) return ffi::Error::Success();  // nothing asked: no work at all
+    if (want < static_cast<int64_t>(t->second.size()) && (t->second[want].second & kHostBit)) {
+      src = t->second[want].first;
+      nbytes = row_bytes(t->second[want].second & kFmtMask, cols) * rows *
+               (experts > 0 ? experts : 1);
+    }
+  }
+  if (src && nbytes > 0 && nbytes <= cap && gpu_mem::host_range_live(src, nbytes)) {
+    dma_intent_kernel<<<1, 1, 0, st>>>(h, table.typed_data(), fmts.typed_data(), L,
+                                       target.typed_data(), static_cast<int32_t>(want), src,
+                                       nbytes, rows, cols, experts, cap);
+    if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_fetch");
+    if (gpuError_t e = gpuEventRecord(s->fork, st)) return Status(e, "prefetch_fetch");
+    if (gpuError_t e = gpuStreamWaitEvent(s->stream, s->fork, 0)) return Status(e, "prefetch_fetch");
+    if (gpuError_t e = gpuMemcpyAsync(out->typed_data(), reinterpret_cast<const void*>(src),
+                                      static_cast<size_t>(nbytes), gpuMemcpyDefault, s->stream))
+      return Status(e, "prefetch_fetch (copy)");
+    tag_kernel<<<1, 1, 0, s->stream>>>(h, static_cast<uint32_t>(want + 1));
+  } else {  // a table nobody registered: the copy kernel reads the device's own view
+    const int slot = static_cast<int>(g_calls++ % prefetch::kRequests);
+    intent_kernel<<<1, 1, 0, st>>>(h, table.typed_data(), fmts.typed_data(), L,
+                                   target.typed_data(), rows, cols, experts, cap, slot);
+    if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_fetch");
+    if (gpuError_t e = gpuEventRecord(s->fork, st)) return Status(e, "prefetch_fetch");
+    if (gpuError_t e = gpuStreamWaitEvent(s->stream, s->fork, 0)) return Status(e, "prefetch_fetch");
+    copy_kernel<<<s->blocks, kCopyThreads, 0, s->stream>>>(out->typed_data(), h,
+                                                           table.typed_data(), fmts.typed_data(),
+                                                           L, rows, cols, experts, cap, slot);
+  }
+  if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_fetch (copy)");
+  s->used = true;
+  return Status(gpuEventRecord(s->done, s->stream), "prefetch_fetch");
+}
+
+ffi::Error TakeGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
+                   ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                   ffi::ResultBuffer<ffi::U8> out, ffi::ResultBuffer<ffi::U32> table2) {
+  const int64_t L = static_cast<int64_t>(fmts.element_count());
+  if (static_cast<int64_t>(table.element_count()) != 2 * L ||
+      static_cast<int64_t>(ring.element_count()) <= prefetch::kHeader)
+    return ffi::Error::InvalidArgument("prefetch_take: table must be [L, 2] for fmts [L]");
+  if (gpuError_t e = alias(st, ring, out)) return Status(e, "prefetch_take");
+  take_kernel<<<1, 64, 0, st>>>(header(out), table.typed_data(), fmts.typed_data(), L,
+                                layer.typed_data(), table2->typed_data(),
+                                static_cast<uint64_t>(reinterpret_cast<uintptr_t>(out->typed_data())));
+  return Status(gpuGetLastError(), "prefetch_take");
+}
+
+ffi::Error JoinGpu(gpuStream_t st, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  (void)ring;
+  if (out->untyped_data() != x.untyped_data())
+    if (gpuError_t e = gpuMemcpyAsync(out->untyped_data(), x.untyped_data(), x.size_bytes(),
+                                      gpuMemcpyDeviceToDevice, st))
+      return Status(e, "prefetch_join");
+  int dev = 0;
+  if (gpuError_t e = gpuGetDevice(&dev)) return Status(e, "prefetch_join");
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (dev < 0 || dev >= 64 || !g_side[dev].used) return ffi::Error::Success();
+  return Status(gpuStreamWaitEvent(st, g_side[dev].done, 0), "prefetch_join");
+}
+
+}  // namespace
+
+namespace gpu_mem {
+void prefetch_register(uintptr_t table, std::vector<uint64_t> addrs) {
+  // addrs: per layer the address, then per layer the format (| host bit) in the low 32 bits
+  std::vector<std::pair<uint64_t, int32_t>> v(addrs.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i)
+    v[i] = {addrs[i], static_cast<int32_t>(addrs[v.size() + i] & 0xFFFFFFFFu)};
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_tables[table] = std::move(v);
+}
+void prefetch_unregister(uintptr_t table) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_tables.erase(table);
+}
+}  // namespace gpu_mem
+}  // namespace jaxvt
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchFetchGpu, jaxvt::FetchGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // ring
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fmts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // target layer
+                                  .Arg<ffi::AnyBuffer>()         // after (not read)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // ring (aliased)
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("first")
+                                  .Attr<ffi::Span<const int32_t>>("schedule"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchTakeGpu, jaxvt::TakeGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // ring
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fmts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // ring (aliased)
+                                  .Ret<ffi::Buffer<ffi::U32>>());  // table2
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinGpu, jaxvt::JoinGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // ring
+                                  .Ret<ffi::AnyBuffer>());        // x (aliased)
