@@ -59,8 +59,7 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
 def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: dict):
   """(the FFN's output, rings): rings (moe.start_rings) carry the prefetched expert layers."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex, rings) if rings else (moe.moe_block(h, w, li, cfg, ex),
-                                                                   rings)
+    return moe.moe_block(h, w, li, cfg, ex, rings)  # (y, rings) whenever rings is a dict
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
                        ex), rings
 
