@@ -256,3 +256,36 @@ def test_sweep_child_end_to_end(tmp_path, capsys, monkeypatch):
   assert r.gen_tokens == 3 and r.load_s > 0 and r.compile_s > 0 and r.measure_s > 0
   assert "POINT jaxvt auto: load" in out
   assert dataclasses.asdict(r)["predicted_ms"] > 0
+
+
+def test_failed_point_frees_its_weights(tmp_path, monkeypatch):
+  """A point that fails after its load (as an unsafe budget runs out of device memory) deletes its
+  weights' arrays: later points of the same process get the memory back."""
+  from jaxvt import ffi
+  if not ffi.available("cpu"):
+    pytest.skip("needs the jaxvt extension")
+  import jax
+  from jaxvt import synth
+  from jaxvt.bench import offload
+  path = str(tmp_path / "tiny.gguf")
+  synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
+  s = offload.Session(path, 8, 3, 16.0)
+  made = []
+
+  def engine(*a, engine=s.engine, **k):
+    eng = engine(*a, **k)
+    made.append([x for x in jax.tree_util.tree_leaves(eng.weights) if isinstance(x, jax.Array)])
+    return eng
+
+  def fail(eng, ids, overlap):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.0KiB")
+
+  monkeypatch.setattr(s, "engine", engine)
+  monkeypatch.setattr(offload, "warm_up", fail)
+  r = s.measure("jaxvt", 0.5, forced=True)
+  assert not r.ok and r.note.startswith("RuntimeError: RESOURCE_EXHAUSTED")
+  assert made and made[0] and all(x.is_deleted() for x in made[0])
+  monkeypatch.undo()
+  r2 = s.measure("jaxvt", 0.5)  # the next point runs
+  assert r2.ok and r2.decode_tok_s > 0, r2.note
+  s.tier.close()

@@ -116,13 +116,42 @@ def test_35b_6gib_plan():
   assert p.host_bytes <= 6 * GiB
   hosts = host_set(p)
   assert ("embed", None) in hosts
-  # 13 whole layers of experts at spread layers, and the gate of the next spread layer
-  spread = P.spread_order(40)
-  assert all((n, l) in hosts for l in spread[:13] for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
-  assert ("moe.w_gate", spread[13]) in hosts and ("moe.w_up", spread[13]) not in hosts
+  # the prefix's 13 whole layers of experts and the gate of one more, spaced evenly: the gate
+  # first (its copy is the shortest), then the whole layers
+  first, *even = P.even_layers(40, 14)
+  assert all((n, l) in hosts for l in even for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
+  assert ("moe.w_gate", first) in hosts and ("moe.w_up", first) not in hosts
   assert sum(1 for n, _ in hosts if n.startswith("moe.")) == 40
   assert p.host_read_bytes == sum(u.read_bytes for u in p.units if u.unit in hosts)
   assert p.host_bytes + p.device_bytes == p.total_bytes
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 40, 94])
+def test_even_layers(n):
+  for t in range(1, n + 1):
+    e = P.even_layers(n, t)
+    assert len(set(e)) == t and e[-1] == n - 1 and list(e) == sorted(e)
+    gaps = [b - a for a, b in zip((-1,) + e, e)]
+    assert max(gaps) - min(gaps) <= 1, (t, e)
+
+
+def test_spread_places_the_prefix_count_evenly():
+  """40 equal expert layers: every count t of whole host-tier layers is even_layers(40, t), with
+  the same bytes as the order's prefix (9 layers: 3, 7, ..., 39, where the prefix has 37 and 39)."""
+  p0 = base_plan("qwen36_35b")
+  prefix = P.plan(*model("qwen36_35b"), 0, P.Policy(layers="spread"))
+  emb = next(u.nbytes for u in p0.units if u.name == "embed")
+  layer = sum(u.nbytes for u in p0.units if u.layer == 0 and u.name.startswith("moe.w_"))
+  for t in (1, 8, 9, 13, 39):
+    p = p0.rebudget(emb + t * layer)
+    hosts = host_set(p)
+    got = sorted({l for n, l in hosts if n == "moe.w_down"})
+    assert got == list(P.even_layers(40, t)), t
+    assert all((n, l) in hosts for l in got for n in ("moe.w_gate", "moe.w_up"))
+    k = sum(1 for i in prefix.order[:1 + 3 * t])  # the prefix: the embedding and t layers
+    assert p.host_bytes == sum(prefix.units[i].nbytes for i in prefix.order[:k])
+  assert sorted(P.spread_order(40)[:9]) == [4, 9, 14, 19, 24, 29, 34, 37, 39]
+  assert P.even_layers(40, 9) == (3, 7, 12, 16, 21, 25, 30, 34, 39)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,24 +166,80 @@ def test_never_exceeds_budget_and_wastes_under_one_unit(name, frac, seed):
   budget = int(frac * sum(sizes.values()))
   p = P.plan(cfg, decls, sizes, budget)
   assert p.host_bytes <= budget
-  nxt = [i for i in p.order if p.kinds[i] == DEVICE]
-  if nxt:  # the first unit left on the device did not fit: the waste is under one unit
-    assert p.host_bytes + p.units[nxt[0]].nbytes > budget
-  # The host tier is a prefix of the order.
-  k = sum(1 for i in p.order if p.kinds[i] == HOST)
-  assert all(p.kinds[i] == HOST for i in p.order[:k])
+  k = prefix_len(p, budget)
+  if k < len(p.order):  # the first unit the prefix left out did not fit: waste under one unit
+    assert p.host_bytes + p.units[p.order[k]].nbytes > budget
+  # the prefix's bytes, whichever layers hold them (rule 3)
+  assert p.host_bytes == p.forced_host_bytes + sum(p.units[i].nbytes for i in p.order[:k])
+  check_rank_prefix(p, budget)
+
+
+def prefix_len(p: P.Plan, budget: int) -> int:
+  """Units of the order in rule 2's prefix (what fits after the forced bytes)."""
+  left, k = budget - p.forced_host_bytes, 0
+  for i in p.order:
+    if p.units[i].nbytes > left:
+      break
+    left, k = left - p.units[i].nbytes, k + 1
+  return k
+
+
+def whole_layers(p: P.Plan, idx) -> int:
+  layers = {}
+  for i in idx:
+    layers.setdefault(p.units[i].layer, []).append(p.kinds[i] == HOST)
+  return sum(1 for l, v in layers.items() if l is not None and all(v))
+
+
+def check_rank_prefix(p: P.Plan, budget: int):
+  """Rules 2 and 3: the ranks before the prefix's last one wholly in the host tier, those after it
+  wholly on the device; in that rank, at least the prefix's count of whole layers (the fill after
+  them may complete one more where layers differ in size), or the prefix itself."""
+  k = prefix_len(p, budget)
+  if k == len(p.order):
+    assert all(p.kinds[i] == HOST for i in p.order)
+    return
+  rank = lambda i: p.policy.rank(p.units[i].rank_role)
+  last = rank(p.order[k])
+  for i in p.order:
+    assert p.kinds[i] == (HOST if rank(i) < last else DEVICE if rank(i) > last else p.kinds[i])
+  mine = [i for i in p.order if rank(i) == last]
+  as_prefix = all(p.kinds[i] == (HOST if j < k else DEVICE) for j, i in enumerate(p.order))
+  if p.policy.layers != "spread":
+    assert as_prefix
+  elif not as_prefix:
+    pre = [i for i in p.order[:k] if rank(i) == last]
+    assert whole_layers(p, mine) >= sum(
+        1 for l in {p.units[i].layer for i in pre}
+        if all(i in pre for i in mine if p.units[i].layer == l))
+
+
+layer_policies = st.sampled_from(["spread", "first", "last"])
 
 
 @settings(max_examples=60, deadline=None)
-@given(names, fractions, fractions, st.integers(0, 2**31))
-def test_monotone_in_budget(name, f1, f2, seed):
+@given(names, fractions, fractions, st.integers(0, 2**31), layer_policies)
+def test_monotone_in_budget(name, f1, f2, seed, layers):
+  """A larger budget never moves a unit back ("first", "last"); under "spread" the ranks before
+  the last only grow, and the last rank's count of whole layers never falls."""
   cfg, decls, sizes = model(name)
   sizes = jitter(sizes, seed)
   total = sum(sizes.values())
   lo, hi = sorted((int(f1 * total), int(f2 * total)))
-  p_lo = P.plan(cfg, decls, sizes, lo)
-  assert host_set(p_lo) <= host_set(P.plan(cfg, decls, sizes, hi))
-  assert host_set(p_lo) <= host_set(p_lo.rebudget(hi))
+  pol = P.Policy(layers=layers)
+  p_lo, p_hi = P.plan(cfg, decls, sizes, lo, pol), P.plan(cfg, decls, sizes, hi, pol)
+  assert p_lo.rebudget(hi).kinds == p_hi.kinds
+  if layers != "spread":
+    assert host_set(p_lo) <= host_set(p_hi)
+    return
+  rank = lambda i: pol.rank(p_lo.units[i].rank_role)
+  k = prefix_len(p_lo, lo)
+  if k < len(p_lo.order):
+    last = rank(p_lo.order[k])
+    before = {p_lo.units[i].unit for i in p_lo.order if rank(i) < last}
+    assert before <= host_set(p_lo) and before <= host_set(p_hi)
+    mine = [i for i in p_lo.order if rank(i) == last]
+    assert whole_layers(p_lo, mine) <= whole_layers(p_hi, mine)
 
 
 @settings(max_examples=40, deadline=None)
@@ -213,15 +298,22 @@ def test_overrides_honoured_and_counted(l_host, l_dev, frac):
 @given(names, st.integers(0, 2**31))
 def test_steps_are_the_budgets_where_the_plan_changes(name, seed):
   cfg, decls, sizes = model(name)
-  p = P.plan(cfg, decls, jitter(sizes, seed), 0)
-  steps = p.steps()
-  assert steps[-1] == p.max_useful_budget == p.total_bytes - sum(
-      u.nbytes for u in p.units if not u.offloadable)
-  i = random.Random(seed).randrange(len(steps))
-  q = p.rebudget(steps[i])
-  assert host_set(q) == {p.units[j].unit for j in p.order[:i]}
-  if i:  # one byte less and the i-th unit no longer fits (jittered sizes are >= 1)
-    assert host_set(p.rebudget(steps[i] - 1)) == {p.units[j].unit for j in p.order[:i - 1]}
+  sizes = jitter(sizes, seed)
+  for layers in ("first", "last"):  # exactly the order's prefix
+    p = P.plan(cfg, decls, sizes, 0, P.Policy(layers=layers))
+    steps = p.steps()
+    assert steps[-1] == p.max_useful_budget == p.total_bytes - sum(
+        u.nbytes for u in p.units if not u.offloadable)
+    i = random.Random(seed).randrange(len(steps))
+    q = p.rebudget(steps[i])
+    assert host_set(q) == {p.units[j].unit for j in p.order[:i]}
+    if i:  # one byte less and the i-th unit no longer fits (jittered sizes are >= 1)
+      assert host_set(p.rebudget(steps[i] - 1)) == {p.units[j].unit for j in p.order[:i - 1]}
+  p = P.plan(cfg, decls, sizes, 0)  # "spread": the same ranks, as many whole layers
+  i = random.Random(seed).randrange(len(p.steps()))
+  q = p.rebudget(p.steps()[i])
+  assert q.host_bytes <= p.steps()[i]
+  check_rank_prefix(q, p.steps()[i])
 
 
 def test_totals_add_up():

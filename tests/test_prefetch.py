@@ -90,6 +90,26 @@ def test_take_redirects_only_the_fetched_layer(rng, device, tier):
   np.testing.assert_array_equal(addresses(after_empty), orig)
 
 
+def test_first_copies_go_in_the_order_their_layers_are_needed(rng, device, tier):
+  """start_rings: each ring's first fetch, earliest layer first, each after the one before (the
+  one copy stream takes them in that order); a stack with no host-tier layer last."""
+  from jaxvt.model import moe
+  made = {n: make_stack(rng, FMTS, ROWS, COLS, experts=E, host=h, tier=tier)
+          for n, h in zip(moe.ROUTED, [(4,), (1, 2), ()])}
+  ws = {n: put(m.w, device) for n, m in made.items()}
+  jaxpr = jax.make_jaxpr(lambda ws: moe.start_rings(ws, moe.ROUTED))(ws).jaxpr
+  calls = [e for e in jaxpr.eqns if e.params.get("target_name") == "jaxvt_prefetch_fetch"]
+  assert [int(dict(e.params["attributes"])["first"]) for e in calls] == [1, 4, -1]
+  for prev, nxt in zip(calls, calls[1:]):
+    assert nxt.invars[4] is prev.outvars[0]  # `after`: the ring the fetch before it returned
+  rings = moe.start_rings(ws, moe.ROUTED)
+  assert list(rings) == ["moe.w_up", "moe.w_gate", "moe.w_down"]
+  held = jax.jit(lambda ws: moe.start_rings(ws, moe.ROUTED))(ws)
+  for n, layer in (("moe.w_up", 1), ("moe.w_gate", 4)):  # the bytes arrive as before
+    raw = made[n].raws[layer].reshape(-1)
+    np.testing.assert_array_equal(np.asarray(held[n])[:raw.size], raw)
+
+
 @pytest.mark.parametrize("registered", [False, True], ids=["device-view", "registered"])
 @pytest.mark.parametrize("path", ["grouped", "matvec"])
 def test_scan_schedule_keeps_the_bits(path, registered, rng, device, tier):

@@ -30,6 +30,23 @@
 #                                       # loader GPU tests, determinism, prefill at auto
 #   bash tools/h200_session.sh split    # auto's prefill on the whole pool; prefill profiles
 #   bash tools/h200_session.sh slop     # prefill at auto with XLA's memory limit lifted
+#   bash tools/h200_session.sh even     # llama-bench built for the sweep's call; the prefetch and
+#                                       # loader GPU tests; prefill at auto on the 16 GiB card, and
+#                                       # auto's budget with 2 GiB more card and on the whole pool
+#   bash tools/h200_session.sh where    # prefill at the sweep's auto budget (B=3.5008): its rate,
+#                                       # profiles there and all in HBM
+#   bash tools/h200_session.sh take     # llama-bench built for the sweep's call; the prefetch and
+#                                       # loader GPU tests; prefill all in HBM and at auto on the
+#                                       # 16 GiB card with this build and with .dev/prev's (carry
+#                                       # both); a build that fails its tests gives way to prev's
+#   bash tools/h200_session.sh onecall  # llama-bench built in the background; the prefetch GPU
+#                                       # tests (a build that fails them gives way to .dev/prev's);
+#                                       # an 8192-token prompt at auto on the 16 GiB card; then the
+#                                       # sweep, all in one call
+#   bash tools/h200_session.sh check    # the prefetch GPU tests; prefill all in HBM and at auto on
+#                                       # the 16 GiB card with this build and .dev/prev's (carry
+#                                       # both); an 8192-token prompt at auto on the 16 GiB card
+#   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it)
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -277,7 +294,96 @@ if [ "$what" = slop ]; then  # #15: does XLA's memory-limited compile (remat) co
     echo "== ${f:-defaults}"; grep -i "remat" /tmp/pr.txt | head -2 | cut -c1-200; tail -1 /tmp/pr.txt
   done 2>&1 | tee "$OUT/slop.txt"
 fi
+if [ "$what" = even ]; then  # #15: auto's host-tier layers evenly spaced, gate/up copies early
+  start_llama
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    tests/test_load_pipeline.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  model
+  timeout 120 python3 tools/prefill_rate.py --model $M > "$OUT/prefill_rate_hbm.txt" 2>&1
+  tail -1 "$OUT/prefill_rate_hbm.txt"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 tools/prefill_rate.py --model $M \
+    --offload-gb auto --device-gb 16 > "$OUT/prefill_rate.txt" 2>&1; tail -2 "$OUT/prefill_rate.txt"
+  b=$(sed -n 's/.*= budget \([0-9.]*\) GiB.*/\1/p' "$OUT/prefill_rate.txt" | tail -1)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.1313 timeout 120 python3 tools/prefill_rate.py --model $M \
+    --offload-gb $b --device-gb 18 > "$OUT/prefill_rate18.txt" 2>&1; tail -1 "$OUT/prefill_rate18.txt"
+  timeout 120 python3 tools/prefill_rate.py --model $M --offload-gb $b > "$OUT/prefill_rate_pool.txt" 2>&1
+  tail -1 "$OUT/prefill_rate_pool.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = where ]; then  # #15: what prefill at the sweep's auto budget still pays
+  b=${B:-3.5008}
+  model
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
+    --offload-gb $b --device-gb 16 > "$OUT/prefill_rate.txt" 2>&1; tail -1 "$OUT/prefill_rate.txt"
+  timeout 150 python3 -m jaxvt.bench profile --model $M --prefill --prompt 512 --top 40 \
+    > "$OUT/profile_prefill_hbm.txt" 2>&1; head -46 "$OUT/profile_prefill_hbm.txt" | cut -c1-160
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
+    --prompt 512 --offload-gb $b --device-gb 16 --top 40 > "$OUT/profile_prefill_auto.txt" 2>&1
+  head -46 "$OUT/profile_prefill_auto.txt" | cut -c1-160
+fi
+if [ "$what" = where2 ]; then  # #15: every kernel of prefill, all in HBM and at 4.063 GiB on the
+  # whole pool (host-tier layers copied ahead, no card limit: no rematerialization)
+  model
+  timeout 150 python3 -m jaxvt.bench profile --model $M --prefill --prompt 512 --top 600 \
+    > "$OUT/profile_prefill_hbm.txt" 2>&1; head -3 "$OUT/profile_prefill_hbm.txt" | cut -c1-160
+  timeout 150 python3 -m jaxvt.bench profile --model $M --prefill --prompt 512 --offload-gb 4.0633 \
+    --top 600 > "$OUT/profile_prefill_pool.txt" 2>&1; head -3 "$OUT/profile_prefill_pool.txt" | cut -c1-160
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
+    --prompt 512 --offload-gb 3.5008 --device-gb 16 --top 600 > "$OUT/profile_prefill_auto.txt" 2>&1
+  grep -v "^W1202" "$OUT/profile_prefill_auto.txt" | head -3 | cut -c1-160
+fi
+if [ "$what" = take ]; then  # #15: take captured in XLA's command buffers (this build) or not
+  start_llama
+  SO=$(ls jaxvt/ffi/_jaxvt_ffi*.so); cp $SO /tmp/new.so
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    tests/test_load_pipeline.py > "$OUT/gpu_tests.txt" 2>&1; rc=$?; tail -3 "$OUT/gpu_tests.txt"
+  model
+  timeout 120 python3 tools/prefill_rate.py --model $M > "$OUT/prefill_rate_hbm.txt" 2>&1
+  tail -1 "$OUT/prefill_rate_hbm.txt"
+  for v in new prev; do
+    if [ $v = new ]; then cp /tmp/new.so $SO; else cp .dev/prev/$(basename $SO) $SO; fi
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 tools/prefill_rate.py --model $M \
+      --offload-gb auto --device-gb 16 > "$OUT/prefill_rate_$v.txt" 2>&1; echo "$v:"; tail -1 "$OUT/prefill_rate_$v.txt"
+  done
+  if [ $rc = 0 ]; then cp /tmp/new.so $SO; echo "kept this build"; else echo "tests failed: prev's build stays"; fi
+  cp $SO /tmp/keep.so  # the sweep's call takes this one (tools/h200_session.sh sweep)
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = onecall ]; then  # the take call and the sweep's, for want of device time
+  start_llama
+  SO=$(ls jaxvt/ffi/_jaxvt_ffi*.so)
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1 || { cp .dev/prev/$(basename $SO) $SO; echo "tests failed: prev's build"; }
+  tail -3 "$OUT/gpu_tests.txt"
+  model
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 100 python3 tools/long_prompt.py --model $M \
+    --tokens 8192 --device-gb 16 > "$OUT/long_prompt.txt" 2>&1; echo "long exit $?"; tail -3 "$OUT/long_prompt.txt"
+  python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-300} 2>&1 | tee "$OUT/offload.txt" | tail -40
+  cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png /tmp/llama_build.log "$OUT/" 2>/dev/null
+fi
+if [ "$what" = check ]; then  # take in XLA's command buffers (this build) or not (prev's)
+  SO=$(ls jaxvt/ffi/_jaxvt_ffi*.so); cp $SO /tmp/new.so
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/test_prefetch_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  model
+  timeout 90 python3 tools/prefill_rate.py --model $M > "$OUT/prefill_rate_hbm.txt" 2>&1
+  tail -1 "$OUT/prefill_rate_hbm.txt" | cut -c1-400
+  for v in new prev new2; do
+    if [ $v = prev ]; then cp .dev/prev/$(basename $SO) $SO; else cp /tmp/new.so $SO; fi
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 90 python3 tools/prefill_rate.py --model $M \
+      --offload-gb auto --device-gb 16 > "$OUT/prefill_rate_$v.txt" 2>&1; echo "$v:"; tail -1 "$OUT/prefill_rate_$v.txt" | cut -c1-400
+  done
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 100 python3 tools/long_prompt.py --model $M \
+    --tokens 8192 --device-gb 16 > "$OUT/long_prompt.txt" 2>&1; echo "long exit $?"; tail -4 "$OUT/long_prompt.txt"
+fi
+if [ "$what" = det ]; then  # #16: two processes, every budget (auto's layers evenly spaced now)
+  start_llama
+  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
 if [ "$what" = sweep ]; then
+  [ -f /tmp/keep.so ] && cp /tmp/keep.so $(ls jaxvt/ffi/_jaxvt_ffi*.so) && echo "extension: the take call's"
   start_llama  # the sweep runs llama-bench last and waits for a build in progress
   python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-500} 2>&1 | tee "$OUT/offload.txt" | tail -40
   cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png /tmp/llama_build.log "$OUT/" 2>/dev/null

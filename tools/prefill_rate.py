@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> int:
     on = eng.ex
     off = dataclasses.replace(on, products=dataclasses.replace(on.products, prefetch_per_expert=0))
     host = eng.weights["moe.w_gate"].meta.host_layers if "moe.w_gate" in eng.weights else ()
-    gib = eng.plan.plan.budget_bytes / 2**30 if eng.plan is not None else 0.0
+    # up to 0.0001 GiB above the budget, so --offload-gb with the printed value places the same
+    gib = math.ceil(eng.plan.plan.budget_bytes / 2**30 * 1e4) / 1e4 if eng.plan is not None else 0.0
     rates, logits = {"ahead": [], "in place": []}, {}
     for _ in range(6):  # the first round compiles each
       for name, ex in (("ahead", on), ("in place", off)):
@@ -46,7 +48,7 @@ def main(argv: list[str]) -> int:
     eng.ex = on
   best = {k: max(v[1:]) for k, v in rates.items()}
   same = np.array_equal(logits["ahead"], logits["in place"])
-  print(f"{eng.path}: offload {budget} = budget {gib:.3f} GiB (device {a.device_gb}); routed "
+  print(f"{eng.path}: offload {budget} = budget {gib:.4f} GiB (device {a.device_gb}); routed "
         f"experts' host-tier layers "
         f"{list(host)}; prefill {a.prompt} tok/s (best of 5): ahead {best['ahead']:.1f} "
         f"{[round(r, 1) for r in rates['ahead'][1:]]}, in place {best['in place']:.1f} "

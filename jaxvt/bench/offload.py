@@ -59,6 +59,7 @@ LOCK = "/tmp/jaxvt-bench-gpu.lock"
 LLAMA_BENCH = "/tmp/llama-build/bin/llama-bench"  # tools/build_llamacpp.sh's output
 LLAMA_RESERVE_S = 110  # kept for the llama.cpp arm (3 llama-bench runs) when it exists
 SHORT_PROMPT = 16  # the device arm's short prompt (issue #15: llama-bench -p 16)
+PREFILL_REPEATS = 3  # warm prefills of the prompt per point (the median is reported)
 PINNED_GEN = 16  # the JAX pinned_host arm copies every expert per token: fewer tokens suffice
 
 
@@ -152,7 +153,11 @@ class Session:
       t2 = time.perf_counter()
       g = eng.generate(self.ids, max_tokens=gen)
       r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
-      r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
+      # prefill: the median of three warm prompts (one prefill is a tenth of a second: a single
+      # one moved by a few percent between runs); llama-bench's pp is the mean of its -r runs
+      pre = [g.stats.prefill_tok_s] + [eng.generate(self.ids, max_tokens=1).stats.prefill_tok_s
+                                       for _ in range(PREFILL_REPEATS - 1)]
+      r.prefill_tok_s, r.decode_tok_s = float(np.median(pre)), g.stats.decode_tok_s
       if short:
         eng.generate(self.ids[:short], max_tokens=1)  # compiles the short prompt's bucket
         r.prefill16_tok_s = max(eng.generate(self.ids[:short], max_tokens=1).stats.prefill_tok_s
@@ -167,6 +172,11 @@ class Session:
       if not r.load_s:
         r.load_s = time.perf_counter() - t0
     finally:
+      # Closed, not left to the collector: a point that failed mid-run (an unsafe budget out of
+      # memory) kept its weights alive, and every later point of the sweep then ran out of
+      # memory too (H200, 2026-12-02: 8 KiB allocations refused after the forced 3.01 GiB point)
+      if eng is not None:
+        eng.close()
       del eng
       gc.collect()
     return r

@@ -254,12 +254,13 @@ def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, mach
            f"+ MTP block). 16 GiB card: XLA pool fraction {frac}, --device-gb {args.device_gb:g}. "
            f"Same run: DMA host->device {dma:.1f} GB/s, device copy {hbm:.0f} GB/s. Prompt "
            f"{args.prompt} tokens then {args.gen} greedy tokens (the JAX pinned_host arm: its "
-           "row's token count). Roofline = host bytes/DMA + device bytes/device copy rate. "
+           "row's token count); prefill tok/s: the median of three warm prompts. Roofline = "
+           "host bytes/DMA + device bytes/device copy rate. "
            "safe: the planner's verdict; forced: below the smallest safe budget, run with "
            "--force. Times: load (placement + upload; host copies are made once per process) / "
            "compile + warm-up generate / timed generate, seconds. peak: the sweep process's "
            "peak so far. llama.cpp rows: llama-bench tg (decode, from an empty context) and pp "
-           "(prefill); their budget is the GiB of experts computed on the CPU.\n",
+           "(prefill), each the mean of its two runs (-r 2); their budget is the GiB of experts computed on the CPU.\n",
            "| arm | budget GiB | safe | host GiB | host MB/tok | host GB/s | prefill tok/s | "
            "decode tok/s | ms/tok | predicted ms | roofline ms | x roofline | load/compile/"
            "measure s | peak/pool GiB | note |",

@@ -124,12 +124,12 @@ def qmatmul_tiled_ref(x: jax.Array, w: QWeight, layer) -> jax.Array:
 
 
 def moe_grouped(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
-                on_down=None):
+                on_read=None):
   """moe_experts with the grouped kernel (bf16 products, float32 SwiGLU and sum): one sort of the
-  slots serves gate, up and down. on_down as for ops.moe_experts."""
+  slots serves gate, up and down. on_read as for ops.moe_experts."""
   groups = group_slots(ids, w_gate.meta.experts)
   mm = lambda x, w, l, i, mode: qmatmul_grouped(x, w, l, i, groups)
-  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, "f32", on_down=on_down)
+  return _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, "f32", on_read=on_read)
 
 
 def moe_grouped_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights):

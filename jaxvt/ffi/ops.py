@@ -373,27 +373,32 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
   return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u  # "q8": float32
 
 
-def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_down=None):
-  """on_down(d): sees the down product's output (prefetch orders its next copy after it)."""
+def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None):
+  """on_read(stage, out): sees the output of the products that read gate and up ("gate_up", the
+  activation h) and of the one that reads down ("down"): prefetch orders a ring's next copy after
+  the ring's last reader."""
   x = jnp.asarray(x, jnp.float32)
   if mm2 is None:
     g, u = mm(x, w_gate, layer, ids, mode), mm(x, w_up, layer, ids, mode)
   else:
     g, u = mm2(x, w_gate, w_up, layer, ids, mode)
   h = silu_mul(g, u, mode)  # [T, k, ffn]
+  if on_read is not None:
+    on_read("gate_up", h)
   d = mm(h, w_down, layer, ids, mode)  # [T, k, cols]
-  if on_down is not None:
-    on_down(d)
+  if on_read is not None:
+    on_read("down", d)
   return jnp.einsum("tk,tkd->td", jnp.asarray(weights, jnp.float32), d)
 
 
 def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
-                mode: str = "ggml", on_down=None):
+                mode: str = "ggml", on_read=None):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once.
-  on_down(d): sees the down product's output [T, k, d] (jaxvt.model.moe's prefetch)."""
+  on_read(stage, out): sees the products' outputs, gate/up's then down's (see _moe; for
+  jaxvt.model.moe's prefetch)."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
-              qmatmul_experts2, on_down)
+              qmatmul_experts2, on_read)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,

@@ -127,11 +127,14 @@ def prefetched(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str,
 
 
 def start_rings(w: dict, names: tuple[str, ...]) -> dict:
-  """A ring per stack of `names`, each already receiving the stack's first host-tier layer."""
-  out = {}
-  for n in names:
-    first, _ = prefetch.schedule(w[n].meta)
-    out[n] = prefetch.fetch(prefetch.new_ring(w[n].meta), w[n], first, first=True)
+  """A ring per stack of `names`, each already receiving the stack's first host-tier layer: the
+  copies in the order their layers are needed (one fetch after another: one stream copies them
+  in the order it is asked)."""
+  first = {n: prefetch.schedule(w[n].meta)[0] for n in names}
+  out, after = {}, None
+  for n in sorted(names, key=lambda n: (first[n] < 0, first[n])):
+    out[n] = after = prefetch.fetch(prefetch.new_ring(w[n].meta), w[n], first[n], after,
+                                    first=True)
   return out
 
 
@@ -165,12 +168,14 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: dict
     for n in rings or ():  # waits (on the device) for layer li's copy where the ring has it
       rings[n], views[n] = prefetch.take(rings[n], w[n], li)
     (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
-    down = []  # the down product's output: the rings' last reader is done once it exists
-    kw = {"on_down": down.append} if rings else {}
+    read = {}  # the products' outputs: a ring's last reader is done once its output exists
+    kw = {"on_read": read.__setitem__} if rings else {}
     y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
-    for n in rings or ():  # then the ring fetches the stack's next host-tier layer
+    for n in rings or ():  # then the ring fetches the stack's next host-tier layer: gate's and
+      # up's as soon as their product is done, while down's runs
       nxt = jnp.asarray(prefetch.schedule(w[n].meta)[1])[li]
-      rings[n] = prefetch.fetch(rings[n], w[n], nxt, after=down[0])
+      after = read["down" if n == "moe.w_down" else "gate_up"]
+      rings[n] = prefetch.fetch(rings[n], w[n], nxt, after=after)
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
       s = layers.swiglu_down(gu[0], gu[1], w["shexp.w_down"], li, ex)

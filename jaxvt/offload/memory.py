@@ -189,9 +189,9 @@ def smallest_safe_budget(plan: Plan, facts: DeviceFacts, cfg: ModelConfig, shape
                          workspace_bytes: int | None = None) -> int | None:
   """The smallest offload budget (bytes) whose plan leaves the slack intact; None if none does.
 
-  Device weights fall as the budget grows (the plan is a growing prefix of one order), so the
-  answer is the first of `plan.steps()` that fits; every larger budget fits too. Overrides stay
-  honoured: the answer is never below the bytes they force into the host tier.
+  Device weights fall as the budget grows (the plan holds the bytes of a growing prefix of one
+  order), so the answer is the first of `plan.steps()` that fits; every larger budget fits too.
+  Overrides stay honoured: the answer is never below the bytes they force into the host tier.
   """
   base = breakdown(0, facts, cfg, shape, workspace_bytes)
   allowed = base.headroom - base.slack  # the most device weight bytes that fit

@@ -13,12 +13,19 @@ Rule (decided here, tested as properties):
 2. The other offloadable units are sorted once, independently of the budget (the policy order
    below), and the host tier takes the longest *prefix* of that order that fits in what the
    forced units leave of the budget.
+3. Under `Policy.layers="spread"` (the default) the rank the prefix ends in keeps the prefix's
+   t whole layers and its part of one more, but on the layers spaced most evenly
+   (`even_layers`), where those hold exactly the prefix's bytes (layers of one size, as the
+   routed experts of a Q4_K_M file); otherwise the prefix stands.
 
 So a plan never exceeds its budget, and it is monotone: a larger budget gives a longer prefix,
-never moving a unit back to the device. The prefix rule can leave up to one unit's bytes of the
-budget unused (at most ~0.2 GiB for a Qwen3.6-35B-A3B expert stack). "Skip a unit that does not
-fit and keep filling with later, smaller ones" fits more exactly but is not monotone: with order
-A 3, B 5, C 2, a budget of 5 takes {A, C} and a budget of 8 takes {A, B}, moving C back.
+never moving a unit back to the device ("first" and "last": the host set only grows; "spread":
+the same bytes as the prefix, the same ranks and counts of whole layers, but *which* layers of
+the last rank may change, which decode's cost does not depend on, see below). The prefix rule
+can leave up to one unit's bytes of the budget unused (at most ~0.2 GiB for a Qwen3.6-35B-A3B expert stack).
+"Skip a unit that does not fit and keep filling with later, smaller ones" fits more exactly but
+is not monotone: with order A 3, B 5, C 2, a budget of 5 takes {A, C} and a budget of 8 takes
+{A, B}, moving C back.
 
 Policy order. Moving a unit of `b` bytes to the host tier costs, per decode step, its bytes read
 per step times (1/host rate - 1/device rate); every unit pays the same rates, so the cost per
@@ -30,13 +37,16 @@ and are ranked by how well their reads hide: large dense-FFN matrices stream bes
 and DeltaNet matrices are mid-sized; attention matrices are small (per-call overhead dominates);
 the output head is last, a single large read at the end of the step that nothing overlaps.
 A tied embedding is also the output head (read whole every step), so it ranks as OUTPUT.
-Within a rank: by layer, spread ("spread", the default, spread_order): the first unit of a rank
-is its last layer, and each next one the middle of the widest gap left between the layers
-already taken and the start of the step, so any budget's host-tier layers are about evenly
-spaced, the first of them a long way in (40 layers, 7 taken: 9, 14, 19, 24, 29, 34, 39; 8: 4 as well). Prefill copies each
-host-tier expert layer to the device while the layers before it compute (Products.prefetch_per_expert):
-a copy takes several layers' compute, so it needs device-tier layers between host-tier ones. Then
-in declaration order, so each layer's gate/up/down move together. Decode's per-step cost does
+Within a rank: by layer, spread ("spread", the default): the order is spread_order's (the last
+layer, then the middle of the widest gap left between the layers already taken and the step's
+start), then rule 3 spaces the last rank's t whole layers evenly: t of n layers are
+(i + 1) * n // t - 1 for i < t (40 layers, 8: 4, 9, ..., 39; 9: 3, 7, 12, 16, 21, 25, 30, 34, 39),
+where a prefix of spread_order alone must split one gap unevenly (9: 4, 9, ..., 34, 37, 39);
+8 whole layers and the gate and up of a ninth: the gate and up on 3, the whole ones on 7, ..., 39.
+Prefill copies each host-tier expert layer to the device while the layers before it compute
+(Products.prefetch_per_expert): a copy takes about three layers' compute on the H200, so the
+copy of a host-tier layer with one device-tier layer before it waits. Within a layer,
+declaration order, so each layer's gate/up/down move together. Decode's per-step cost does
 not depend on which layers: the scan runs every layer through one body and a layer's tier is
 data. `Policy.layers="first"` takes layers 0..N-1 (llama.cpp's `--n-cpu-moe N` moves those),
 "last" the last first.
@@ -178,7 +188,7 @@ def parse_overrides(specs: Iterable[str]) -> tuple[Override, ...]:
 class Policy:
   batch: int = 1  # sequences decoded per step (read fractions depend on it)
   order: tuple[tuple[Role, ...], ...] = DEFAULT_ORDER  # offload ranks, first offloaded first
-  layers: str = "spread"  # within a rank: "spread" (spread_order), "first" (layer 0 first), "last"
+  layers: str = "spread"  # within a rank: "spread" (rule 3), "first" (layer 0 first), "last"
   overrides: tuple[Override, ...] = ()
 
   def __post_init__(self):
@@ -402,7 +412,8 @@ class Plan:
   def steps(self) -> tuple[int, ...]:
     """The budgets at which the plan changes: forced bytes, then + each unit of the order.
 
-    `rebudget(steps()[i])` puts exactly the first i units of the order in the host tier.
+    `rebudget(steps()[i])` puts exactly the first i units of the order in the host tier ("first"
+    and "last"; "spread" as many whole layers of each rank, see rule 3).
     """
     out = [self.forced_host_bytes]
     for i in self.order:
@@ -426,12 +437,56 @@ def _place(units: tuple[UnitInfo, ...], policy: Policy, forced: tuple[str | None
     raise JaxvtError(f"--offload-pattern forces {used / GiB:.2f} GiB into the host tier, above the "
                      f"{budget_bytes / GiB:.2f} GiB offload budget; raise --offload-gb to at least "
                      f"{ceil_gib(used):.1f} or narrow the pattern")
+  taken: list[int] = []
   for i in order:
     if units[i].nbytes > left:
       break
-    kinds[i] = HOST
+    taken.append(i)
     left -= units[i].nbytes
+  if policy.layers == "spread" and len(taken) < len(order):
+    taken = _spread_last_rank(units, policy, order, taken)
+  for i in taken:
+    kinds[i] = HOST
   return Plan(budget_bytes, policy, units, tuple(kinds), forced, order)
+
+
+def even_layers(n: int, t: int) -> tuple[int, ...]:
+  """t of the positions 0..n-1 spaced most evenly, the last one n - 1: every gap (the first
+  counted from -1) is n // t or n // t + 1."""
+  return tuple((i + 1) * n // t - 1 for i in range(t))
+
+
+def _spread_last_rank(units: tuple[UnitInfo, ...], policy: Policy, order: tuple[int, ...],
+                      taken: list[int]) -> list[int]:
+  """Rule 3: `taken` (a prefix of `order`) with the layers it holds of the rank it ends in moved
+  to the most evenly spaced ones: t whole layers and the prefix's part of one more take
+  even_layers(n, t + 1), the part the first of them (its copy is the shortest and starts with
+  the step); else the whole ones alone even_layers(n, t), the part where the prefix has it; each
+  only where it holds exactly the prefix's bytes (else the prefix)."""
+  rank = policy.rank(units[order[len(taken)]].rank_role)
+  ranked = [i for i in order if policy.rank(units[i].rank_role) == rank]
+  if any(units[i].layer is None for i in ranked):
+    return taken
+  mine = set(taken) & set(ranked)
+  by_layer: dict[int, list[int]] = {}
+  for i in ranked:
+    by_layer.setdefault(units[i].layer, []).append(i)
+  layers = sorted(by_layer)
+  whole = [l for l in layers if all(i in mine for i in by_layer[l])]
+  part = {units[i].name for i in mine if units[i].layer not in whole}
+  held = sum(units[i].nbytes for i in mine)
+  tries = []
+  if part:
+    first, *rest = (layers[j] for j in even_layers(len(layers), len(whole) + 1))
+    tries.append([i for l in rest for i in by_layer[l]] +
+                 [i for i in by_layer[first] if units[i].name in part])
+  if whole:
+    spaced = [i for j in even_layers(len(layers), len(whole)) for i in by_layer[layers[j]]]
+    tries.append(spaced + [i for i in mine if units[i].layer not in whole and i not in spaced])
+  for chosen in tries:  # the same bytes as the prefix, so every byte total stays the prefix's
+    if sum(units[i].nbytes for i in chosen) == held:
+      return [i for i in taken if i not in mine] + chosen
+  return taken
 
 
 def ceil_gib(nbytes: int) -> float:

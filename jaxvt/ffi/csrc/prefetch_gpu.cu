@@ -21,7 +21,9 @@
 // device or scheduled before any later work of XLA's stream (which is held here), so the wait
 // ends; a bound of a few seconds keeps the host-tier address instead.
 // join(x, ring) -> x: XLA's stream waits for an event recorded after the last copy.
-// None of these carry the command-buffer trait: fetch and join enqueue work on a second stream.
+// take carries the command-buffer trait (XLA may capture it in a CUDA graph with the kernels
+// around it: one kernel on XLA's stream whose arguments are buffers, no host state); fetch and
+// join do not: they enqueue work on a second stream, and fetch keeps count on the host.
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -322,7 +324,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchTakeGpu, jaxvt::TakeGpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fmts
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::U8>>()   // ring (aliased)
-                                  .Ret<ffi::Buffer<ffi::U32>>());  // table2
+                                  .Ret<ffi::Buffer<ffi::U32>>(),  // table2
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinGpu, jaxvt::JoinGpu,
                               ffi::Ffi::Bind()
