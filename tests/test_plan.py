@@ -133,6 +133,11 @@ def test_even_layers(n):
     assert len(set(e)) == t and e[-1] == n - 1 and list(e) == sorted(e)
     gaps = [b - a for a, b in zip((-1,) + e, e)]
     assert max(gaps) - min(gaps) <= 1, (t, e)
+    grids = list(P.even_grids(n, t))
+    assert grids[0] == e and len(set(grids)) == len(grids)
+    for g in grids:  # inside 0..n-1, gaps between its positions of n // t or n // t + 1
+      assert 0 <= g[0] and g[-1] < n and len(g) == t
+      assert all(n // t <= b - a <= n // t + 1 for a, b in zip(g, g[1:])), (t, g)
 
 
 def test_spread_places_the_prefix_count_evenly():
@@ -152,6 +157,30 @@ def test_spread_places_the_prefix_count_evenly():
     assert p.host_bytes == sum(prefix.units[i].nbytes for i in prefix.order[:k])
   assert sorted(P.spread_order(40)[:9]) == [4, 9, 14, 19, 24, 29, 34, 37, 39]
   assert P.even_layers(40, 9) == (3, 7, 12, 16, 21, 25, 30, 34, 39)
+
+
+def test_spread_with_layers_of_unequal_size():
+  """Down stacks of two sizes (every third layer's larger, as in a Q4_K_S file): every budget
+  holds exactly the prefix's bytes; rule 3 finds evenly spaced layers holding them for most
+  budgets (a grid of another phase, the part on another of its layers) and keeps the prefix's
+  layers for the rest."""
+  cfg, decls, sizes = model("qwen36_35b")
+  sizes = dict(sizes)
+  for l in range(40):
+    if l % 3 == 2:
+      sizes[("moe.w_down", l)] = sizes[("moe.w_down", l)] * 176 // 144  # Q5_K, not Q4_K
+  p0 = P.plan(cfg, decls, sizes, 0)
+  grids = [set(g) for t in range(2, 41) for g in P.even_grids(40, t)]
+  moved, n = 0, 0
+  for k in range(8, 120):  # budgets ending in the routed experts' rank, 3+ whole layers
+    p = p0.rebudget(p0.steps()[k])
+    assert p.host_bytes == p0.steps()[k]  # the prefix's bytes
+    hosts = host_set(p)
+    whole = {l for nm, l in hosts if nm == "moe.w_down" and ("moe.w_gate", l) in hosts}
+    part = {l for nm, l in hosts if nm.startswith("moe.w_") and l not in whole}
+    n += 1
+    moved += any(whole | part == g for g in grids)
+  assert moved >= n // 2, (moved, n)
 
 
 # ---------------------------------------------------------------------------------------------

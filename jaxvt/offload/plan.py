@@ -15,8 +15,8 @@ Rule (decided here, tested as properties):
    forced units leave of the budget.
 3. Under `Policy.layers="spread"` (the default) the rank the prefix ends in keeps the prefix's
    t whole layers and its part of one more, but on the layers spaced most evenly
-   (`even_layers`), where those hold exactly the prefix's bytes (layers of one size, as the
-   routed experts of a Q4_K_M file); otherwise the prefix stands.
+   (`even_layers`, else another evenly spaced grid, `even_grids`) where those hold exactly the
+   prefix's bytes (layers of unequal size: the first grid that does); else the prefix.
 
 So a plan never exceeds its budget, and it is monotone: a larger budget gives a longer prefix,
 never moving a unit back to the device ("first" and "last": the host set only grows; "spread":
@@ -462,7 +462,9 @@ def _spread_last_rank(units: tuple[UnitInfo, ...], policy: Policy, order: tuple[
   to the most evenly spaced ones: t whole layers and the prefix's part of one more take
   even_layers(n, t + 1), the part the first of them (its copy is the shortest and starts with
   the step); else the whole ones alone even_layers(n, t), the part where the prefix has it; each
-  only where it holds exactly the prefix's bytes (else the prefix)."""
+  only where it holds exactly the prefix's bytes, trying the part on the grid's later layers and
+  other even grids (even_grids) where it does not (layers of unequal size: a Q4_K_S file's down
+  stacks); else the prefix."""
   rank = policy.rank(units[order[len(taken)]].rank_role)
   ranked = [i for i in order if policy.rank(units[i].rank_role) == rank]
   if any(units[i].layer is None for i in ranked):
@@ -475,18 +477,35 @@ def _spread_last_rank(units: tuple[UnitInfo, ...], policy: Policy, order: tuple[
   whole = [l for l in layers if all(i in mine for i in by_layer[l])]
   part = {units[i].name for i in mine if units[i].layer not in whole}
   held = sum(units[i].nbytes for i in mine)
+  n, t = len(layers), len(whole)
   tries = []
-  if part:
-    first, *rest = (layers[j] for j in even_layers(len(layers), len(whole) + 1))
-    tries.append([i for l in rest for i in by_layer[l]] +
-                 [i for i in by_layer[first] if units[i].name in part])
-  if whole:
-    spaced = [i for j in even_layers(len(layers), len(whole)) for i in by_layer[layers[j]]]
-    tries.append(spaced + [i for i in mine if units[i].layer not in whole and i not in spaced])
+  if part:  # t + 1 grid layers, the part on the first (else on a later one)
+    for grid in even_grids(n, t + 1):
+      for m, at in enumerate(grid):
+        rest = [layers[j] for j in grid[:m] + grid[m + 1:]]
+        tries.append([i for l in rest for i in by_layer[l]] +
+                     [i for i in by_layer[layers[at]] if units[i].name in part])
+  if whole:  # t grid layers, the part where the prefix has it
+    for grid in even_grids(n, t):
+      spaced = [i for j in grid for i in by_layer[layers[j]]]
+      tries.append(spaced + [i for i in mine if units[i].layer not in whole and i not in spaced])
   for chosen in tries:  # the same bytes as the prefix, so every byte total stays the prefix's
     if sum(units[i].nbytes for i in chosen) == held:
       return [i for i in taken if i not in mine] + chosen
   return taken
+
+
+def even_grids(n: int, t: int):
+  """Evenly spaced choices of t of n positions, the best first: even_layers(n, t), then it moved
+  1, 2, ... positions earlier, then i * n // t + o for o from n // t - 1 down (gaps of n // t or
+  n // t + 1 in each; the first position falls earlier down the list)."""
+  seen = set()
+  grids = [tuple(j - s for j in even_layers(n, t)) for s in range(n // t)]
+  grids += [tuple(i * n // t + o for i in range(t)) for o in range(n // t - 1, -1, -1)]
+  for g in grids:
+    if g not in seen and g[0] >= 0 and g[-1] < n:
+      seen.add(g)
+      yield g
 
 
 def ceil_gib(nbytes: int) -> float:
