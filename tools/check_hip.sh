@@ -5,7 +5,8 @@
 # Everything comes from Debian 12's archive (apt-get installs what is missing):
 #   gfx10xx and older  Debian's hipcc (HIP 5.2, clang 15), as a Debian ROCm user builds.
 #   gfx12xx (RDNA4)    HIP 5.2's clang 15 does not know gfx12, so clang++-19 (package clang-19,
-#                      with lld-19 for the device link and llvm-19) compiles the same sources
+#                      with lld-19 for the device link, clang-tools-19 for its offload bundler
+#                      and llvm-19) compiles the same sources
 #                      against Debian's HIP 5.2 headers and device libraries. Those libraries
 #                      predate gfx12 by one file only: oclc_isa_version_12xx.bc, which holds one
 #                      constant (__oclc_ISA_version, 12000 for gfx1200). It is generated here
@@ -55,7 +56,8 @@ device_libs() {  # device_libs ARCH: a device-library directory that knows gfx12
 for arch in "${archs[@]}"; do
   case "$arch" in
     gfx12*)
-      apt_install clang-19 lld-19 llvm-19 libamdhip64-dev rocm-device-libs
+      # clang-tools-19: clang-offload-bundler, which clang++-19 runs to bundle the device code
+      apt_install clang-19 clang-tools-19 lld-19 llvm-19 libamdhip64-dev rocm-device-libs
       cxx=(clang++-19 --offload-arch="$arch" --rocm-device-lib-path="$(device_libs "$arch")")
       ;;
     *)
