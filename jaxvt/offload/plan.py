@@ -478,18 +478,20 @@ def _spread_last_rank(units: tuple[UnitInfo, ...], policy: Policy, order: tuple[
   part = {units[i].name for i in mine if units[i].layer not in whole}
   held = sum(units[i].nbytes for i in mine)
   n, t = len(layers), len(whole)
-  tries = []
-  if part:  # t + 1 grid layers, the part on the first (else on a later one)
-    for grid in even_grids(n, t + 1):
-      for m, at in enumerate(grid):
-        rest = [layers[j] for j in grid[:m] + grid[m + 1:]]
-        tries.append([i for l in rest for i in by_layer[l]] +
-                     [i for i in by_layer[layers[at]] if units[i].name in part])
-  if whole:  # t grid layers, the part where the prefix has it
-    for grid in even_grids(n, t):
-      spaced = [i for j in grid for i in by_layer[layers[j]]]
-      tries.append(spaced + [i for i in mine if units[i].layer not in whole and i not in spaced])
-  for chosen in tries:  # the same bytes as the prefix, so every byte total stays the prefix's
+
+  def tries():
+    if part:  # t + 1 grid layers, the part on the first (else on a later one)
+      for grid in even_grids(n, t + 1):
+        for m, at in enumerate(grid):
+          rest = [layers[j] for j in grid[:m] + grid[m + 1:]]
+          yield ([i for l in rest for i in by_layer[l]] +
+                 [i for i in by_layer[layers[at]] if units[i].name in part])
+    if whole:  # t grid layers, the part where the prefix has it
+      for grid in even_grids(n, t):
+        spaced = [i for j in grid for i in by_layer[layers[j]]]
+        yield spaced + [i for i in mine if units[i].layer not in whole and i not in spaced]
+
+  for chosen in tries():  # the same bytes as the prefix, so every byte total stays the prefix's
     if sum(units[i].nbytes for i in chosen) == held:
       return [i for i in taken if i not in mine] + chosen
   return taken
