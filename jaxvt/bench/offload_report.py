@@ -260,7 +260,8 @@ def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, mach
            "--force. Times: load (placement + upload; host copies are made once per process) / "
            "compile + warm-up generate / timed generate, seconds. peak: the sweep process's "
            "peak so far. llama.cpp rows: llama-bench tg (decode, from an empty context) and pp "
-           "(prefill), each the mean of its two runs (-r 2); their budget is the GiB of experts computed on the CPU.\n",
+           "(prefill), each the mean of its two runs (-r 2); their budget is the GiB of experts "
+           "computed on the CPU.\n",
            "| arm | budget GiB | safe | host GiB | host MB/tok | host GB/s | prefill tok/s | "
            "decode tok/s | ms/tok | predicted ms | roofline ms | x roofline | load/compile/"
            "measure s | peak/pool GiB | note |",

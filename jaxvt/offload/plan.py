@@ -22,10 +22,10 @@ So a plan never exceeds its budget, and it is monotone: a larger budget gives a 
 never moving a unit back to the device ("first" and "last": the host set only grows; "spread":
 the same bytes as the prefix, the same ranks and counts of whole layers, but *which* layers of
 the last rank may change, which decode's cost does not depend on, see below). The prefix rule
-can leave up to one unit's bytes of the budget unused (at most ~0.2 GiB for a Qwen3.6-35B-A3B expert stack).
-"Skip a unit that does not fit and keep filling with later, smaller ones" fits more exactly but
-is not monotone: with order A 3, B 5, C 2, a budget of 5 takes {A, C} and a budget of 8 takes
-{A, B}, moving C back.
+can leave up to one unit's bytes of the budget unused (at most ~0.2 GiB for a Qwen3.6-35B-A3B
+expert stack). "Skip a unit that does not fit and keep filling with later, smaller ones" fits
+more exactly but is not monotone: with order A 3, B 5, C 2, a budget of 5 takes {A, C} and a
+budget of 8 takes {A, B}, moving C back.
 
 Policy order. Moving a unit of `b` bytes to the host tier costs, per decode step, its bytes read
 per step times (1/host rate - 1/device rate); every unit pays the same rates, so the cost per
