@@ -38,8 +38,8 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
-                             decode_fn, decode_loop_fn, decode_sample_fn, prefill_chunks,
-                             prefill_fn)  # noqa: F401 (engine.decode_sample_fn etc. stay public)
+                             decode_fn, decode_loop_fn, decode_sample_fn, first_token_fn,
+                             prefill_chunks, prefill_fn)  # noqa: F401 (engine.decode_sample_fn etc. stay public)
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload import host_tier
 from jaxvt.offload.host_tier import HostTier
@@ -48,7 +48,7 @@ from jaxvt.offload.plan import Policy, parse_overrides
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
-                            SamplingParams, sample)
+                            SamplingParams)
 
 class ClosedWeights:
   """What `Engine.weights` is after `close()`: passing it to a jitted function, indexing or
@@ -94,8 +94,7 @@ class Engine:
 
   def _check_open(self) -> None:
     if self._closed:
-      raise JaxvtError(f"this Engine ({escape(self.path)}) was closed; load the model again "
-                       "with jaxvt.load(...)")
+      raise JaxvtError(f"this Engine ({escape(self.path)}) was closed; load it again: jaxvt.load()")
 
   # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
@@ -166,8 +165,9 @@ class Engine:
     toks[0, :n] = tokens
     pos = (start + np.arange(T, dtype=np.int32))[None]
     valid = (np.arange(T) < n)[None]
-    return (jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(valid),
-            jnp.asarray([n - 1], jnp.int32)), self.kv_len(start + T)
+    # device_put, not jnp.asarray: no program to compile (or load) for each of them
+    return (jax.device_put(toks), jax.device_put(pos), jax.device_put(valid),
+            jax.device_put(np.asarray([n - 1], np.int32))), self.kv_len(start + T)
 
   def decode_step(self, cache: dict, token: int, position: int):
     """One token at `position`; returns (logits [vocab], cache)."""
@@ -209,15 +209,15 @@ class Engine:
 
     t0 = time.perf_counter()
     logits, cache = self.prefill(ids)
-    key, sub = jax.random.split(key)
-    nxt = int(sample(logits[None], sub, sampling)[0])
+    nxt, key = first_token_fn(logits, key, params=sampling)
+    nxt = int(nxt)
     stats.prefill_seconds = time.perf_counter() - t0
 
     out: list[int] = []
     pending: list[int] = []  # tokens read back from the device, in order
     inflight: list[jax.Array] = []  # tokens of decode calls dispatched, not yet read (oldest first)
     made = 1  # tokens sampled or being sampled (the first came from prefill)
-    feed = (jnp.asarray([nxt], jnp.int32), len(ids))  # the next decode call's token and position
+    feed = (jax.device_put(np.asarray([nxt], np.int32)), len(ids))  # the next call's token, position
     stopped_by = "max_tokens"
     pos = len(ids)  # where `nxt` goes when it is fed back
     compiling = 0.0  # of the decode time
@@ -227,14 +227,14 @@ class Engine:
       device) without waiting for it."""
       nonlocal cache, key, made, feed, compiling
       n = self.decode_steps(max_tokens - made)
-      args = (self.weights, cache, feed[0], jnp.int32(feed[1]), key)
+      args = (self.weights, cache, feed[0], jax.device_put(np.int32(feed[1])), key)
       static = dict(cfg=self.cfg, ex=self.ex, kv_len=self.kv_len(feed[1] + n), params=sampling,
                     steps=n)
       program = ("decode", static["kv_len"], n, sampling, made == 1)  # as warm_up keys it
       if program not in self.warmed:
         jax.block_until_ready(inflight)  # what runs meanwhile is decode time, not compile time
         tc = time.perf_counter()
-        decode_loop_fn.lower(*args, **static).compile()
+        decode_loop_fn.compile(*args, **static)
         self.warmed.add(program)
         compiling += time.perf_counter() - tc
       toks, cache, key, last = decode_loop_fn(*args, **static)
@@ -243,11 +243,9 @@ class Engine:
       stats.decode_steps += n
 
     t1 = time.perf_counter()
-    # Decode runs DECODE_CHUNK steps per device program (sampling on the device), so the host
-    # reads tokens back once per call rather than once per token, and the next call is already
-    # on its way when it does (its token and cache never leave the device): the device never
-    # waits on the host between calls. Tokens sampled after a stop are discarded (a stop costs
-    # up to one call of steps that nobody reads).
+    # DECODE_CHUNK steps per device program (sampling on the device): the host reads tokens
+    # once per call, and the next call is already on its way when it does (its token and cache
+    # never leave the device). Tokens sampled after a stop are discarded (up to one call's).
     while True:
       if nxt in stops:
         stopped_by = "eos"
@@ -321,27 +319,28 @@ class Engine:
     if pre in self.warmed and all(k in self.warmed for k, _ in calls):
       return 0.0
     t0 = time.perf_counter()
-    key, sub = jax.random.split(jax.random.key(0))  # as generate makes its keys
+    key = jax.random.key(0)  # as generate makes its keys
     spec = lambda info, shardings: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), info, shardings)
     cache = self.new_cache(1)
     for off, m, T in prefill_chunks(n, 0, self.prefill_chunk, self.max_context):
       args, kv_len = self._prefill_args([0] * m, off, T)
-      lowered = prefill_fn.lower(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
-                                 kv_len=kv_len)
-      logits_sharding, cache_shardings = lowered.compile().output_shardings
-      cache = spec(lowered.out_info[1], cache_shardings)  # as the next call takes it
-    if pre not in self.warmed:  # the first token is sampled eagerly from prefill's logits
-      logits = jax.device_put(jnp.zeros((1, self.cfg.vocab_size), jnp.float32), logits_sharding)
-      int(sample(logits[0][None], sub, sampling)[0])
+      compiled = prefill_fn.compile(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
+                                    kv_len=kv_len)
+      logits_sharding, cache_shardings = compiled.output_shardings
+      cache = spec(compiled.out_info[1], cache_shardings)  # as the next call takes it
+    if pre not in self.warmed:  # the first token: sampled from prefill's logits
+      logits = jax.device_put(np.zeros((1, self.cfg.vocab_size), np.float32), logits_sharding)
+      _, key = first_token_fn(logits[0], key, params=sampling)
       self.warmed.add(pre)
-    token = jnp.asarray([0], jnp.int32)
+    token = jax.device_put(np.asarray([0], np.int32))
     for i, (k, pos) in enumerate(calls):
       if k in self.warmed and i:
         continue
-      step = decode_loop_fn.lower(self.weights, cache, token, jnp.int32(pos), key, cfg=self.cfg,
-                                  ex=self.ex, kv_len=k[1], params=sampling, steps=k[2])
-      shardings = step.compile().output_shardings
+      step = decode_loop_fn.compile(self.weights, cache, token, jax.device_put(np.int32(pos)), key,
+                                    cfg=self.cfg, ex=self.ex, kv_len=k[1], params=sampling,
+                                    steps=k[2])
+      shardings = step.output_shardings
       self.warmed.add(k)
       if i == 0:  # later calls take the cache, key and token as this one returns them
         cache, key, token = (spec(step.out_info[j], shardings[j]) for j in (1, 2, 3))
@@ -427,6 +426,19 @@ def plan_workspace_bytes(model: Model, placement, ex: Exec, max_context: int,
                                     prefill_chunk=min(prefill_chunk, max_context)))
 
 
+def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: int = PREFILL_CHUNK,
+                     seconds: list | None = None) -> Callable[[object], int | None]:
+  """plan()'s `workspace_of` as `load` passes it (one device): plan_workspace_bytes of each
+  candidate plan; the seconds each took are appended to `seconds`."""
+  def workspace_of(p):
+    t = time.perf_counter()
+    ws = plan_workspace_bytes(model, lambda n, l: p.placement.get((n, l), "device"), ex,
+                              max_context, prefill_chunk)
+    (seconds if seconds is not None else []).append(time.perf_counter() - t)
+    return ws
+  return workspace_of
+
+
 def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
   it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
@@ -500,7 +512,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   budget (jaxvt.programs; False lets XLA:GPU time its GEMM algorithms). `compile_cache`: JAX's
   persistent compilation cache under this directory; None: $JAXVT_COMPILE_CACHE (0 turns it
   off) or ~/.cache/jaxvt ($XDG_CACHE_HOME/jaxvt); False: off. A cache configured in JAX
-  already is left as it is. `while_loading(engine)`: runs on this thread while loader threads
+  already is left as it is. Beside it the export store keeps the programs traced
+  (jaxvt.exports; JAXVT_EXPORT_STORE=0 turns it off). `while_loading(engine)`: runs on this thread while loader threads
   place the weights, given an Engine whose tokenizer is built and whose weights are only their
   shapes and shardings (loader.abstract_weights): compile there what the first call will run
   (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits the
@@ -510,7 +523,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
   device_gb = inputs.device_gb(device_gb)
-  programs.use_compile_cache(programs.cache_root(compile_cache, os.environ))
+  programs.use_compile_cache(programs.cache_root(compile_cache, os.environ),
+                             programs.env_flag(os.environ, "JAXVT_EXPORT_STORE"))
   m = open_model(model)
   cfg = m.cfg
   if max_context < 1 or max_context > cfg.context_length:
@@ -526,14 +540,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
   # shapes before any weight is placed (Placed.settle). One device only.
   seconds = []
-
-  def workspace_of(p):
-    t = time.perf_counter()
-    ws = plan_workspace_bytes(m, lambda n, l: p.placement.get((n, l), "device"), ex,
-                              max_context, prefill_chunk)
-    seconds.append(time.perf_counter() - t)
-    return ws
-
+  workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds)
   placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
                 max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
                 mesh=par, prefill_chunk=prefill_chunk,

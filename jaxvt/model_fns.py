@@ -5,6 +5,7 @@ call them directly), and the bucket rules that pick their static lengths.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import jax
@@ -75,6 +76,15 @@ def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig
   """decode_fn fused with sampling: returns (next tokens int32 [b], cache)."""
   logits, cache = _forward(weights, cache, tokens, positions, cfg, ex, kv_len)
   return sample(logits[:, 0], key, params), cache
+
+
+@functools.partial(jax.jit, static_argnames=("params",))
+def first_token_fn(logits, key, *, params: SamplingParams):
+  """generate's first token, from prefill's logits [vocab]: the key split once as decode splits
+  it per step, the token sampled with the split-off key. Returns (token int32 [], key). One
+  program where splitting and sampling eagerly compiled (or loaded) about eight."""
+  key, sub = jax.random.split(key)
+  return sample(logits[None], sub, params)[0], key
 
 
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "params", "steps"),

@@ -33,8 +33,9 @@ import threading
 from typing import Callable, Mapping
 
 import jax
+from jax import export
 
-from jaxvt import ffi
+from jaxvt import exports, ffi
 
 DETERMINISTIC_OPTIONS: dict[str, object] = {
     "xla_gpu_autotune_level": 0,
@@ -51,17 +52,85 @@ def compiler_options(deterministic: bool) -> dict[str, object] | None:
 class Program:
   """A jitted jaxvt program whose compiler options follow its static `ex` argument
   (`ex.deterministic`): jax.jit's call, `lower`, `trace` and `eval_shape`, one jitted function
-  per setting."""
+  per setting; and `compile`, which with the export store on (use_compile_cache) takes the
+  program from the store instead of tracing it (jaxvt.exports). Static arguments go by
+  keyword, the others by position."""
 
   def __init__(self, fun: Callable, **jit_kwargs):
     functools.update_wrapper(self, fun)
+    self._fun, self._jit_kwargs = fun, jit_kwargs
     self._jits = {d: jax.jit(fun, compiler_options=compiler_options(d), **jit_kwargs)
                   for d in (True, False)}
+    self._compiled: dict = {}  # in-memory key -> jax.stages.Compiled (the store's path)
+
+  @staticmethod
+  def _deterministic(kwargs: Mapping[str, object]) -> bool:
+    return bool(getattr(kwargs.get("ex"), "deterministic", True))
 
   def _pick(self, kwargs: Mapping[str, object]):
-    return self._jits[bool(getattr(kwargs.get("ex"), "deterministic", True))]
+    return self._jits[self._deterministic(kwargs)]
+
+  def _key(self, args, kwargs):
+    """(in-memory key, leaves' keys, treedef) of a call, or None where it cannot be stored (a
+    tracer or a number among the arguments, a mesh of several devices, unhashable statics)."""
+    ex = kwargs.get("ex")
+    if getattr(getattr(ex, "par", None), "size", 1) > 1:
+      return None
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    keys = []
+    for x in leaves:
+      k = exports.leaf_key(x)
+      if k is None:
+        return None
+      keys.append(k)
+    try:
+      key = (self._deterministic(kwargs), tuple(sorted(kwargs.items())), treedef, tuple(keys))
+      hash(key)
+    except TypeError:
+      return None
+    return key, keys, treedef
+
+  def compile(self, *args, **kwargs) -> jax.stages.Compiled:
+    """The compiled program for these arguments (arrays or jax.ShapeDtypeStructs): from the
+    export store where it has it (no tracing), else traced, lowered, kept in the store and
+    compiled (XLA's persistent cache may still hold the executable); without a store
+    `lower(...).compile()`."""
+    store = export_store()
+    k = self._key(args, kwargs) if store is not None else None
+    if k is None:
+      return self.lower(*args, **kwargs).compile()
+    key, leaf_keys, treedef = k
+    got = self._compiled.get(key)
+    if got is not None:
+      return got
+    d = self._deterministic(kwargs)
+    fkey = exports.file_key(self._fun, compiler_options(d), kwargs, treedef, leaf_keys)
+    exp = store.get(fkey) if fkey is not None else None
+    if exp is None:
+      try:
+        exp = export.export(self._jits[d], disabled_checks=exports.disabled_checks(ffi_targets()))(
+            *args, **kwargs)
+      except Exception:  # pylint: disable=broad-except  (not exportable: traced as before)
+        got = self.lower(*args, **kwargs).compile()
+        self._compiled[key] = got
+        return got
+      if fkey is not None:
+        store.put(fkey, exp)
+    donate = exports.donate_argnums(self._fun, self._jit_kwargs.get("donate_argnames", ()),
+                                    len(args))
+    call = lambda *a: exp.call(*a)
+    call.__name__ = call.__qualname__ = self._fun.__name__  # XLA's name for it: jit_<name>
+    got = jax.jit(call, donate_argnums=donate,
+                  compiler_options=compiler_options(d)).lower(*args).compile()
+    self._compiled[key] = got
+    return got
 
   def __call__(self, *args, **kwargs):
+    if export_store() is not None:
+      k = self._key(args, kwargs)
+      if k is not None:
+        got = self._compiled.get(k[0])
+        return (got if got is not None else self.compile(*args, **kwargs))(*args)
     return self._pick(kwargs)(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
@@ -111,6 +180,17 @@ def cache_root(setting: bool | str | None, env: Mapping[str, str] = os.environ) 
 
 
 @functools.cache
+def ffi_targets() -> frozenset[str]:
+  """Every custom-call target name of jaxvt's extension (any platform)."""
+  names = set(ffi.TARGETS) | set(ffi.GPU_TARGETS)
+  ext = ffi.extension()
+  if ext is not None:
+    for targets in ext.registrations().values():
+      names.update(targets)
+  return frozenset(names)
+
+
+@functools.cache
 def extension_identity() -> str:
   """16 hex digits of the SHA-256 of jaxvt's compiled extension, or "no-extension"."""
   ext = ffi.extension()
@@ -125,15 +205,25 @@ def extension_identity() -> str:
 
 
 _cache_lock = threading.Lock()
+_store: list = [None]  # the process's exports.ExportStore, set by use_compile_cache
 
 
-def use_compile_cache(root: str | None) -> str | None:
+def export_store():
+  """The export store use_compile_cache opened (jaxvt.exports), or None (the cache off)."""
+  return _store[0]
+
+
+def use_compile_cache(root: str | None, store: bool = True) -> str | None:
   """Turns JAX's persistent compilation cache on under `root` (None: leave it off); returns the
   directory in use, or None. A cache the user configured in JAX already (its directory set, or
-  the cache disabled) is left as it is and returned as found."""
+  the cache disabled) is left as it is and returned as found. With `store` (JAXVT_EXPORT_STORE
+  unset or on) jaxvt's export store opens beside the cache (jaxvt.exports)."""
   with _cache_lock:
     configured = jax.config.jax_compilation_cache_dir
     if configured or not jax.config.jax_enable_compilation_cache:
+      if configured and store and _store[0] is None:  # a cache of the user's: the store beside it
+        _store[0] = exports.open_store(os.path.join(configured, "jaxvt-exported",
+                                                    extension_identity()))
       return configured or None
     if root is None:
       return None
@@ -145,6 +235,8 @@ def use_compile_cache(root: str | None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     # jaxvt's programs compile in 0.1-10 s; JAX's default keeps only those above 1 s
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if store:
+      _store[0] = exports.open_store(os.path.join(root, "exported", extension_identity()))
     return path
 
 

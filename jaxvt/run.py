@@ -124,11 +124,12 @@ class _Bar:
     self.shown = -2
 
 
-def timing_report(eng, out, compiled: int, cached: int) -> str:
+def timing_report(eng, out, compiled: int, cached: int, store=None) -> str:
   """The run's timings, as llama.cpp reports them: loading (and where placing spent it),
   compiling (Engine.warm_up: in load while the weights were placed, and in generate) on a line
   of its own, then steady-state prefill and decode rates. `compiled`, `cached`: XLA's compiles
-  in those two (jaxvt.programs.CompileCounter), `cached` of them loaded from the cache."""
+  in those two (jaxvt.programs.CompileCounter), `cached` of them loaded from the cache;
+  `store`: the export store (jaxvt.exports), whose programs were not traced."""
   s = out.stats
   check = f" (+ {eng.check_seconds:.2f} s XLA memory check)" if eng.check_seconds else ""
   lt, gib = eng.load_times, lambda n: f"{n / 2**30:.2f} GiB"
@@ -137,6 +138,9 @@ def timing_report(eng, out, compiled: int, cached: int) -> str:
       f"{lt.read:.2f} s, upload {lt.upload:.2f} s, host tier {gib(lt.host_bytes)} {lt.host:.2f} s)")
   during = (f"; {eng.warm_seconds:.2f} s of it while the weights loaded" if eng.warm_seconds and
             eng.place_seconds else "")
+  if store is not None and (store.loaded or store.written):
+    during += (f"; the model's programs: {store.loaded} from the export store, "
+               f"{store.written} traced and stored")
   n_dec = max(s.generated_tokens - 1, 0)  # the first token comes from prefill
   steps = ""
   if s.decode_steps > n_dec and s.decode_seconds > 0:  # a chunk ran on past the stop
@@ -401,7 +405,8 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
       marks.append(counter.snapshot())
       spans = list(zip(marks[::2], marks[1::2]))
       print(timing_report(eng, out, sum(b[0] - a[0] for a, b in spans),
-                          sum(b[1] - a[1] for a, b in spans)), file=sys.stderr)
+                          sum(b[1] - a[1] for a, b in spans), programs.export_store()),
+            file=sys.stderr)
   except JaxvtError as e:
     if bar:
       bar.finish()

@@ -289,3 +289,51 @@ def test_failed_point_frees_its_weights(tmp_path, monkeypatch):
   r2 = s.measure("jaxvt", 0.5)  # the next point runs
   assert r2.ok and r2.decode_tok_s > 0, r2.note
   s.tier.close()
+
+
+def test_forced_points_run_last_in_a_process_of_their_own(tmp_path, monkeypatch):
+  """The sweep's child gets the safe points only; the forced (unsafe) budgets go to a second
+  child started after it ends, so a forced point out of memory cannot fail a safe one."""
+  from jaxvt.bench import offload, report
+  meta = {"safe": 3.55, "top": 18.61, "auto": 3.5, "n_layers": 40}
+  calls = []
+
+  class Fake:
+    def __init__(self, arm, points):
+      self.arm, self.points, self.runs = arm, points, []
+      self.info = {"meta": meta} if arm == "sweep" else {}
+      self.p = types.SimpleNamespace(returncode=0)
+
+    def wait(self, deadline):
+      calls.append(("wait", self.arm))
+      pts = self.points if self.points is not None else offload.safe_points(meta)
+      self.runs = [Run(a, 0.0, True, point=f"{a}:{b}", forced=f) for a, b, f in pts]
+      return self
+
+  def child(arm, args, env, deadline, log, points=None, after="", signal=""):
+    calls.append(("start", arm, points))
+    return Fake(arm, points)
+
+  monkeypatch.setattr(offload, "_offload_child", child)
+  monkeypatch.setattr(offload, "ensure_model", lambda *a: None)
+  monkeypatch.setattr(offload, "pool_fraction", lambda gb: "0.1167")
+  monkeypatch.setattr(offload_llama, "find", lambda p: None)
+  monkeypatch.setattr(offload.offload_report, "plot", lambda *a: False)
+  written = {}
+  monkeypatch.setattr(report, "write_section", lambda name, body: written.update({name: body}))
+  monkeypatch.setenv("OUT", str(tmp_path))
+  model = tmp_path / "m.gguf"
+  model.write_bytes(b"0" * 1024)
+  args = types.SimpleNamespace(model=str(model), time_limit=600, device_gb=16.0, prompt=8, gen=3,
+                               llama_bench=None)
+  offload.main(args)
+  starts = [c for c in calls if c[0] == "start"]
+  assert [c[1] for c in starts] == ["device", "sweep", "forced"]
+  assert starts[1][2] is None  # the sweep child plans its own points: the safe ones
+  planned = offload_report.plan_points(3.55, 18.61, auto=3.5)
+  forced = [p for p in planned if p[2]]
+  assert forced and starts[2][2] == forced
+  assert offload.safe_points(meta) == [p for p in planned if not p[2]]
+  # the forced child starts only once the sweep child has ended
+  assert calls.index(("wait", "sweep")) < calls.index(starts[2])
+  assert "offload" in written

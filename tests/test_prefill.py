@@ -58,6 +58,9 @@ class _Spy:
     self.lowered.append(args[2].shape[1])
     return self.real.lower(*args, **kw)
 
+  def compile(self, *args, **kw):
+    return self.real.compile(*args, **kw)
+
 
 def _compare_chunked(eng, prompt: list[int], chunk: int, spy: _Spy, gen: int = 0):
   """One pass against chunks of `chunk`: logits within float32 noise, the same greedy token after

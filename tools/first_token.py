@@ -5,7 +5,9 @@
 Runs the CLI `--runs` times in a row with JAXVT_COMPILE_CACHE=DIR (default: a fresh temporary
 directory, so the first run compiles everything and the later ones load from the cache), and
 prints, per run, the time to the first byte on stdout (the first token), the total time, and
-the CLI's own load / compile lines. `--no-cache` runs with the cache off (JAXVT_COMPILE_CACHE=0).
+the CLI's own load / compile lines. `--no-cache` runs with the cache off (JAXVT_COMPILE_CACHE=0);
+`--no-store` with XLA's cache but without jaxvt's export store (JAXVT_EXPORT_STORE=0,
+jaxvt.exports): every program traced, as before the store existed.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ def main(argv: list[str]) -> int:
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--cache", default=None, help="cache directory (default: a fresh temporary one)")
   ap.add_argument("--no-cache", action="store_true")
+  ap.add_argument("--no-store", action="store_true")
   ap.add_argument("--stderr-dir", default=None,
                   help="write each run's stderr to DIR/run-N.txt (with JAX_LOG_COMPILES=1: what "
                        "each program cost)")
   a = ap.parse_args(argv)
   with tempfile.TemporaryDirectory(prefix="jaxvt-cache-") as tmp:
-    env = dict(os.environ, JAXVT_COMPILE_CACHE="0" if a.no_cache else a.cache or tmp)
+    env = dict(os.environ, JAXVT_COMPILE_CACHE="0" if a.no_cache else a.cache or tmp,
+               JAXVT_EXPORT_STORE="0" if a.no_store else "1")
     first = None
     for i in range(a.runs):
       t, total, err = run_once(cli, env)

@@ -30,6 +30,12 @@
 #                                       # loader GPU tests, determinism, prefill at auto
 #   bash tools/h200_session.sh split    # auto's prefill on the whole pool; prefill profiles
 #   bash tools/h200_session.sh slop     # prefill at auto with XLA's memory limit lifted
+#   bash tools/h200_session.sh store    # llama-bench built in the background; test_exports on the
+#                                       # GPU; the first token with and without the export store;
+#                                       # then the sweep, all in one call
+#   bash tools/h200_session.sh slop2    # prefill at the sweep's auto (3.5008 GiB and auto, context
+#                                       # 648), XLA's default memory limit and slop 100; a decode
+#                                       # profile all in HBM
 #   bash tools/h200_session.sh even     # llama-bench built for the sweep's call; the prefetch and
 #                                       # loader GPU tests; prefill at auto on the 16 GiB card, and
 #                                       # auto's budget with 2 GiB more card and on the whole pool
@@ -285,6 +291,33 @@ if [ "$what" = split ]; then  # #15: what auto's prefill pays beyond all in HBM:
   XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --prefill \
     --prompt 512 --offload-gb 4.063 --device-gb 16 --top 30 > "$OUT/profile_prefill_auto.txt" 2>&1
   head -34 "$OUT/profile_prefill_auto.txt" | cut -c1-150
+fi
+if [ "$what" = store ]; then  # #16's export store on the GPU, the first token with and without it;
+  # then the sweep (its auto chosen by XLA's analysis, the forced budgets last in their own process)
+  start_llama
+  model
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_exports.py \
+    > "$OUT/exports_tests.txt" 2>&1; tail -2 "$OUT/exports_tests.txt"
+  timeout 80 python3 tools/first_token.py --runs 2 --no-store -- --model $M --max-tokens 32 \
+    > "$OUT/first_token_nostore.txt" 2>&1; tail -3 "$OUT/first_token_nostore.txt"
+  timeout 100 python3 tools/first_token.py --runs 3 -- --model $M --max-tokens 32 \
+    > "$OUT/first_token.txt" 2>&1; tail -4 "$OUT/first_token.txt"
+  python3 -m jaxvt.bench offload --time-limit ${OFFLOAD_S:-280} 2>&1 | tee "$OUT/offload.txt" | tail -40
+  cp docs/BENCHMARKS.md "$OUT/"; cp docs/offload_sweep.png /tmp/llama_build.log "$OUT/" 2>/dev/null
+fi
+if [ "$what" = slop2 ]; then  # #15: XLA's remat at the sweep's auto (context 648): its memory limit's slop
+  model
+  for f in "" "--xla_gpu_memory_limit_slop_factor=100"; do
+    for b in 3.5008 auto; do
+      XLA_FLAGS="$f" XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py \
+        --model $M --offload-gb $b --device-gb 16 --max-context 648 --ahead-only > /tmp/pr.txt 2>&1
+      echo "== ${f:-defaults} $b: $(grep -ci 'rematerial' /tmp/pr.txt) remat lines"; grep -i 'rematerial' /tmp/pr.txt | head -1 | cut -c1-300
+      tail -1 /tmp/pr.txt | cut -c1-600
+    done
+  done 2>&1 | tee "$OUT/slop2.txt"
+  timeout 90 python3 tools/prefill_rate.py --model $M --max-context 648 --ahead-only 2>&1 | tail -1 | tee -a "$OUT/slop2.txt"
+  timeout 90 python3 -m jaxvt.bench profile --model $M --steps 8 --top 45 > "$OUT/decode_profile.txt" 2>&1
+  tail -60 "$OUT/decode_profile.txt" | cut -c1-200
 fi
 if [ "$what" = slop ]; then  # #15: does XLA's memory-limited compile (remat) cost prefill at auto?
   model

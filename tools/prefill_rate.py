@@ -1,11 +1,14 @@
 """Prefill rate with host-tier expert layers copied ahead of their turn, and without (a probe).
 
   python tools/prefill_rate.py [--model F] [--offload-gb B] [--device-gb G] [--prompt 512]
+                               [--max-context 1024] [--ahead-only]
 
 Loads the model once at the budget, then times the prompt's prefill (compiled and warm) under
 the engine's own rule (Products.prefetch_per_expert on a GPU) and the same rule with prefetching off,
 alternately, five times each; prints tok/s (the best of five) of each, the host-tier layers of
-the routed experts, and whether the logits of the two are equal bit for bit.
+the routed experts, and whether the logits of the two are equal bit for bit. `--ahead-only`
+times the engine's rule alone (best and median of five); the line ends with the device's peak
+memory (GiB in use at most, of the pool).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import sys
 import time
 
+import jax
 import numpy as np
 
 import jaxvt
@@ -27,18 +31,20 @@ def main(argv: list[str]) -> int:
   ap.add_argument("--offload-gb", default="0")
   ap.add_argument("--device-gb", type=float, default=None)
   ap.add_argument("--prompt", type=int, default=512)
+  ap.add_argument("--max-context", type=int, default=1024, help="the sweep's: prompt + 136")
+  ap.add_argument("--ahead-only", action="store_true")
   a = ap.parse_args(argv)
   budget = a.offload_gb if a.offload_gb == "auto" else float(a.offload_gb)
-  with jaxvt.load(a.model, offload_gb=budget, device_gb=a.device_gb, max_context=1024) as eng:
+  with jaxvt.load(a.model, offload_gb=budget, device_gb=a.device_gb, max_context=a.max_context) as eng:
     ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, a.prompt).tolist()
     on = eng.ex
     off = dataclasses.replace(on, products=dataclasses.replace(on.products, prefetch_per_expert=0))
     host = eng.weights["moe.w_gate"].meta.host_layers if "moe.w_gate" in eng.weights else ()
     # up to 0.0001 GiB above the budget, so --offload-gb with the printed value places the same
     gib = math.ceil(eng.plan.plan.budget_bytes / 2**30 * 1e4) / 1e4 if eng.plan is not None else 0.0
-    rates, logits = {"ahead": [], "in place": []}, {}
+    rates, logits = {"ahead": []} if a.ahead_only else {"ahead": [], "in place": []}, {}
     for _ in range(6):  # the first round compiles each
-      for name, ex in (("ahead", on), ("in place", off)):
+      for name, ex in (("ahead", on), ("in place", off))[:len(rates)]:
         eng.ex = ex
         t0 = time.perf_counter()
         lg, _ = eng.prefill(ids)
@@ -46,14 +52,23 @@ def main(argv: list[str]) -> int:
         rates[name].append(len(ids) / (time.perf_counter() - t0))
         logits[name] = lg
     eng.ex = on
+    st = jax.devices()[0].memory_stats() or {}
   best = {k: max(v[1:]) for k, v in rates.items()}
+  peak = (f"; device peak {st.get('peak_bytes_in_use', 0) / 2**30:.2f} of "
+          f"{st.get('bytes_limit', 0) / 2**30:.2f} GiB")
+  if a.ahead_only:
+    print(f"{eng.path}: offload {budget} = budget {gib:.4f} GiB (device {a.device_gb}, context "
+          f"{a.max_context}); routed experts' host-tier layers {list(host)}; prefill {a.prompt} "
+          f"tok/s best {best['ahead']:.1f}, median {float(np.median(rates['ahead'][1:])):.1f} "
+          f"{[round(r, 1) for r in rates['ahead'][1:]]}{peak}")
+    return 0
   same = np.array_equal(logits["ahead"], logits["in place"])
   print(f"{eng.path}: offload {budget} = budget {gib:.4f} GiB (device {a.device_gb}); routed "
         f"experts' host-tier layers "
         f"{list(host)}; prefill {a.prompt} tok/s (best of 5): ahead {best['ahead']:.1f} "
         f"{[round(r, 1) for r in rates['ahead'][1:]]}, in place {best['in place']:.1f} "
         f"{[round(r, 1) for r in rates['in place'][1:]]}; ratio "
-        f"{best['ahead'] / best['in place']:.3f}; same logits: {same}")
+        f"{best['ahead'] / best['in place']:.3f}; same logits: {same}{peak}")
   return 0 if same else 1
 
 

@@ -8,9 +8,11 @@ JAX starts):
   device      every weight in device memory, no cap (the GPU holds the whole model)
   sweep       jaxvt's host tier under an emulated 16 GiB card (XLA's pool capped with
               XLA_PYTHON_CLIENT_MEM_FRACTION, and --device-gb 16 for the planner): `auto`, the
-              smallest safe budget, everything, forced unsafe budgets below the safe range, and
-              the budgets between in steps of at most 1 GiB; then JAX's pinned_host memory kind
-              (device_put inside the layer scan) with jaxvt's host tier at the same placement
+              smallest safe budget, everything, JAX's pinned_host memory kind (device_put
+              inside the layer scan) with jaxvt's host tier at the same placement, and the
+              budgets between in steps of at most 1 GiB
+  forced      the forced unsafe budgets below the safe range, last, in a process of their own
+              (one that runs out of memory while loading must not take later points with it)
   llama.cpp   llama-bench on the same file (--llama-bench PATH, or /tmp/llama-build's): all
               layers on the GPU, `-ot exps=CPU`, and `--n-cpu-moe N` near jaxvt's auto budget
 
@@ -90,17 +92,29 @@ class Session:
     self.open_s = time.perf_counter() - t
 
   def plan(self, budget, pattern=()):
+    """The plan of a point. `auto` is chosen as jaxvt.load chooses it: from XLA's memory
+    analysis of each candidate's prefill program (engine.xla_workspace_of), not the estimate
+    alone, which gave a budget the CLI refuses (3.50 GiB against 4.06 at this sweep's context,
+    H200 2026-12-02) and XLA then rematerialized that budget's prefill to fit."""
+    wo = None
+    if budget == "auto" and self.par.size == 1:
+      dev = self.par.devices[0]
+      ex = engine.exec_for(dev.platform, ffi.available(dev.platform), self.par)
+      wo = engine.xla_workspace_of(self.model, ex, self.max_context)
     return engine.plan(self.model, offload_gb=budget, device_gb=self.device_gb, force=True,
-                       max_context=self.max_context, offload_pattern=pattern, mesh=self.par)
+                       max_context=self.max_context, offload_pattern=pattern, mesh=self.par,
+                       workspace_of=wo)
 
   def facts(self) -> dict:
-    """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts."""
+    """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts.
+    The smallest safe budget is auto's where XLA's analysis put auto above the estimate's."""
     base = self.plan(0.0)
     routed = {d.name for d in self.model.decls if d.role == Role.ROUTED_EXPERTS}
     exps = [u for u in self.model.units if u.name in routed and u.layer is not None]
     n = len({u.layer for u in exps}) or 1
-    return dict(safe=(base.safe_budget or 0) / GiB, top=base.plan.max_useful_budget / GiB,
-                auto=self.plan("auto").plan.host_bytes / GiB,
+    auto = self.plan("auto").plan.host_bytes / GiB
+    return dict(safe=max((base.safe_budget or 0) / GiB, auto), top=base.plan.max_useful_budget / GiB,
+                auto=auto,
                 expert_layer_bytes=sum(u.nbytes for u in exps) / n, n_layers=self.cfg.n_layers,
                 routed=sum(u.nbytes for u in self.model.units if u.name in routed) / GiB)
 
@@ -244,6 +258,11 @@ def _rates() -> dict:
   return dict(dma=dma, hbm=hbm)
 
 
+def safe_points(facts: dict) -> list[tuple]:
+  """plan_points without the forced (unsafe) budgets, in the same order."""
+  return [p for p in plan_points(facts["safe"], facts["top"], auto=facts["auto"]) if not p[2]]
+
+
 def child(args) -> None:
   """One arm in this process; prints one JSON line per run (RUN), and META / RATES lines."""
   deadline = args.deadline or time.time() + args.time_limit
@@ -265,7 +284,7 @@ def child(args) -> None:
       points = [tuple(p) for p in json.loads(args.points)]
     else:
       print("META " + json.dumps(facts), flush=True)
-      points = plan_points(facts["safe"], facts["top"], auto=facts["auto"])
+      points = safe_points(facts)  # the forced ones run after, in a child of their own
     # the pinned_host pair: every routed expert in the host tier (forced by the pattern, the
     # budget exactly their bytes), the rest on the device, as llama.cpp's -ot exps=CPU
     routed = facts["routed"]
@@ -404,14 +423,24 @@ def main(args) -> str:
   with contextlib.suppress(FileNotFoundError):
     os.remove(first)
   meta = info.get("meta")
-  planned = plan_points(meta["safe"], meta["top"], auto=meta["auto"]) if meta else []
   done = {r.point for r in runs}
-  left = [p for p in planned if f"{p[0]}:{p[1]}" not in done]
+  left = [p for p in (safe_points(meta) if meta else []) if f"{p[0]}:{p[1]}" not in done]
   if sweep.p.returncode and left and sweep_end - time.time() > 60:  # a crash: go on
     log(f"sweep child died; respawning for {len(left)} points")
     more = _offload_child("sweep", args, cap, sweep_end, log, left).wait(sweep_end)
     runs += more.runs
     info["skipped"] = more.info.get("skipped", [])
+  # The forced (unsafe) budgets last, in a process of their own: one that runs out of memory
+  # while its weights load left the pool full for every later point of its process (H200,
+  # 2026-12-02, twice), so no safe point runs after one any more.
+  forced = [p for p in (plan_points(meta["safe"], meta["top"], auto=meta["auto"]) if meta else [])
+            if p[2]]
+  if forced and sweep_end - time.time() > 30:
+    more = _offload_child("forced", args, cap, sweep_end, log, forced).wait(sweep_end)
+    runs += more.runs
+    info["skipped"] = info.get("skipped", []) + more.info.get("skipped", [])
+  elif forced:
+    info["skipped"] = info.get("skipped", []) + [f"{a} {b}" for a, b, _ in forced]
   llama_runs = []
   if llama:
     llama_runs = offload_llama.run_all(llama, args.model, info.get("meta", {}), args.prompt,
