@@ -38,8 +38,8 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
-                             decode_fn, decode_loop_fn, decode_sample_fn, first_token_fn,
-                             prefill_chunks, prefill_fn)  # noqa: F401 (engine.decode_sample_fn etc. stay public)
+                             decode_fn, decode_loop_fn, decode_sample_fn,  # noqa: F401 (public)
+                             first_token_fn, prefill_chunks, prefill_fn)
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload import host_tier
 from jaxvt.offload.host_tier import HostTier
@@ -96,14 +96,12 @@ class Engine:
     if self._closed:
       raise JaxvtError(f"this Engine ({escape(self.path)}) was closed; load it again: jaxvt.load()")
 
-  # ---- pure pieces, bound to this model -------------------------------------------------
   def new_cache(self, batch: int = 1) -> dict:
     self._check_open()
     batch = inputs.whole("batch", batch, 1, 1 << 16)
-    # ggml numerics: llama.cpp's default KV cache (type_k = type_v = f16); q and the attention
-    # probabilities are rounded to it as ggml rounds them (jaxvt.ffi.numerics.attention).
+    # ggml numerics: llama.cpp's default f16 KV cache, q and the attention probabilities rounded
+    # as ggml rounds them (jaxvt.ffi.numerics.attention); each device holds its heads' cache
     kv = jnp.float16 if self.ex.ggml else jnp.float32
-    # each device of the mesh holds its own heads' KV cache and state
     return sharding.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
 
   def kv_len(self, n: int) -> int:
@@ -165,9 +163,9 @@ class Engine:
     toks[0, :n] = tokens
     pos = (start + np.arange(T, dtype=np.int32))[None]
     valid = (np.arange(T) < n)[None]
-    # device_put, not jnp.asarray: no program to compile (or load) for each of them
-    return (jax.device_put(toks), jax.device_put(pos), jax.device_put(valid),
-            jax.device_put(np.asarray([n - 1], np.int32))), self.kv_len(start + T)
+    put = jax.device_put  # not jnp.asarray, which compiles (or loads) a program for each
+    last = np.asarray([n - 1], np.int32)
+    return (put(toks), put(pos), put(valid), put(last)), self.kv_len(start + T)
 
   def decode_step(self, cache: dict, token: int, position: int):
     """One token at `position`; returns (logits [vocab], cache)."""
@@ -199,9 +197,8 @@ class Engine:
     tok = self.tokenizer
     ids = self.encode_prompt(prompt, chat)
     stats = GenerationStats(prompt_tokens=len(ids))
-    # Prefill's programs compile (or load from the compilation cache) before it runs; each decode
-    # program when it is first needed, after the first token is out. Compile time is counted in
-    # compile_seconds and left out of the prefill and decode times.
+    # Prefill's programs compile (or load) before it runs, each decode program when first needed
+    # (after the first token); compile_seconds counts them, the rates do not.
     stats.compile_seconds = self.warm_up(len(ids), 1, sampling)
     stops = set(tok.stop_ids)
     key = jax.random.key(seed)
@@ -217,7 +214,7 @@ class Engine:
     pending: list[int] = []  # tokens read back from the device, in order
     inflight: list[jax.Array] = []  # tokens of decode calls dispatched, not yet read (oldest first)
     made = 1  # tokens sampled or being sampled (the first came from prefill)
-    feed = (jax.device_put(np.asarray([nxt], np.int32)), len(ids))  # the next call's token, position
+    feed = (jax.device_put(np.asarray([nxt], np.int32)), len(ids))  # next call's token, position
     stopped_by = "max_tokens"
     pos = len(ids)  # where `nxt` goes when it is fed back
     compiling = 0.0  # of the decode time
@@ -295,7 +292,7 @@ class Engine:
 
   def warm_up(self, prompt_tokens: int, max_tokens: int = 1,
               sampling: SamplingParams = SamplingParams()) -> float:
-    """Compiles, ahead of time (or loads from the compilation cache), every program `generate`
+    """Compiles, ahead of time (or loads from the caches), every program `generate`
     runs for a prompt of `prompt_tokens` tokens and up to `max_tokens` new ones: each prefill
     chunk, the first token's sampling, and each decode program (decode_calls). Runs nothing on
     the model. Returns the seconds it took; 0 when this engine has them all. generate compiles
@@ -310,10 +307,9 @@ class Engine:
     if n > self.max_context:
       self.prefill([0] * n)  # raises the prompt-too-long error
     pre = ("prefill", self.prefill_shapes(n), sampling)
-    # A program is keyed by its static arguments and by how its arguments are placed: the
-    # first decode call takes the token sampled from prefill's logits and the key generate
-    # split off, later calls the token and key the previous call returned on the device (so too
-    # the cache of prefill's first chunk).
+    # A program is keyed by its static arguments and how its arguments are placed: the first
+    # decode call takes first_token_fn's token and key, later calls those the previous call
+    # returned on the device (so too the cache of prefill's first chunk).
     calls = [(("decode", kv, steps, sampling, i == 0), pos)
              for i, (kv, steps, pos) in enumerate(self.decode_calls(n, max_tokens))]
     if pre in self.warmed and all(k in self.warmed for k, _ in calls):
@@ -373,8 +369,8 @@ class Engine:
     if self._closed:
       return
     self._closed = True
-    # Every computation dispatched so far (also one an instant before an interrupt) has outputs
-    # among the live arrays: waiting for them all, no kernel still reads the freed host tier.
+    # Every computation dispatched (also one an instant before an interrupt) has outputs among
+    # the live arrays: once they are ready, no kernel still reads the freed host tier.
     for a in jax.live_arrays():
       try:
         a.block_until_ready()
@@ -428,13 +424,12 @@ def plan_workspace_bytes(model: Model, placement, ex: Exec, max_context: int,
 
 def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: int = PREFILL_CHUNK,
                      seconds: list | None = None) -> Callable[[object], int | None]:
-  """plan()'s `workspace_of` as `load` passes it (one device): plan_workspace_bytes of each
-  candidate plan; the seconds each took are appended to `seconds`."""
+  """plan()'s `workspace_of` (one device): plan_workspace_bytes of each candidate, timed."""
   def workspace_of(p):
     t = time.perf_counter()
     ws = plan_workspace_bytes(model, lambda n, l: p.placement.get((n, l), "device"), ex,
                               max_context, prefill_chunk)
-    (seconds if seconds is not None else []).append(time.perf_counter() - t)
+    (seconds if seconds is not None else []).append(time.perf_counter() - t)  # load's check
     return ws
   return workspace_of
 
@@ -512,8 +507,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   budget (jaxvt.programs; False lets XLA:GPU time its GEMM algorithms). `compile_cache`: JAX's
   persistent compilation cache under this directory; None: $JAXVT_COMPILE_CACHE (0 turns it
   off) or ~/.cache/jaxvt ($XDG_CACHE_HOME/jaxvt); False: off. A cache configured in JAX
-  already is left as it is. Beside it the export store keeps the programs traced
-  (jaxvt.exports; JAXVT_EXPORT_STORE=0 turns it off). `while_loading(engine)`: runs on this thread while loader threads
+  already is left as it is; beside it the export store keeps the programs traced (jaxvt.exports;
+  JAXVT_EXPORT_STORE=0: off). `while_loading(engine)`: runs on this thread while loader threads
   place the weights, given an Engine whose tokenizer is built and whose weights are only their
   shapes and shardings (loader.abstract_weights): compile there what the first call will run
   (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits the
@@ -581,12 +576,10 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                place_seconds=place_seconds, load_times=times)
   if early is not None:
     eng.warmed = early.warmed  # compiled against the weights' shapes: the same programs
-  # A mesh of several devices planned tight (offloaded, or --device-gb) checks its plan again with
-  # XLA's analysis of the largest prefill per device (one device did so before placing).
-  # The tokenizer is built last, from the file: its vocabulary is tens of thousands of small
-  # Python objects, and alive while the weights were placed they would share the heap's arenas
-  # with small objects JAX keeps for the life of the process, which would then keep those
-  # arenas (1 MiB each) after close: RSS grew by about 1 MiB per load/close.
+  # A mesh planned tight (offloaded, or --device-gb) checks its plan again with XLA's analysis
+  # of the largest prefill per device (one device did so before placing).
+  # The tokenizer is built last: its vocabulary's many small objects, alive while the weights
+  # were placed, shared heap arenas with objects JAX keeps for good (RSS grew ~1 MiB a load).
   try:
     if par.size > 1 and (placed.host_bytes or device_gb is not None):
       ws = xla_workspace_bytes(eng)

@@ -141,7 +141,7 @@ class ExportStore:
   def put(self, key: str, exp: export.Exported) -> None:
     try:  # a pytree type without a serialization (a bench arm's weight type): not kept
       data = exp.serialize()
-    except (ValueError, TypeError, NotImplementedError):
+    except Exception:  # pylint: disable=broad-except
       return
     try:
       fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".part-")

@@ -113,7 +113,8 @@ class Session:
     exps = [u for u in self.model.units if u.name in routed and u.layer is not None]
     n = len({u.layer for u in exps}) or 1
     auto = self.plan("auto").plan.host_bytes / GiB
-    return dict(safe=max((base.safe_budget or 0) / GiB, auto), top=base.plan.max_useful_budget / GiB,
+    return dict(safe=max((base.safe_budget or 0) / GiB, auto),
+                top=base.plan.max_useful_budget / GiB,
                 auto=auto,
                 expert_layer_bytes=sum(u.nbytes for u in exps) / n, n_layers=self.cfg.n_layers,
                 routed=sum(u.nbytes for u in self.model.units if u.name in routed) / GiB)
