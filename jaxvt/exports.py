@@ -81,6 +81,7 @@ def serialization_available() -> bool:
   return True
 
 
+@functools.lru_cache(maxsize=1024)
 def _sharding_key(s, ndim: int) -> str:
   try:
     hlo = str(s._to_xla_hlo_sharding(ndim))  # pylint: disable=protected-access

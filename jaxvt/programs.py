@@ -219,6 +219,8 @@ def use_compile_cache(root: str | None, store: bool = True) -> str | None:
   the cache disabled) is left as it is and returned as found. With `store` (JAXVT_EXPORT_STORE
   unset or on) jaxvt's export store opens beside the cache (jaxvt.exports)."""
   with _cache_lock:
+    if not store:
+      _store[0] = None
     configured = jax.config.jax_compilation_cache_dir
     if configured or not jax.config.jax_enable_compilation_cache:
       if configured and store and _store[0] is None:  # a cache of the user's: the store beside it

@@ -164,3 +164,20 @@ def test_an_offloaded_model_gives_the_same_bits_through_the_store(tmp_path, monk
     for logits, tokens in runs[1:]:
       np.testing.assert_array_equal(logits, runs[0][0])
       assert tokens == runs[0][1]
+
+
+def test_the_store_opens_beside_the_cache_and_the_environment_turns_it_off():
+  """use_compile_cache opens the store beside XLA's cache (keyed by the extension's build);
+  store=False (JAXVT_EXPORT_STORE=0 at jaxvt.load) closes it for the process. The session's
+  cache root (conftest), as every jaxvt.load of the suite uses it."""
+  root = programs.cache_root(None)
+  saved = programs._store[0]  # pylint: disable=protected-access
+  try:
+    programs.use_compile_cache(root, store=False)
+    assert programs.export_store() is None
+    programs.use_compile_cache(root)
+    s = programs.export_store()
+    assert s is not None and s.root.endswith(programs.extension_identity())
+    assert os.path.isdir(s.root)
+  finally:
+    programs._store[0] = saved  # pylint: disable=protected-access
