@@ -337,3 +337,37 @@ def test_forced_points_run_last_in_a_process_of_their_own(tmp_path, monkeypatch)
   # the forced child starts only once the sweep child has ended
   assert calls.index(("wait", "sweep")) < calls.index(starts[2])
   assert "offload" in written
+
+
+def test_the_sweeps_auto_is_the_budget_jaxvt_load_picks(monkeypatch):
+  """The sweep plans `auto` as jaxvt.load does, from XLA's analysis of each candidate's prefill
+  (here inflated above the estimate so the two disagree), not from the estimate alone: it
+  measures the budget a user of --offload-gb auto gets, and its smallest safe budget is not
+  below it."""
+  import jaxvt
+  from jaxvt import engine as engine_mod, ffi, loader
+  from jaxvt.bench import offload
+  from jaxvt.offload import memory as M
+  from jaxvt.offload.plan import GiB
+  if not ffi.available("cpu"):
+    pytest.skip("needs the jaxvt extension")
+  with jaxvt.load() as eng:  # the embedded default model
+    path = eng.path
+  s = offload.Session(path, 64, 8, None)
+  m = loader.open_model(path)
+  base = engine_mod.plan(m, offload_gb=0.0, max_context=s.max_context)
+  bd, weights = base.breakdown, base.plan.total_bytes
+  ex = engine_mod.exec_for("cpu", True, s.par)
+  real = engine_mod.plan_workspace_bytes(m, base.placement, ex, s.max_context, s.max_context)
+  extra = bd.workspace - real + int(0.03 * GiB)  # XLA's figure: the estimate + 0.03 GiB
+  cap = bd.kv_cache + bd.state + bd.workspace + M.SLACK_MIN_BYTES + int(0.6 * weights)
+  orig = engine_mod.plan_workspace_bytes
+  monkeypatch.setattr(engine_mod, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
+  s.device_gb = cap / GiB
+  sweep = s.plan("auto").plan.host_bytes
+  with jaxvt.load(path, max_context=s.max_context, offload_gb="auto", device_gb=cap / GiB) as eng:
+    assert eng.memory.workspace_source == "XLA memory analysis"
+    assert sweep == eng.plan.plan.host_bytes
+  est = engine_mod.plan(m, offload_gb="auto", device_gb=cap / GiB, max_context=s.max_context)
+  assert est.plan.host_bytes < sweep  # the estimate alone (the sweep's old auto) differs
+  assert s.facts()["safe"] >= sweep / GiB - 1e-9
