@@ -104,13 +104,13 @@ def leaf_key(x) -> tuple | None:
 
 
 def file_key(fun: Callable, options: Mapping | None, static: Mapping, treedef,
-             leaves: Sequence[tuple]) -> str | None:
-  """The file name (hex digest) of a program, or None where a static argument's repr shows an
-  object's address (the key would not hold in another process)."""
+             leaves: Sequence[tuple], dev) -> str | None:
+  """The file name (hex digest) of a program whose arguments are on device `dev`'s platform, or
+  None where a static argument's repr shows an object's address (the key would not hold in
+  another process)."""
   statics = repr(sorted(static.items()))
   if " at 0x" in statics or " object at " in statics:
     return None
-  dev = jax.devices()[0]
   parts = [f"{fun.__module__}.{fun.__qualname__}", repr(sorted((options or {}).items())), statics,
            str(treedef), repr(list(leaves)), dev.platform, getattr(dev, "device_kind", ""),
            jax.__version__, jaxlib.__version__, dev.client.platform_version, source_digest()]

@@ -104,24 +104,25 @@ class Program:
     if got is not None:
       return got
     d = self._deterministic(kwargs)
-    fkey = exports.file_key(self._fun, compiler_options(d), kwargs, treedef, leaf_keys)
+    dev = next(iter(jax.tree_util.tree_leaves(args)[0].sharding.device_set))  # their platform's
+    fkey = exports.file_key(self._fun, compiler_options(d), kwargs, treedef, leaf_keys, dev)
     exp = store.get(fkey) if fkey is not None else None
-    if exp is None:
-      try:
-        exp = export.export(self._jits[d], disabled_checks=exports.disabled_checks(ffi_targets()))(
-            *args, **kwargs)
-      except Exception:  # pylint: disable=broad-except  (not exportable: traced as before)
-        got = self.lower(*args, **kwargs).compile()
-        self._compiled[key] = got
-        return got
-      if fkey is not None:
-        store.put(fkey, exp)
-    donate = exports.donate_argnums(self._fun, self._jit_kwargs.get("donate_argnames", ()),
-                                    len(args))
-    call = lambda *a: exp.call(*a)
-    call.__name__ = call.__qualname__ = self._fun.__name__  # XLA's name for it: jit_<name>
-    got = jax.jit(call, donate_argnums=donate,
-                  compiler_options=compiler_options(d)).lower(*args).compile()
+    try:
+      if exp is None:
+        # arguments on the CPU while an accelerator is JAX's default: lowered for the CPU
+        platforms = ["cpu"] if dev.platform == "cpu" else None  # None: the default backend's
+        exp = export.export(self._jits[d], platforms=platforms,
+                            disabled_checks=exports.disabled_checks(ffi_targets()))(*args, **kwargs)
+        if fkey is not None:
+          store.put(fkey, exp)
+      donate = exports.donate_argnums(self._fun, self._jit_kwargs.get("donate_argnames", ()),
+                                      len(args))
+      call = lambda *a: exp.call(*a)
+      call.__name__ = call.__qualname__ = self._fun.__name__  # XLA's name for it: jit_<name>
+      got = jax.jit(call, donate_argnums=donate,
+                    compiler_options=compiler_options(d)).lower(*args).compile()
+    except Exception:  # pylint: disable=broad-except  (not exportable: traced as before)
+      got = self.lower(*args, **kwargs).compile()
     self._compiled[key] = got
     return got
 
