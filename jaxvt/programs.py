@@ -99,6 +99,9 @@ class Program:
     k = self._key(args, kwargs) if store is not None else None
     if k is None:
       return self.lower(*args, **kwargs).compile()
+    return self._compile(store, k, args, kwargs)
+
+  def _compile(self, store, k, args, kwargs) -> jax.stages.Compiled:
     key, leaf_keys, treedef = k
     got = self._compiled.get(key)
     if got is not None:
@@ -127,12 +130,11 @@ class Program:
     return got
 
   def __call__(self, *args, **kwargs):
-    if export_store() is not None:
-      k = self._key(args, kwargs)
-      if k is not None:
-        got = self._compiled.get(k[0])
-        return (got if got is not None else self.compile(*args, **kwargs))(*args)
-    return self._pick(kwargs)(*args, **kwargs)
+    store = export_store()
+    k = self._key(args, kwargs) if store is not None else None
+    if k is None:
+      return self._pick(kwargs)(*args, **kwargs)
+    return self._compile(store, k, args, kwargs)(*args)
 
   def lower(self, *args, **kwargs):
     return self._pick(kwargs).lower(*args, **kwargs)
@@ -207,6 +209,7 @@ def extension_identity() -> str:
 
 _cache_lock = threading.Lock()
 _store: list = [None]  # the process's exports.ExportStore, set by use_compile_cache
+_own: dict = {}  # an XLA cache directory jaxvt set -> its export store's directory
 
 
 def export_store():
@@ -214,19 +217,26 @@ def export_store():
   return _store[0]
 
 
+def _open_store(xla_dir: str) -> None:
+  """The store for XLA's cache directory `xla_dir`: `<root>/exported/<extension id>` where
+  jaxvt set that cache up, else beside it (a cache of the user's); once per process."""
+  if _store[0] is None:
+    _store[0] = exports.open_store(
+        _own.get(xla_dir) or os.path.join(xla_dir, "jaxvt-exported", extension_identity()))
+
+
 def use_compile_cache(root: str | None, store: bool = True) -> str | None:
   """Turns JAX's persistent compilation cache on under `root` (None: leave it off); returns the
   directory in use, or None. A cache the user configured in JAX already (its directory set, or
   the cache disabled) is left as it is and returned as found. With `store` (JAXVT_EXPORT_STORE
-  unset or on) jaxvt's export store opens beside the cache (jaxvt.exports)."""
+  unset or on) jaxvt's export store opens beside the cache (jaxvt.exports); without, it closes."""
   with _cache_lock:
     if not store:
       _store[0] = None
     configured = jax.config.jax_compilation_cache_dir
     if configured or not jax.config.jax_enable_compilation_cache:
-      if configured and store and _store[0] is None:  # a cache of the user's: the store beside it
-        _store[0] = exports.open_store(os.path.join(configured, "jaxvt-exported",
-                                                    extension_identity()))
+      if configured and store:
+        _open_store(configured)
       return configured or None
     if root is None:
       return None
@@ -238,8 +248,9 @@ def use_compile_cache(root: str | None, store: bool = True) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     # jaxvt's programs compile in 0.1-10 s; JAX's default keeps only those above 1 s
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _own[path] = os.path.join(root, "exported", extension_identity())
     if store:
-      _store[0] = exports.open_store(os.path.join(root, "exported", extension_identity()))
+      _open_store(path)
     return path
 
 
