@@ -11,6 +11,9 @@
 #   bash tools/h200_session.sh profile  # device-time profiles of the goals still missed, and
 #                                       # tools/prefill_rules.py in HBM and from the host tier
 #   bash tools/h200_session.sh ab       # this build against .dev/prev's, side by side
+#   bash tools/h200_session.sh abn      # builds side by side (.dev/ab/NAME.so): the matvec GPU
+#                                       # tests, each decode product alone, a decode step
+#   bash tools/h200_session.sh verify2  # the matvec and grouped GPU tests, the tier bench
 #   bash tools/h200_session.sh waves    # the decode products by grid size; command buffers
 #   bash tools/h200_session.sh final    # (or step) the fused ops' tests, the attention probe, a decode
 #                                       # step, determinism (llama-bench built for the sweep)
@@ -168,6 +171,39 @@ if [ "$what" = ab ]; then  # this build against the one in .dev/prev (carry both
     grep -i "ms/step\|per step\|tok/s" "$OUT/profile_decode_$v.txt" "$OUT/profile_decode_host_$v.txt" | head -8
   done
   cp /tmp/new.so $SO
+fi
+if [ "$what" = abn ]; then  # #14: builds side by side (carry AB=.dev/ab: NAME.so each): the
+  # matvec GPU tests with this build (TESTS_S=0: none), then per build each decode product alone and a decode step all in
+  # HBM (HOSTS: the builds also profiled with every routed expert in the host tier)
+  SO=jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so
+  cp $SO /tmp/new.so
+  if [ "${TESTS_S:-200}" != 0 ]; then
+    timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+      ${TESTS:-tests/test_ffi_gpu.py} > "$OUT/gpu_tests.txt" 2>&1
+    tail -12 "$OUT/gpu_tests.txt"
+  fi
+  model
+  for f in ${AB:-.dev/ab}/*.so; do
+    v=$(basename $f .so); cp $f $SO
+    timeout 90 python3 tools/kernel_probe.py --modes q8 > "$OUT/kernel_probe_$v.txt" 2>&1
+    timeout 100 python3 -m jaxvt.bench profile --model $M --steps 8 --top 40 > "$OUT/profile_decode_$v.txt" 2>&1
+    echo "== $v"; grep -v "^ *$" "$OUT/kernel_probe_$v.txt" | tail -14
+    grep -i "ms/step\|per step\|tok/s" "$OUT/profile_decode_$v.txt" | head -4
+    if [[ " ${HOSTS:-} " == *" $v "* ]]; then
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m jaxvt.bench profile --model $M --steps 8 \
+        --top 40 --offload-gb 16.88 --device-gb 16 > "$OUT/profile_decode_host_$v.txt" 2>&1
+      grep -i "ms/step\|per step\|tok/s" "$OUT/profile_decode_host_$v.txt" | head -4
+    fi
+  done
+  cp /tmp/new.so $SO
+fi
+if [ "$what" = verify2 ]; then  # #14: this build's matvec and grouped GPU tests, then the tier
+  # bench (host-read rates; its docs/BENCHMARKS.md section comes back in $OUT)
+  timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_ffi_gpu.py tests/test_grouped_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+  tail -12 "$OUT/gpu_tests.txt"
+  timeout 240 python3 -m jaxvt.bench tier --total-mib 128 > "$OUT/tier.txt" 2>&1; tail -32 "$OUT/tier.txt"
+  cp docs/BENCHMARKS.md "$OUT/"
 fi
 if [ "$what" = waves ]; then  # each decode product alone with grids of 1, 2, 4, 8 waves of
   # resident blocks; a decode step with XLA's defaults and with command buffers over loops

@@ -23,7 +23,7 @@ __device__ __forceinline__ Rows<BT> batch_group(const float* x, int64_t batch, f
 }
 
 template <int BT, int XM>
-__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
+__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks : 2)) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
                                                            float* y, int64_t rows, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
@@ -48,7 +48,7 @@ struct MultiArgs {
 };
 
 template <int BT, int XM>
-__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : 2) qmatmul_multi_kernel(
+__global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks : 2)) qmatmul_multi_kernel(
     MultiArgs m, const float* x, int64_t batch, int64_t cols) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;

@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
 // expert's rows. Dynamic shared memory: the warps' slots, then the held activation row (XM as in
 // matvec.cuh).
 template <int XM>
-__global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_slot_kernel(
+__global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kernel(
     WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids,
     int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
   extern __shared__ uint4 smem_slots[];

@@ -19,6 +19,13 @@
 //   * Many warps per SM (8 per block, grid sized from the SM count) keep enough loads in flight to
 //     cover PCIe latency; runs go round-robin over the warps, so the grid's size never depends on
 //     the format.
+//   * Under ggml's arithmetic the window's blocks are read with shared-state loads (ld.shared, not
+//     generic ones), as aligned 32-bit words funnel-shifted into place (the k-blocks of Q4_0 / Q8_0
+//     / Q6_K sit at 2-byte alignment) or as 128-bit words where a Q4_K / Q5_K matrix is 16-byte
+//     aligned (matvec_q8.cuh). Measured on the H200 (docs/BENCHMARKS.md, 2026-12-02 night): the
+//     kernels are bound by their instructions per byte; more windows in flight per warp
+//     (kMvDepth 2), two units a lane unrolled (kMvUnroll 2) or three blocks an SM (kMvBlocks 3)
+//     were each slower.
 // Both tiers take the same path (reading device-tier layers directly from HBM, without the
 // shared-memory windows, measured no faster on the H200: docs/BENCHMARKS.md), so both give the
 // same bits. Two arithmetics (XM below): float32 (dequantize, float32 dot) and ggml's (activations
@@ -29,6 +36,23 @@
 #define JAXVT_FFI_CSRC_MATVEC_CUH_
 
 constexpr int kThreads = 256;
+// Blocks per SM the single-row matvec kernels are compiled for (their register budget; the grid
+// is one wave of resident blocks, so more blocks are more loads in flight). A build knob for
+// measurement (-DJAXVT_MV_BLOCKS=N); the rows' arithmetic does not depend on it.
+#ifndef JAXVT_MV_BLOCKS
+#define JAXVT_MV_BLOCKS 2
+#endif
+constexpr int kMvBlocks = JAXVT_MV_BLOCKS;
+// How many of a lane's units accumulate_q8 unrolls (their loads interleaved); same order of adds.
+#ifndef JAXVT_MV_UNROLL
+#define JAXVT_MV_UNROLL 1
+#endif
+constexpr int kMvUnroll = JAXVT_MV_UNROLL;
+// Windows a warp of matvec keeps in flight (1 or 2); the rows' arithmetic does not depend on it.
+#ifndef JAXVT_MV_DEPTH
+#define JAXVT_MV_DEPTH 1
+#endif
+constexpr int kMvDepth = JAXVT_MV_DEPTH;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLaneU4 = 4;                    // uint4 loads per lane per chunk
 constexpr int kChunkU4 = 32 * kLaneU4;        // 128 uint4 = 2 KiB per warp
@@ -307,7 +331,9 @@ __device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~ui
 // pro(R), the prologue, is called once by every thread of the block (it may hold the block's
 // activation rows, with a barrier): after the warp's first window is requested, so that window's
 // bytes are on their way while the activations are read and quantized.
-template <int F, int BT, int XM, class Pro>
+// A16 (Q4_K / Q5_K under ggml's arithmetic): base is 16-byte aligned, so is every k-block, in
+// memory and in the window (lds_32b).
+template <int F, int BT, int XM, class Pro, bool A16 = false>
 __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps, const Pro& pro) {
   using T = Traits<F>;
@@ -342,7 +368,11 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
     const uintptr_t s = run_start(q), e = run_end(q);
     if (i == 0) return floor16(s);
     if (i == n) return ceil16(e);
-    return (s + static_cast<uintptr_t>((e - s) * i / n)) & ~uintptr_t{127};
+    const uintptr_t len = e - s;  // 32-bit division where it cannot overflow (a 64-bit one is ~70 instructions)
+    const uintptr_t part = len < (uintptr_t{1} << 26)
+        ? static_cast<uintptr_t>(static_cast<uint32_t>(len) * static_cast<uint32_t>(i) / static_cast<uint32_t>(n))
+        : len * static_cast<uintptr_t>(i) / static_cast<uintptr_t>(n);
+    return (s + part) & ~uintptr_t{127};
   };
   auto windows = [&](int64_t q) {
     return static_cast<int64_t>((run_end(q) - run_start(q) + kStep - 1) / kStep);
@@ -350,53 +380,73 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
   float acc[BT];
 #pragma unroll
   for (int b = 0; b < BT; ++b) acc[b] = 0.f;
-  int64_t q = gwarp;                        // the run of the pending window
-  int64_t wi = 0, nw = windows(q);          // and its index among the run's windows
-  uintptr_t rend = run_end(q);
-  uintptr_t wa = cut(q, 0, nw), we = cut(q, 1, nw);
-  Pending pend;
-  issue(pend, reinterpret_cast<const uint8_t*>(wa), static_cast<int64_t>(we - wa), lane);
-  pro(R);
-  uintptr_t cpos = run_start(q);            // next unconsumed k-block of the run
-  uintptr_t prev_wa = wa;                   // where the bytes now in `buf` start
-  int64_t r = q * rpr, kb = 0;              // its row and k-block
-  for (;;) {
-    // Carry the partial k-block [cpos, wa) of the previous window to just before `buf`.
-    const int carry = static_cast<int>(wa > cpos ? wa - cpos : 0);
-    if (carry) {
-      const uint8_t* src = buf + (cpos - prev_wa);
-      uint8_t* dst = buf - carry;
-      for (int i = lane; i < carry; i += 32) dst[i] = src[i];
-      gpuSyncWarp();
-    }
-    commit(reinterpret_cast<uint4*>(buf), pend, lane);
-    const uintptr_t cur_wa = wa, cur_we = we, cur_rend = rend;
-    // The next window: the rest of this run, or the warp's next run.
-    bool more = true, new_run = false;
+  // The warp's windows in order: the windows of run q (wi of nw), then those of run q + nwarps.
+  struct Win {
+    uintptr_t wa, we, rend;  // the window's bytes and its run's end
+    int64_t q;               // its run
+    bool new_run;            // the first window of its run
+  };
+  int64_t q = gwarp, wi = 0, nw = windows(q);  // the last window issued
+  auto next = [&](Win& w) -> bool {  // the window after the last one issued
     if (wi + 1 < nw) {
       ++wi;
-      wa = we;
-      we = cut(q, wi + 1, nw);
-    } else if (q + nwarps < nruns) {
-      new_run = true;
-      q += nwarps;
-      wi = 0;
-      nw = windows(q);
-      rend = run_end(q);
-      wa = cut(q, 0, nw);
-      we = cut(q, 1, nw);
-    } else {
-      more = false;
+      w = Win{cut(q, wi, nw), cut(q, wi + 1, nw), run_end(q), q, false};
+      return true;
     }
-    if (more) issue(pend, reinterpret_cast<const uint8_t*>(wa), static_cast<int64_t>(we - wa), lane);
+    if (q + nwarps >= nruns) return false;
+    q += nwarps;
+    wi = 0;
+    nw = windows(q);
+    w = Win{cut(q, 0, nw), cut(q, 1, nw), run_end(q), q, true};
+    return true;
+  };
+  auto issue_win = [&](Pending& p, const Win& w) {
+    issue(p, reinterpret_cast<const uint8_t*>(w.wa), static_cast<int64_t>(w.we - w.wa), lane);
+  };
+  // kMvDepth windows in flight (each in its own registers): the window after the next is
+  // requested as soon as the current one is in shared memory.
+  Pending pa, pb;
+  Win wa_ = Win{cut(q, 0, nw), cut(q, 1, nw), run_end(q), q, true}, wb_ = wa_;
+  issue_win(pa, wa_);
+  int inflight = 1;
+  if constexpr (kMvDepth > 1) {
+    if (next(wb_)) {
+      issue_win(pb, wb_);
+      ++inflight;
+    }
+  }
+  pro(R);
+  uintptr_t cpos = 0;     // next unconsumed k-block of the run
+  uintptr_t prev_wa = 0;  // where the bytes now in `buf` start
+  int64_t r = 0, kb = 0;  // its row and k-block
+  // Commits the window held in p (w), requests the next one into p, computes.
+  auto step = [&](Pending& p, Win& w) -> bool {
+    const Win cur = w;
+    if (cur.new_run) {  // nothing to carry
+      cpos = run_start(cur.q);
+      r = cur.q * rpr;
+      kb = 0;
+    } else {
+      // Carry the partial k-block [cpos, wa) of the previous window to just before `buf`.
+      const int carry = static_cast<int>(cur.wa > cpos ? cur.wa - cpos : 0);
+      if (carry) {
+        const uint8_t* src = buf + (cpos - prev_wa);
+        uint8_t* dst = buf - carry;
+        for (int i = lane; i < carry; i += 32) dst[i] = src[i];
+        gpuSyncWarp();
+      }
+    }
+    commit(reinterpret_cast<uint4*>(buf), p, lane);
+    if (next(w)) issue_win(p, w);
+    else --inflight;
     // Whole k-blocks of the current window, row by row.
-    const uintptr_t lim = cur_we < cur_rend ? cur_we : cur_rend;
+    const uintptr_t lim = cur.we < cur.rend ? cur.we : cur.rend;
     int64_t avail = static_cast<int64_t>((lim - cpos) / T::kKbb);
-    const uint8_t* ptr = buf + static_cast<int64_t>(cpos - cur_wa);  // may be in the front room
+    const uint8_t* ptr = buf + static_cast<int64_t>(cpos - cur.wa);  // may be in the front room
     while (avail > 0) {
       if constexpr (XM == 2 && BT == 1) {  // rows of at most 16 units: two at a time
         if (nkb * T::kUpk <= 16 && kb == 0 && avail >= 2 * nkb) {
-          accumulate_q8_pair<F>(ptr, static_cast<int>(nkb * T::kUpk), nkb * T::kKbb, R, acc, lane);
+          accumulate_q8_pair<F, A16>(ptr, static_cast<int>(nkb * T::kUpk), nkb * T::kKbb, R, acc, lane);
           write_pair(acc, R, r, lane);
           ptr += 2 * nkb * T::kKbb;
           cpos += static_cast<uintptr_t>(2 * nkb * T::kKbb);
@@ -407,7 +457,7 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
       }
       const int64_t n = nkb - kb < avail ? nkb - kb : avail;
       if constexpr (XM == 2)
-        accumulate_q8<F, BT>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
+        accumulate_q8<F, A16, BT>(ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
       else
         accumulate<F, BT, XM == 1 || XM == 3, XM == 3 && (F == kF16 || F == kBF16)>(
             ptr, static_cast<int>(n * T::kUpk), kb * T::kKbe, R, acc, lane);
@@ -422,12 +472,16 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
       }
     }
     gpuSyncWarp();  // every lane is done with the slot before the next carry and commit
-    if (!more) break;
-    prev_wa = cur_wa;
-    if (new_run) {  // nothing to carry
-      cpos = run_start(q);
-      r = q * rpr;
-      kb = 0;
+    prev_wa = cur.wa;
+    return inflight > 0;
+  };
+  if constexpr (kMvDepth > 1) {
+    for (;;) {  // the windows alternate between pa and pb (no register moves of pending loads)
+      if (!step(pa, wa_)) break;
+      if (!step(pb, wb_)) break;
+    }
+  } else {
+    while (step(pa, wa_)) {
     }
   }
 }
@@ -444,14 +498,26 @@ __device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, Rows<BT
                            const Pro& pro = Pro()) {
   // ggml's arithmetic takes float formats' activations as held float32 rows (XM 3).
   constexpr int XF = XM == 2 ? 3 : XM;
+  const bool a16 = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
 #define JV_CASE(F, X) \
   case F: matvec<F, BT, X>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro); return;
+#define JV_CASE16(F)                                                                         \
+  case F:                                                                                    \
+    if constexpr (XM == 2) {                                                                 \
+      if (a16) {                                                                             \
+        matvec<F, BT, XM, Pro, true>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro);   \
+        return;                                                                              \
+      }                                                                                      \
+    }                                                                                        \
+    matvec<F, BT, XM>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro);                  \
+    return;
   switch (fmt) {
     JV_CASE(kF32, XF) JV_CASE(kF16, XF) JV_CASE(kBF16, XF) JV_CASE(kQ4_0, XM) JV_CASE(kQ4_1, XM)
-    JV_CASE(kQ8_0, XM) JV_CASE(kQ4_K, XM) JV_CASE(kQ5_K, XM) JV_CASE(kQ6_K, XM)
+    JV_CASE(kQ8_0, XM) JV_CASE16(kQ4_K) JV_CASE16(kQ5_K) JV_CASE(kQ6_K, XM)
     default: break;
   }
 #undef JV_CASE
+#undef JV_CASE16
   // Unsupported format (the Python side validates formats, so only corrupt data gets here).
   for (int64_t r = gwarp * 32 + lane; r < rows; r += nwarps * 32)
     for (int b = 0; b < R.nb; ++b) R.yrow(b)[r] = __int_as_float(0x7fc00000);
@@ -524,53 +590,6 @@ __device__ __forceinline__ int clamp_id(int32_t v, int64_t n) {
   return v < 0 ? 0 : (v >= n ? static_cast<int>(n - 1) : v);
 }
 
-// Blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) resident at once
-// on the device: a grid of this size runs in one wave, each warp looping over its share of the
-// pieces (no partial last wave).
-template <typename K>
-int64_t resident_blocks(K kernel, int threads = kThreads, size_t smem = 0) {
-  int per_sm = 0;
-  if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != gpuSuccess ||
-      per_sm < 1) {
-    (void)gpuGetLastError();
-    per_sm = 1;
-  }
-  return static_cast<int64_t>(per_sm) * sm_count();
-}
-
-// The most shared memory one block may use on this device (the opt-in limit, above the 48 KiB a
-// launch gets by default), cached per process.
-inline int64_t smem_optin() {
-  static const int64_t v = [] {
-    int dev = 0, n = 0;
-    if (gpuGetDevice(&dev) != gpuSuccess ||
-        gpuDeviceGetAttribute(&n, gpuDevAttrMaxSharedMemoryPerBlockOptin, dev) != gpuSuccess ||
-        n < 49152) {
-      (void)gpuGetLastError();
-      n = 49152;
-    }
-    return static_cast<int64_t>(n);
-  }();
-  return v;
-}
-
-// Opts `kernel` in to dynamic shared memory up to the device's limit less `static_bytes` (call
-// once per kernel, from a static initializer); returns the dynamic bytes a launch may then ask.
-template <typename K>
-int64_t allow_dyn_smem(K kernel, int64_t static_bytes) {
-  const int64_t n = smem_optin() - static_bytes;
-  if (n <= 0) return 0;
-  if (gpuSetMaxDynamicSmem(kernel, static_cast<int>(n)) != gpuSuccess) {
-    (void)gpuGetLastError();
-    return 49152 - static_bytes > 0 ? 49152 - static_bytes : 0;
-  }
-  return n;
-}
-
-inline int64_t blocks_for(int64_t warps_wanted, int64_t cap_blocks, int warps_per_block = kWarps) {
-  int64_t b = (warps_wanted + warps_per_block - 1) / warps_per_block;
-  if (b > cap_blocks) b = cap_blocks;
-  return b < 1 ? 1 : b;
-}
+#include "matvec_launch.cuh"  // resident_blocks, smem_optin, allow_dyn_smem, blocks_for
 
 #endif  // JAXVT_FFI_CSRC_MATVEC_CUH_

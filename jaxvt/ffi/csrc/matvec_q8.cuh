@@ -50,11 +50,12 @@ __device__ __forceinline__ int warp_isum(int v, int width = 32) {
 template <int BT>
 __device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int64_t nu = R.cols / 32, upad = xq_upad(R.cols), st = xq_bytes(R.cols);
+  const int nu = static_cast<int>(R.cols / 32), upad = static_cast<int>(xq_upad(R.cols)),
+            st = static_cast<int>(xq_bytes(R.cols));  // 32-bit index arithmetic
   if (act < 2) {  // Q8_0 / Q8_1: a warp per 32-element block, a lane per element
-    for (int64_t t = wib; t < nb * nu; t += nw) {
+    for (int t = wib; t < nb * nu; t += nw) {
       const int b = static_cast<int>(t / nu);
-      const int64_t g = t % nu;
+      const int g = t % nu;
       uint8_t* row = xq + b * st;
       const float v = R.xrow(b)[g * 32 + lane];
       const float amax = warp_max(fabsf(v));
@@ -72,9 +73,9 @@ __device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
       if (lane == 16) s16[2 * g + 1] = half;
     }
   } else {  // Q8_K: a warp per 256-element block, 8 consecutive elements per lane
-    for (int64_t t = wib; t < nb * (nu / 8); t += nw) {
+    for (int t = wib; t < nb * (nu / 8); t += nw) {
       const int b = static_cast<int>(t / (nu / 8));
-      const int64_t kb = t % (nu / 8);
+      const int kb = t % (nu / 8);
       uint8_t* row = xq + b * st;
       const float4* src = reinterpret_cast<const float4*>(R.xrow(b) + kb * 256 + 8 * lane);
       const float4 p0 = src[0], p1 = src[1];
@@ -101,7 +102,7 @@ __device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
         const uint32_t byte = static_cast<uint32_t>(q) & 0xFFu;
         if (e < 4) lo |= byte << (8 * e); else hi |= byte << (8 * (e - 4));
       }
-      const int64_t g = kb * 8 + lane / 4, off = (lane & 3) * 8;  // unit, first element in it
+      const int g = kb * 8 + lane / 4, off = (lane & 3) * 8;  // unit, first element in it
       *reinterpret_cast<uint2*>(row + (((g >> 5) * 2 + off / 16) * 32 + (g & 31)) * 16 + off % 16) =
           make_uint2(lo, hi);
       const int pair = sum + gpuShflXor(sum, 1);  // 16 elements: this lane and its neighbour
@@ -114,83 +115,162 @@ __device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
   __syncthreads();
 }
 
-// A unit's float32 product under ggml's arithmetic (formula table above); kb is its k-block.
-template <int F>
+// ---- reading a window's blocks from shared memory ----------------------------------------------
+//
+// A unit's bytes sit in the warp's shared-memory window at the alignment they have in memory
+// (matvec's windows start at 16-byte boundaries), which for Q4_0 / Q4_1 / Q8_0 / Q6_K blocks is only
+// 2 bytes. N words from any address: N + 1 aligned 32-bit reads and a funnel shift each (no
+// branch, so lanes at different alignments do not diverge); the word past the last wanted byte
+// stays inside the warp's slot (one spare uint4 past every window). A16: the k-block is 16-byte
+// aligned (Q4_K / Q5_K blocks of a 16-byte aligned matrix), so 16 bytes are one 128-bit read.
+// lds_raw: the N + 1 aligned words around [p, p + 4N); returns the bit shift of p in the first.
+// Word i of the span is then gpuFunnelR(r[i], r[i + 1], shift), and a field at bit b of every byte
+// (a nibble, a 2-bit pair) is gpuFunnelR(r[i], r[i + 1], shift + b) under the field's byte mask:
+// the shift and the extraction in one instruction (the bits a wider shift brings in at the top
+// fall outside the mask).
+template <int N>
+__device__ __forceinline__ uint32_t lds_raw(const uint8_t* p, uint32_t (&r)[N + 1]) {
+  const uint32_t mis = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 3u);
+  const gpuSmemAddr a = gpuSmemAt(p) - mis;
+#pragma unroll
+  for (int i = 0; i <= N; ++i) r[i] = gpuLdsU32(a + 4 * i);
+  return 8u * mis;
+}
+
+template <int N>
+__device__ __forceinline__ void lds_words(const uint8_t* p, uint32_t (&w)[N]) {
+  uint32_t r[N + 1];
+  const uint32_t sh = lds_raw<N>(p, r);
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = gpuFunnelR(r[i], r[i + 1], sh);
+}
+
+// Bytes [p, p + 32) as 8 words.
+template <bool A16>
+__device__ __forceinline__ void lds_32b(const uint8_t* p, uint32_t (&w)[8]) {
+  if constexpr (A16) {
+    const gpuSmemAddr a = gpuSmemAt(p);
+    const uint4 lo = gpuLdsU4(a), hi = gpuLdsU4(a + 16);
+    w[0] = lo.x, w[1] = lo.y, w[2] = lo.z, w[3] = lo.w, w[4] = hi.x, w[5] = hi.y, w[6] = hi.z, w[7] = hi.w;
+  } else {
+    lds_words<8>(p, w);
+  }
+}
+
+__device__ __forceinline__ uint32_t lds_word(const uint8_t* p) {
+  uint32_t w[1];
+  lds_words<1>(p, w);
+  return w[0];
+}
+
+__device__ __forceinline__ float half_lo(uint32_t w) { return half_to_float(static_cast<uint16_t>(w & 0xFFFFu)); }
+
+// A unit's float32 product under ggml's arithmetic (formula table above); kb is its k-block, in
+// shared memory. The integers and the float32 expression are those of ggml's recipes; only the
+// way the bytes are read depends on A16, so both give the same bits.
+template <int F, bool A16>
 __device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int (&qx)[8], float dx,
                                              float sx, int s0, int s1) {
   int isum = 0;
   if constexpr (F == kQ4_0 || F == kQ4_1) {
-    const uint8_t* qs = kb + (F == kQ4_0 ? 2 : 4);
+    uint32_t r[5];
+    const uint32_t sh = lds_raw<4>(kb + (F == kQ4_0 ? 2 : 4), r);
+    const uint32_t hdr = lds_word(kb);  // d (and Q4_1's m)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t w = ld_u32(qs + 4 * i);
-      isum = gpuDp4a(static_cast<int>(w & 0x0F0F0F0Fu), qx[i], isum);
-      isum = gpuDp4a(static_cast<int>((w >> 4) & 0x0F0F0F0Fu), qx[4 + i], isum);
+      isum = gpuDp4a(static_cast<int>(gpuFunnelR(r[i], r[i + 1], sh) & 0x0F0F0F0Fu), qx[i], isum);
+      isum = gpuDp4a(static_cast<int>(gpuFunnelR(r[i], r[i + 1], sh + 4) & 0x0F0F0F0Fu), qx[4 + i], isum);
     }
-    const float dw = ld_half(kb);
+    const float dw = half_lo(hdr);
     if constexpr (F == kQ4_0) return (dw * dx) * static_cast<float>(isum - 8 * (s0 + s1));
-    return (dw * dx) * static_cast<float>(isum) + ld_half(kb + 2) * sx;
+    return (dw * dx) * static_cast<float>(isum) + half_lo(hdr >> 16) * sx;
   } else if constexpr (F == kQ8_0) {
+    uint32_t qs[8];
+    lds_words<8>(kb + 2, qs);
+    const uint32_t hdr = lds_word(kb);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) isum = gpuDp4a(static_cast<int>(ld_u32(kb + 2 + 4 * i)), qx[i], isum);
-    return (ld_half(kb) * dx) * static_cast<float>(isum);
+    for (int i = 0; i < 8; ++i) isum = gpuDp4a(static_cast<int>(qs[i]), qx[i], isum);
+    return (half_lo(hdr) * dx) * static_cast<float>(isum);
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
-    int sc, mn;
-    k4_scale_min(kb + 4, u, &sc, &mn);
-    const uint8_t* qs = kb + (F == kQ5_K ? 48 : 16) + 32 * (u >> 1);
+    // The header: d, dmin (word 0), then the 12 packed scale bytes (words 1-3); sub-block u's
+    // scale and min come from bytes lo, lo + 4, lo + 8 of the scales (ggml's get_scale_min_k4).
+    uint32_t h[4];
+    if constexpr (A16) {
+      const uint4 v = gpuLdsU4(gpuSmemAt(kb));
+      h[0] = v.x, h[1] = v.y, h[2] = v.z, h[3] = v.w;
+    } else {
+      lds_words<4>(kb, h);
+    }
+    const uint32_t bs = 8u * static_cast<uint32_t>(u & 3);
+    const int a = static_cast<int>((h[1] >> bs) & 0xFFu), b = static_cast<int>((h[2] >> bs) & 0xFFu),
+              c = static_cast<int>((h[3] >> bs) & 0xFFu);
+    const int sc = u < 4 ? (a & 63) : ((c & 0x0F) | ((a >> 6) << 4));
+    const int mn = u < 4 ? (b & 63) : ((c >> 4) | ((b >> 6) << 4));
+    uint32_t qs[8];
+    lds_32b<A16>(kb + (F == kQ5_K ? 48 : 16) + 32 * (u >> 1), qs);
     const int sh = (u & 1) * 4;
+    uint32_t qh[8];
+    if constexpr (F == kQ5_K) lds_32b<A16>(kb + 16, qh);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      uint32_t q = (ld_u32(qs + 4 * i) >> sh) & 0x0F0F0F0Fu;
-      if constexpr (F == kQ5_K) q |= ((ld_u32(kb + 16 + 4 * i) >> u) & 0x01010101u) << 4;
+      uint32_t q = (qs[i] >> sh) & 0x0F0F0F0Fu;
+      if constexpr (F == kQ5_K) q |= ((qh[i] >> u) & 0x01010101u) << 4;
       isum = gpuDp4a(static_cast<int>(q), qx[i], isum);
     }
-    return (dx * ld_half(kb)) * static_cast<float>(sc * isum) -
-           (dx * ld_half(kb + 2)) * static_cast<float>(mn * (s0 + s1));
+    return (dx * half_lo(h[0])) * static_cast<float>(sc * isum) -
+           (dx * half_lo(h[0] >> 16)) * static_cast<float>(mn * (s0 + s1));
   } else {  // Q6_K
-    const int h = u >> 2, qq = u & 3;
-    const uint8_t* ql = kb + 64 * h + 32 * (qq & 1);
-    const uint8_t* qh = kb + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(kb + 192 + 8 * h + 2 * qq);
-    const int lsh = (qq >> 1) * 4, hsh = 2 * qq;
+    const int hf = u >> 2, qq = u & 3;
+    uint32_t ql[9], qh[9];  // ql and qh share the k-block's alignment
+    const uint32_t sh = lds_raw<8>(kb + 64 * hf + 32 * (qq & 1), ql);
+    lds_raw<8>(kb + 128 + 32 * hf, qh);
+    const uint32_t scw = lds_word(kb + 192 + 8 * hf + 2 * qq);  // its two int8 scales
+    const uint32_t dw = lds_word(kb + 208);
+    const uint32_t lsh = sh + (qq >> 1) * 4, hsh = sh + 2 * qq;
     int lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const uint32_t q = ((ld_u32(ql + 4 * i) >> lsh) & 0x0F0F0F0Fu) |
-                         (((ld_u32(qh + 4 * i) >> hsh) & 0x03030303u) << 4);
+      const uint32_t q = (gpuFunnelR(ql[i], ql[i + 1], lsh) & 0x0F0F0F0Fu) |
+                         ((gpuFunnelR(qh[i], qh[i + 1], hsh) & 0x03030303u) << 4);
       if (i < 4) lo = gpuDp4a(static_cast<int>(q), qx[i], lo);
       else hi = gpuDp4a(static_cast<int>(q), qx[i], hi);
     }
-    const int total = static_cast<int>(sc[0]) * (lo - 32 * s0) + static_cast<int>(sc[1]) * (hi - 32 * s1);
-    return (dx * ld_half(kb + 208)) * static_cast<float>(total);
+    const int sc0 = static_cast<int>(static_cast<int8_t>(scw & 0xFFu));
+    const int sc1 = static_cast<int>(static_cast<int8_t>((scw >> 8) & 0xFFu));
+    const int total = sc0 * (lo - 32 * s0) + sc1 * (hi - 32 * s1);
+    return (dx * half_lo(dw)) * static_cast<float>(total);
   }
 }
 
 // The product of a row's unit g (unit u of the k-block at kb) with held quantized row b.
-template <int F, int BT>
-__device__ __forceinline__ float unit_q8(const uint8_t* kb, int u, int64_t g, const Rows<BT>& R,
-                                         int b) {
-  const uint8_t* row = R.xq + b * R.xq_stride;
-  const uint4* q4 = reinterpret_cast<const uint4*>(row) + (g >> 5) * 64 + (g & 31);
-  const uint4 a = q4[0], c = q4[32];
+template <int F, bool A16, int BT>
+__device__ __forceinline__ float unit_q8(const uint8_t* kb, int u, int g, const Rows<BT>& R, int b) {
+  const gpuSmemAddr row = gpuSmemAt(R.xq) + static_cast<int>(b * R.xq_stride);
+  const gpuSmemAddr q4 = row + 16 * ((g >> 5) * 64 + (g & 31));
+  const uint4 a = gpuLdsU4(q4), c = gpuLdsU4(q4 + 32 * 16);
   const int qx[8] = {static_cast<int>(a.x), static_cast<int>(a.y), static_cast<int>(a.z),
                      static_cast<int>(a.w), static_cast<int>(c.x), static_cast<int>(c.y),
                      static_cast<int>(c.z), static_cast<int>(c.w)};
-  const float* du = reinterpret_cast<const float*>(row + R.xq_upad * 32);
-  const int* s16 = reinterpret_cast<const int*>(du + 2 * R.xq_upad);
-  return unit_dot_q8<F>(kb, u, qx, du[g], du[R.xq_upad + g], s16[2 * g], s16[2 * g + 1]);
+  const int upad = static_cast<int>(R.xq_upad);
+  const gpuSmemAddr du = row + upad * 32;
+  const float dx = __uint_as_float(gpuLdsU32(du + 4 * g));
+  const float sx = F == kQ4_1 ? __uint_as_float(gpuLdsU32(du + 4 * (upad + g))) : 0.f;
+  const uint2 s16 = gpuLdsU2(du + 8 * upad + 8 * g);
+  return unit_dot_q8<F, A16>(kb, u, qx, dx, sx, static_cast<int>(s16.x), static_cast<int>(s16.y));
 }
 
 // accumulate() under ggml's arithmetic for quantized formats, over the rows R.xq.
-template <int F, int BT>
+template <int F, bool A16, int BT>
 __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int64_t k0,
                                               const Rows<BT>& R, float (&acc)[BT], int lane) {
   using T = Traits<F>;
-  for (int u = (lane - static_cast<int>((k0 >> 5) & 31)) & 31; u < nunits; u += 32) {
+  const int g0 = static_cast<int>(k0 >> 5);
+#pragma unroll kMvUnroll
+  for (int u = (lane - (g0 & 31)) & 31; u < nunits; u += 32) {
     const uint8_t* kb = p + (u / T::kUpk) * T::kKbb;
 #pragma unroll
     for (int b = 0; b < BT; ++b)
-      if (b < R.nb) acc[b] += unit_q8<F, BT>(kb, u % T::kUpk, (k0 >> 5) + u, R, b);
+      if (b < R.nb) acc[b] += unit_q8<F, A16, BT>(kb, u % T::kUpk, g0 + u, R, b);
   }
 }
 
@@ -198,13 +278,13 @@ __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int6
 // 0-15 take the first row's units and lanes 16-31 the second's, unit g of either on lane g of its
 // half, where accumulate_q8 puts it on lane g (and leaves lanes 16-31 idle). With write_pair's
 // half-warp sums each row gets the bits of accumulate_q8 + write_rows, for half the instructions.
-template <int F>
+template <int F, bool A16>
 __device__ __forceinline__ void accumulate_q8_pair(const uint8_t* p, int nunits, int64_t rb,
                                                    const Rows<1>& R, float (&acc)[1], int lane) {
   using T = Traits<F>;
   const int u = lane & 15;
   if (u < nunits)
-    acc[0] += unit_q8<F, 1>(p + (lane >> 4) * rb + (u / T::kUpk) * T::kKbb, u % T::kUpk, u, R, 0);
+    acc[0] += unit_q8<F, A16, 1>(p + (lane >> 4) * rb + (u / T::kUpk) * T::kKbb, u % T::kUpk, u, R, 0);
 }
 
 #endif  // JAXVT_FFI_CSRC_MATVEC_Q8_CUH_

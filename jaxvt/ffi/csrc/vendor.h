@@ -82,6 +82,32 @@ template <typename K>
 inline gpuError_t gpuSetMaxDynamicSmem(K kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
+// Reads of shared memory through an address in the shared window (ld.shared: no generic-address
+// resolution per load, 32-bit address arithmetic). gpuSmemAt converts a generic pointer known to
+// point into shared memory; an address plus a byte offset is an address. The asm is volatile with
+// a memory clobber so the compiler never moves a read across the stores that fill the buffer.
+typedef uint32_t gpuSmemAddr;
+__device__ __forceinline__ gpuSmemAddr gpuSmemAt(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t gpuLdsU32(gpuSmemAddr a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint2 gpuLdsU2(gpuSmemAddr a) {  // a: 8-byte aligned
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 gpuLdsU4(gpuSmemAddr a) {  // a: 16-byte aligned
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
+}
+// The low 32 bits of (hi:lo) >> sh, sh in [0, 32).
+#define gpuFunnelR(lo, hi, sh) __funnelshift_r((lo), (hi), (sh))
 
 #elif defined(JAXVT_GPU_HIP)
 
@@ -160,6 +186,15 @@ template <typename K>
 inline gpuError_t gpuSetMaxDynamicSmem(K kernel, int bytes) {
   return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                              hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+// Shared-memory reads (see the CUDA side): the compiler infers LDS from the pointer here.
+typedef const uint8_t* gpuSmemAddr;
+__device__ __forceinline__ gpuSmemAddr gpuSmemAt(const void* p) { return static_cast<const uint8_t*>(p); }
+__device__ __forceinline__ uint32_t gpuLdsU32(gpuSmemAddr a) { return *reinterpret_cast<const uint32_t*>(a); }
+__device__ __forceinline__ uint2 gpuLdsU2(gpuSmemAddr a) { return *reinterpret_cast<const uint2*>(a); }
+__device__ __forceinline__ uint4 gpuLdsU4(gpuSmemAddr a) { return *reinterpret_cast<const uint4*>(a); }
+__device__ __forceinline__ uint32_t gpuFunnelR(uint32_t lo, uint32_t hi, uint32_t sh) {
+  return static_cast<uint32_t>(((static_cast<uint64_t>(hi) << 32) | lo) >> sh);
 }
 // Orders this wavefront's shared-memory writes before its later reads (lanes run in lock step).
 #define gpuSyncWarp()                                        \
