@@ -215,11 +215,15 @@ JV_HD uint32_t ld_u32(const uint8_t* p) {
 JV_HD float ld_half(const uint8_t* p) { return half_to_float(static_cast<uint16_t>(ld_u16(p))); }
 
 // Q4_K / Q5_K packed 6-bit scale and min of sub-block j (0..7) (ggml's get_scale_min_k4).
-JV_HD void k4_scale_min(const uint8_t* s, int j, int* sc, int* m) {
-  const int lo = j & 3;  // both cases read bytes lo, lo+4, lo+8: select without branching
-  const int a = s[lo], b = s[lo + 4], c = s[lo + 8];
+// a, b, c: scale bytes j % 4, j % 4 + 4 and j % 4 + 8 (both cases read those three: select
+// without branching).
+JV_HD void k4_scale_min_bytes(int a, int b, int c, int j, int* sc, int* m) {
   *sc = j < 4 ? (a & 63) : ((c & 0x0F) | ((a >> 6) << 4));
   *m = j < 4 ? (b & 63) : ((c >> 4) | ((b >> 6) << 4));
+}
+JV_HD void k4_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+  const int lo = j & 3;
+  k4_scale_min_bytes(s[lo], s[lo + 4], s[lo + 8], j, sc, m);
 }
 
 // ---- unit dequantization: w[0..31] = elements [32u, 32u+32) of the k-block at kb ---------------

@@ -193,7 +193,7 @@ __device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int
     return (half_lo(hdr) * dx) * static_cast<float>(isum);
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     // The header: d, dmin (word 0), then the 12 packed scale bytes (words 1-3); sub-block u's
-    // scale and min come from bytes lo, lo + 4, lo + 8 of the scales (ggml's get_scale_min_k4).
+    // scale and min come from bytes u % 4, + 4, + 8 of the scales (k4_scale_min_bytes).
     uint32_t h[4];
     if constexpr (A16) {
       const uint4 v = gpuLdsU4(gpuSmemAt(kb));
@@ -202,10 +202,9 @@ __device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int
       lds_words<4>(kb, h);
     }
     const uint32_t bs = 8u * static_cast<uint32_t>(u & 3);
-    const int a = static_cast<int>((h[1] >> bs) & 0xFFu), b = static_cast<int>((h[2] >> bs) & 0xFFu),
-              c = static_cast<int>((h[3] >> bs) & 0xFFu);
-    const int sc = u < 4 ? (a & 63) : ((c & 0x0F) | ((a >> 6) << 4));
-    const int mn = u < 4 ? (b & 63) : ((c >> 4) | ((b >> 6) << 4));
+    int sc, mn;
+    k4_scale_min_bytes(static_cast<int>((h[1] >> bs) & 0xFFu), static_cast<int>((h[2] >> bs) & 0xFFu),
+                       static_cast<int>((h[3] >> bs) & 0xFFu), u, &sc, &mn);
     uint32_t qs[8];
     lds_32b<A16>(kb + (F == kQ5_K ? 48 : 16) + 32 * (u >> 1), qs);
     const int sh = (u & 1) * 4;
