@@ -336,11 +336,12 @@ def test_load_close_cycles_do_not_grow(capfd):
   ~1 MiB a cycle, for as long as it ran (one more 1 MiB heap arena each time: the GGUF reader's
   and the vocabulary's small objects interleaved with objects JAX keeps). Ten cycles after two
   to warm up: at most 2 new Python arenas (the old code: ~10); the C heap in use grows by under
-  2 MiB (the extension's host buffers are on it: a leaked tier would be the model's size); no
-  mapping of the model file survives a close; and the resident anonymous memory does not grow
-  cycle after cycle (the median cycle adds under 0.5 MiB: the old code added ~1). The process's
-  total RSS is not the measure: in a long test process it moves by some MiB with no allocation
-  at all (allocator arenas of the copy threads, huge pages collapsed in the background)."""
+  2 MiB (the extension's host buffers are on it: a leaked tier would be the model's size); the
+  model file's mappings do not grow (each open file is one); and the resident anonymous memory
+  does not grow cycle after cycle (the median cycle adds under 0.5 MiB: the old code added
+  ~1). The process's total RSS is not the measure: in a long test process it moves by some MiB
+  with no allocation at all (allocator arenas of the copy threads, huge pages collapsed in the
+  background)."""
   def cycle() -> str:
     e = jaxvt.load(None, offload_gb=100, max_context=64)
     p = str(e.path)
@@ -360,6 +361,6 @@ def test_load_close_cycles_do_not_grow(capfd):
   steps = sorted(b["Anonymous"] - a["Anonymous"] for a, b in zip(seen, seen[1:]))
   report = {k: (round(first[k], 2), round(last[k], 2)) for k in first}
   assert _arenas(capfd) - arenas <= 2, report
-  assert last["maps"] == 0, report
+  assert last["maps"] <= first["maps"], report  # another test's engine may hold the file open
   assert last["heap"] - first["heap"] < 2.0, report
   assert (steps[4] + steps[5]) / 2 < 0.5, (steps, report)
