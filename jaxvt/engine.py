@@ -497,7 +497,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
          on_plan: Callable[[Placed], None] | None = None, offload_pattern: tuple[str, ...] = (),
          mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK, deterministic: bool = True,
          compile_cache: bool | str | None = None,
-         while_loading: Callable[[Engine], object] | None = None) -> Engine:
+         while_loading: Callable[[Engine], object] | None = None,
+         tokenizer: Tokenizer | None = None) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
@@ -513,7 +514,10 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   shapes and shardings (loader.abstract_weights): compile there what the first call will run
   (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits the
   record of what was warmed); running the model there fails. On a mesh of several devices it
-  runs after the weights are placed."""
+  runs after the weights are placed. `tokenizer`: the file's tokenizer, built already from this
+  very file (Tokenizer.from_gguf_metadata with the GGUFFile's identity: the CLI builds it while
+  it checks the file, before JAX starts), taken instead of building another; ValueError if it
+  was built from another file or the file changed since."""
   t0 = time.perf_counter()
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
@@ -529,7 +533,16 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   device = par.devices[0]
   if kernels is None:
     kernels = ffi.available(device.platform)
-  Tokenizer.check_metadata(m.gguf.metadata)  # built last (below), checked before anything is placed
+  overlap = while_loading is not None and par.size == 1
+  if tokenizer is not None and (tokenizer.identity is None
+                                or tokenizer.identity != m.gguf.identity):
+    raise ValueError(f"load(tokenizer=...): that tokenizer was not built from {m.path} as it is "
+                     "now; build it from this file's GGUFFile (or pass none)")
+  if tokenizer is None and overlap:  # the early Engine needs it before anything is placed
+    tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path,
+                                             identity=m.gguf.identity)
+  elif tokenizer is None:  # built last (below), checked before anything is placed
+    Tokenizer.check_metadata(m.gguf.metadata)
   ex = exec_for(device.platform, kernels, par, deterministic)
   # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
   # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
@@ -544,7 +557,6 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     on_plan(placed)
   host_tier = HostTier() if placed.host_bytes else None
   times = loader.LoadTimes()
-  overlap = while_loading is not None and par.size == 1
   early, warm_seconds = None, 0.0
   tp = time.perf_counter()
   placing = lambda: place(m, placed, par, host=host_tier, progress=progress, times=times)
@@ -553,8 +565,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       job = loader.Placing(placing)
       try:
         early = Engine(cfg=cfg, ex=ex, weights=loader.abstract_weights(m, placed.placement, par),
-                       tokenizer=Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path),
-                       max_context=max_context, path=m.path,
+                       tokenizer=tokenizer, max_context=max_context, path=m.path,
                        prefill_chunk=placed.shape.prefill_chunk)
         while_loading(early)
       finally:
@@ -568,7 +579,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     if host_tier is not None:
       host_tier.close()
     raise
-  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=early and early.tokenizer,
+  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer,
                max_context=max_context, path=m.path,
                load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,
                host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk,
@@ -578,8 +589,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     eng.warmed = early.warmed  # compiled against the weights' shapes: the same programs
   # A mesh planned tight (offloaded, or --device-gb) checks its plan again with XLA's analysis
   # of the largest prefill per device (one device did so before placing).
-  # The tokenizer is built last: its vocabulary's many small objects, alive while the weights
-  # were placed, shared heap arenas with objects JAX keeps for good (RSS grew ~1 MiB a load).
+  # Unless it was given or the early Engine needed it, the tokenizer is built last: its
+  # vocabulary's many small objects, alive while the weights were placed, shared heap arenas
+  # with objects JAX keeps for good (RSS grew ~1 MiB a load).
   try:
     if par.size > 1 and (placed.host_bytes or device_gb is not None):
       ws = xla_workspace_bytes(eng)
@@ -587,7 +599,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
         placed.recheck(ws, force=force)
     if eng.tokenizer is None:
       t1 = time.perf_counter()
-      eng.tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path)
+      eng.tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path,
+                                                   identity=m.gguf.identity)
       eng.load_seconds += time.perf_counter() - t1
     if while_loading is not None and not overlap:
       t1 = time.perf_counter()

@@ -303,23 +303,24 @@ def _print_escaped(text: str, file=None) -> None:
   print("\n".join(escape(line, None) for line in text.split("\n")), file=file)
 
 
-def _preflight(path: str, prompt: str, chat: bool, plan: bool) -> str:
+def _preflight(path: str, prompt: str, chat: bool, plan: bool):
   """Before JAX starts: the file's header and config are checked, then (unless only a `plan` is
-  asked for) its tokenizer, and with `chat` the prompt is rendered through the file's chat
-  template (in a limited child process: jaxvt.gguf.chat_template); returns the prompt to
-  encode. So a bad file or template is one line within a second or two, not after the weights
-  have loaded."""
+  asked for) its tokenizer is built, and with `chat` the prompt is rendered through the file's
+  chat template (in a limited child process: jaxvt.gguf.chat_template); returns the prompt to
+  encode and the tokenizer (None for a plan), which jaxvt.load then takes instead of reading
+  the vocabulary again. So a bad file or template is one line within a second or two, not
+  after the weights have loaded."""
   from jaxvt.gguf.reader import open_gguf
   from jaxvt.gguf.tokenizer import Tokenizer
   from jaxvt.model.config import from_gguf_metadata
   gf = open_gguf(path)
   from_gguf_metadata(gf.metadata)
   if plan:
-    return prompt
-  if not chat:
-    Tokenizer.check_metadata(gf.metadata)
-    return prompt
-  return Tokenizer.render_chat(gf.metadata, [{"role": "user", "content": prompt}], source=path)
+    return prompt, None
+  tok = Tokenizer.from_gguf_metadata(gf.metadata, source=path, identity=gf.identity)
+  if chat:
+    prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
+  return prompt, tok
 
 
 def _main(argv: list[str], interrupts: _Interrupts) -> int:
@@ -341,8 +342,9 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
     path = F.model if F.model is not None else default_model_path()
     chat = F.chat if F.chat is not None else F.prompt is None
     prompt = F.prompt if F.prompt is not None else DEFAULT_PROMPT
+    tokenizer = None
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
-      prompt = _preflight(path, prompt, chat, F.plan)
+      prompt, tokenizer = _preflight(path, prompt, chat, F.plan)
     if F.coordinator is not None and not F.plan:
       from jaxvt.parallel import mesh
       mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
@@ -385,7 +387,7 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
                           device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
                           mesh=F.mesh, offload_pattern=tuple(F.offload_pattern),
                           deterministic=deterministic, compile_cache=cache,
-                          while_loading=first_token_programs)
+                          while_loading=first_token_programs, tokenizer=tokenizer)
     interrupts.engine = eng
     if bar:
       bar.finish()

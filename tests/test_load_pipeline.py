@@ -248,3 +248,29 @@ def test_programs_compiled_while_loading_are_the_ones_generate_runs(offload_gb):
     g = plain.generate(PROMPT, max_tokens=1)
     assert counter.snapshot()[0] > before[0] and g.stats.compile_seconds > 0
   assert early.tokens == g.tokens
+
+
+def test_load_takes_the_tokenizer_built_from_its_file(tmp_path):
+  """The CLI builds the tokenizer while it checks the file before JAX starts, and jaxvt.load
+  takes that very object (with while_loading or without) instead of reading the vocabulary
+  again: the same tokens as a load that builds its own. A tokenizer of another file (a copy:
+  another inode), of this file changed since, or of no file at all is refused."""
+  from jaxvt.gguf.default_model import default_model_path
+  from jaxvt.gguf.tokenizer import Tokenizer
+  path = default_model_path()
+  gf = open_gguf(path)
+  tok = Tokenizer.from_gguf_metadata(gf.metadata, source=path, identity=gf.identity)
+  with jaxvt.load(path, max_context=64) as own:
+    want = own.generate(PROMPT, max_tokens=4).tokens
+    assert own.tokenizer is not tok and own.tokenizer.identity == gf.identity
+  for warm in (None, lambda early: early.warm_up(len(early.encode_prompt(PROMPT)), 1)):
+    with jaxvt.load(path, max_context=64, tokenizer=tok, while_loading=warm) as eng:
+      assert eng.tokenizer is tok and eng.generate(PROMPT, max_tokens=4).tokens == want
+  copy = str(tmp_path / "copy.gguf")
+  shutil.copyfile(path, copy)
+  other = open_gguf(copy)
+  for bad in (tok, Tokenizer.from_gguf_metadata(gf.metadata, source=path),
+              Tokenizer.from_gguf_metadata(other.metadata, source=copy,
+                                           identity=other.identity[:3] + (0,))):
+    with pytest.raises(ValueError, match="not built from"):
+      jaxvt.load(copy, max_context=64, tokenizer=bad)

@@ -159,27 +159,29 @@ def test_chat_template_equals_llamacpp(tok, ref):
   assert last["prompt"].startswith(no_gen) and not no_gen.endswith("assistant\n")
 
 
-def test_render_chat_without_the_tokenizer(model_path, ref):
-  """Tokenizer.render_chat (what the CLI renders before JAX starts) is llama.cpp's prompt too,
-  from the metadata alone, with the same errors as the built tokenizer; bos/eos variables are
-  the file's tokens (a template that prints them, on a file whose ids are out of range too)."""
+def test_chat_template_of_the_built_tokenizer(model_path, ref):
+  """What the CLI renders before JAX starts (the tokenizer it builds there and jaxvt.load then
+  takes) is llama.cpp's prompt; bos/eos variables are the file's tokens (a template that prints
+  them, on a file whose ids are out of range too); a file without a template, or with a bad
+  vocabulary, is a JaxvtError."""
   md = dict(read_tokenizer_metadata(model_path))
-  for case in ref["chat"]:
-    assert Tokenizer.render_chat(md, case["messages"]) == case["prompt"]
-  md["tokenizer.chat_template"] = "{{ bos_token }}|{{ eos_token }}|{{ messages[0]['content'] }}"
   tok = Tokenizer.from_gguf_metadata(md)
+  for case in ref["chat"]:
+    assert tok.apply_chat_template(case["messages"]) == case["prompt"]
+  md["tokenizer.chat_template"] = "{{ bos_token }}|{{ eos_token }}|{{ messages[0]['content'] }}"
   msgs = [{"role": "user", "content": "hi"}]
-  assert Tokenizer.render_chat(md, msgs) == tok.apply_chat_template(msgs) == (
-      f"{tok.tokens[tok.bos_id]}|{tok.tokens[tok.eos_id]}|hi")
+  tok = Tokenizer.from_gguf_metadata(md)
+  assert tok.apply_chat_template(msgs) == f"{tok.tokens[tok.bos_id]}|{tok.tokens[tok.eos_id]}|hi"
   md["tokenizer.ggml.bos_token_id"] = 10 ** 9  # out of range: llama.cpp's default id
-  assert Tokenizer.render_chat(md, msgs) == Tokenizer.from_gguf_metadata(md).apply_chat_template(
-      msgs)
+  tok = Tokenizer.from_gguf_metadata(md)  # llama-vocab.cpp: a BPE vocabulary's default is 11
+  assert tok.bos_id == 11
+  assert tok.apply_chat_template(msgs) == f"{tok.tokens[11]}|{tok.tokens[tok.eos_id]}|hi"
   del md["tokenizer.chat_template"]
   with pytest.raises(JaxvtError, match="no chat template"):
-    Tokenizer.render_chat(md, msgs)
+    Tokenizer.from_gguf_metadata(md).apply_chat_template(msgs)
   md["tokenizer.ggml.tokens"] = 7
   with pytest.raises(JaxvtError):
-    Tokenizer.render_chat(md, msgs)
+    Tokenizer.from_gguf_metadata(md)
 
 
 def test_recorded_logits_are_consistent(ref):

@@ -101,6 +101,16 @@ class GGUFFile:
   def arch(self) -> str:
     return str(self.metadata.get("general.architecture", ""))
 
+  @property
+  def identity(self) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, modification time in ns) of the open file: what a tokenizer built
+    from this file's metadata carries, so that jaxvt.load can take it instead of building it
+    again (None once closed)."""
+    if self._file is None or self._file.closed:
+      return None
+    st = os.fstat(self._file.fileno())
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
   def read_into(self, dst: np.ndarray, t: TensorInfo, start: int = 0) -> None:
     """dst (flat uint8, written whole) = bytes [start, start + dst.size) of tensor t, read from
     the open file with pread: one copy from the page cache in the kernel, with no page of the

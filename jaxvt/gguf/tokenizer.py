@@ -232,15 +232,17 @@ class Tokenizer:
   Attributes: `bos_id`, `eos_id`, `eot_id`, `eom_id` (int or None), `eog_ids` (frozenset: every
   id that ends generation by llama.cpp's rule), `add_bos`, `add_eos`, `pre` (the file's
   `tokenizer.ggml.pre`), `chat_template` (str or None), `tokens` (token texts as stored),
-  `token_types` (after llama.cpp's by-text overrides), `source` (the file, for messages).
+  `token_types` (after llama.cpp's by-text overrides), `source` (the file, for messages),
+  `identity` (GGUFFile.identity of the file it was built from, or None).
   """
 
   def __init__(self, tokens: Sequence[str], token_types: Sequence[int] | None,
                merges: Sequence[str], pre: str, md: Mapping[str, Any],
-               source: str = "the model file"):
+               source: str = "the model file", identity: tuple | None = None):
     from tokenizers import Regex, Tokenizer as _HFTokenizer, models, pre_tokenizers
 
     self.source = source
+    self.identity = identity
     n = len(tokens)
     self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     types = list(token_types) if token_types is not None else [NORMAL] * n
@@ -332,12 +334,14 @@ class Tokenizer:
 
   # ---------------------------------------------------------------------------------------------
   @classmethod
-  def from_gguf_metadata(cls, md: Mapping[str, Any],
-                         source: str = "the model file") -> "Tokenizer":
+  def from_gguf_metadata(cls, md: Mapping[str, Any], source: str = "the model file",
+                         identity: tuple | None = None) -> "Tokenizer":
     """Builds the tokenizer from a decoded GGUF metadata dict; JaxvtError if it has none or if
-    its values are not of the types GGUF gives them. `source` names the file in messages."""
+    its values are not of the types GGUF gives them. `source` names the file in messages;
+    `identity` is the file's GGUFFile.identity (jaxvt.load takes a tokenizer that carries the
+    identity of the file it opens instead of building one)."""
     tokens, types, merges, pre = _vocab_metadata(md)
-    return cls(tokens, types, merges, pre, md, source)
+    return cls(tokens, types, merges, pre, md, source, identity)
 
   @staticmethod
   def check_metadata(md: Mapping[str, Any]) -> None:
@@ -351,19 +355,6 @@ class Tokenizer:
     texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     _check_vocab(texts, types if types is not None else [NORMAL] * len(tokens), pre)
     return texts
-
-  @staticmethod
-  def render_chat(md: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
-                  source: str = "the model file", add_generation_prompt: bool = True,
-                  **kwargs: Any) -> str:
-    """`from_gguf_metadata(md, source).apply_chat_template(messages, ...)`, checking the
-    metadata as check_metadata does, without building the tokenizer (the CLI renders the prompt
-    before JAX starts and builds the tokenizer once, after the weights are placed)."""
-    texts = Tokenizer._checked_texts(md)
-    bos, eos = _bos_eos(md, len(texts))
-    return _render_chat(_chat_template(md), texts[bos] if bos is not None else "",
-                        texts[eos] if eos is not None else "", messages, add_generation_prompt,
-                        kwargs, source)
 
   @classmethod
   def from_gguf(cls, path: str) -> "Tokenizer":
