@@ -39,7 +39,8 @@ from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
                              decode_fn, decode_loop_fn, decode_sample_fn,  # noqa: F401 (public)
-                             first_token_fn, prefill_chunks, prefill_fn)
+                             first_token_fn, prefill_chunks, prefill_fn,
+                             xla_workspace_bytes)
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload import host_tier
 from jaxvt.offload.host_tier import HostTier
@@ -49,6 +50,7 @@ from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
                             SamplingParams)
+
 
 class ClosedWeights:
   """What `Engine.weights` is after `close()`: passing it to a jitted function, indexing or
@@ -392,25 +394,6 @@ class Engine:
     self.close()
 
 
-def xla_workspace_bytes(eng: "Engine") -> int | None:
-  """XLA's memory analysis of the largest prefill program `eng` can run (temporaries plus
-  outputs not aliased to inputs), compiled ahead of time; None where XLA gives no analysis.
-  That program is a whole chunk (eng.prefill_chunk tokens) reading the whole KV cache (the last
-  chunk of a prompt that fills --max-context)."""
-  T = max(T for _, _, T in prefill_chunks(eng.max_context, 0, eng.prefill_chunk, eng.max_context))
-  spec = jax.ShapeDtypeStruct
-  i32 = lambda shape: spec(shape, jnp.int32)
-  cache = jax.eval_shape(lambda: eng.new_cache(1))
-  lowered = prefill_fn.lower(eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool),
-                             i32((1,)), cfg=eng.cfg, ex=eng.ex,
-                             kv_len=eng.kv_len(eng.max_context))
-  ma = lowered.compile().memory_analysis()
-  if ma is None:
-    return None
-  return int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) -
-                                          int(ma.alias_size_in_bytes))
-
-
 def plan_workspace_bytes(model: Model, placement, ex: Exec, max_context: int,
                          prefill_chunk: int) -> int | None:
   """xla_workspace_bytes of the engine that placing `model`'s weights as `placement` says
@@ -491,6 +474,17 @@ def place(model: Model, placed: Placed, par: Par, *, host=None,
   return weights
 
 
+def _file_tokenizer(m: Model, given: Tokenizer | None = None) -> Tokenizer:
+  """`given` where it was built from m's file as it is now (ValueError otherwise), else m's
+  tokenizer built from its metadata."""
+  if given is None:
+    return Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path, identity=m.gguf.identity)
+  if given.identity is None or given.identity != m.gguf.identity:
+    raise ValueError(f"load(tokenizer=...): that tokenizer was not built from {m.path} as it is "
+                     "now; build it from this file's GGUFFile (or pass none)")
+  return given
+
+
 def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
@@ -534,14 +528,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   if kernels is None:
     kernels = ffi.available(device.platform)
   overlap = while_loading is not None and par.size == 1
-  if tokenizer is not None and (tokenizer.identity is None
-                                or tokenizer.identity != m.gguf.identity):
-    raise ValueError(f"load(tokenizer=...): that tokenizer was not built from {m.path} as it is "
-                     "now; build it from this file's GGUFFile (or pass none)")
-  if tokenizer is None and overlap:  # the early Engine needs it before anything is placed
-    tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path,
-                                             identity=m.gguf.identity)
-  elif tokenizer is None:  # built last (below), checked before anything is placed
+  if tokenizer is not None or overlap:  # the early Engine needs it before anything is placed
+    tokenizer = _file_tokenizer(m, tokenizer)
+  else:  # built last (below), checked before anything is placed
     Tokenizer.check_metadata(m.gguf.metadata)
   ex = exec_for(device.platform, kernels, par, deterministic)
   # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
@@ -599,8 +588,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
         placed.recheck(ws, force=force)
     if eng.tokenizer is None:
       t1 = time.perf_counter()
-      eng.tokenizer = Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path,
-                                                   identity=m.gguf.identity)
+      eng.tokenizer = _file_tokenizer(m)
       eng.load_seconds += time.perf_counter() - t1
     if while_loading is not None and not overlap:
       t1 = time.perf_counter()

@@ -1,6 +1,8 @@
 """The model's jitted programs, pure functions of (weights, cache, tokens, ...): prefill_fn,
 decode_fn, decode_sample_fn and decode_loop_fn (jaxvt.engine.Engine drives them; a notebook can
-call them directly), and the bucket rules that pick their static lengths.
+call them directly), the bucket rules that pick their static lengths, and xla_workspace_bytes:
+XLA's own memory analysis of the largest prefill program, which the planner takes instead of
+its estimate where memory is planned tight (jaxvt.offload.placement.Placed.settle).
 """
 
 from __future__ import annotations
@@ -113,3 +115,22 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
   cache, last, key, out = jax.lax.fori_loop(0, steps, step,
                                             (cache, token.astype(jnp.int32), key, out))
   return out, cache, key, last
+
+
+def xla_workspace_bytes(eng) -> int | None:
+  """XLA's memory analysis of the largest prefill program `eng` can run (temporaries plus
+  outputs not aliased to inputs), compiled ahead of time; None where XLA gives no analysis.
+  That program is a whole chunk (eng.prefill_chunk tokens) reading the whole KV cache (the last
+  chunk of a prompt that fills --max-context)."""
+  T = max(T for _, _, T in prefill_chunks(eng.max_context, 0, eng.prefill_chunk, eng.max_context))
+  spec = jax.ShapeDtypeStruct
+  i32 = lambda shape: spec(shape, jnp.int32)
+  cache = jax.eval_shape(lambda: eng.new_cache(1))
+  lowered = prefill_fn.lower(eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool),
+                             i32((1,)), cfg=eng.cfg, ex=eng.ex,
+                             kv_len=eng.kv_len(eng.max_context))
+  ma = lowered.compile().memory_analysis()
+  if ma is None:
+    return None
+  return int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) -
+                                          int(ma.alias_size_in_bytes))
