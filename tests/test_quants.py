@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import importlib.util
 import os
-import time
 from functools import partial
 
 import gguf
@@ -327,13 +326,14 @@ def test_round_trip_k_property(type_id, log_scale, rows, nblocks, shift, seed):
   check_round_trip(x, type_id)
 
 
-def test_quantize_k_speed_and_leading_dims(rng):
+def test_quantize_k_leading_dims(rng):
+  """Leading dimensions quantize row by row: the [2, 1024, 1024] result is each [1024, 1024]
+  half quantized alone. (Its speed, ~0.1 s here, is no unit test's business.)"""
   x = rng.standard_normal((2, 1024, 1024), dtype=np.float32)
-  t0 = time.perf_counter()
   raw = quantize(x, Q.Q4_K)
-  dt = time.perf_counter() - t0
   assert raw.shape == (2, 1024, 4 * 144)
-  assert dt < 5, dt  # ~0.1 s here: 2M elements; a 4096^2 matrix is ~0.6 s
+  for i in range(2):
+    np.testing.assert_array_equal(raw[i], quantize(x[i], Q.Q4_K))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,14 +356,12 @@ def test_random_blocks_valid(rng, type_id):
     random_blocks(rng, type_id, (4, 31) if type_id in QUANTIZED else ())
 
 
-def test_random_blocks_reproducible_and_fast():
+def test_random_blocks_reproducible():
   a = random_blocks(np.random.default_rng(7), Q.Q4_K, (8, 512, 2048))
   b = random_blocks(np.random.default_rng(7), Q.Q4_K, (8, 512, 2048))
   np.testing.assert_array_equal(a, b)
-  t0 = time.perf_counter()
   c = random_blocks(np.random.default_rng(8), Q.Q4_K, (64, 512, 2048))  # 38 MB, 64 experts
-  assert time.perf_counter() - t0 < 3
-  assert c.nbytes == 64 * 512 * 8 * 144
+  assert c.nbytes == 64 * 512 * 8 * 144 and not np.array_equal(c[:8], a)
 
 
 # ---------------------------------------------------------------------------------------------
