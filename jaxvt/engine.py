@@ -475,13 +475,13 @@ def place(model: Model, placed: Placed, par: Par, *, host=None,
 
 
 def _file_tokenizer(m: Model, given: Tokenizer | None = None) -> Tokenizer:
-  """`given` where it was built from m's file as it is now (ValueError otherwise), else m's
+  """`given` where it was built from m's file as it is now (JaxvtError otherwise), else m's
   tokenizer built from its metadata."""
   if given is None:
     return Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path, identity=m.gguf.identity)
   if given.identity is None or given.identity != m.gguf.identity:
-    raise ValueError(f"load(tokenizer=...): that tokenizer was not built from {m.path} as it is "
-                     "now; build it from this file's GGUFFile (or pass none)")
+    raise JaxvtError(f"load(tokenizer=...): that tokenizer was not built from {escape(m.path)} "
+                     "as it is now; build it from this file's GGUFFile, or pass none")
   return given
 
 
@@ -508,10 +508,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   shapes and shardings (loader.abstract_weights): compile there what the first call will run
   (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits the
   record of what was warmed); running the model there fails. On a mesh of several devices it
-  runs after the weights are placed. `tokenizer`: the file's tokenizer, built already from this
-  very file (Tokenizer.from_gguf_metadata with the GGUFFile's identity: the CLI builds it while
-  it checks the file, before JAX starts), taken instead of building another; ValueError if it
-  was built from another file or the file changed since."""
+  runs after the weights are placed. `tokenizer`: one built from this very file (carrying its
+  GGUFFile.identity; the CLI builds it before JAX starts), taken instead of building another;
+  JaxvtError if it is another file's, or the file changed since."""
   t0 = time.perf_counter()
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
