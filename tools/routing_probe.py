@@ -3,10 +3,10 @@ hide the host tier's link time (#14)?
 
   python tools/routing_probe.py --model F [--tokens 64] [--prompt TEXT]
 
-Runs greedy decode on the CPU with every MoE block's router input (the normed x) and logits
-recorded (a jax.debug.callback wrapped around jaxvt.model.moe.moe_block; the compilation cache
-and export store off, so the recorded program is the one traced here), then reports per layer,
-over the decode tokens:
+Runs greedy decode on the CPU, one decode program a token (Engine.decode_step), with every MoE
+block's router input (the normed x) and logits recorded (a jax.debug.callback wrapped around
+jaxvt.model.moe.moe_block; the compilation cache and export store off, so the recorded program
+is the one traced here), then reports per layer, over the decode tokens:
 
   * reuse: the share of a token's top-k experts that the previous token also used;
   * an LRU cache of C experts per layer, filled by the experts used: its hit rate;
@@ -58,31 +58,39 @@ def main(argv: list[str]) -> int:
   moe.route, moe.moe_block = route, block
   eng = jaxvt.load(a.model, max_context=max(256, a.tokens + 64), compile_cache=False)
   cfg = eng.cfg
-  out = eng.generate(a.prompt, max_tokens=a.tokens)
   k, E, L = cfg.n_experts_used, cfg.n_experts, cfg.n_layers
-  dec = [(l, x, lg) for l, x, lg in calls if x.shape[0] == 1]  # decode steps: one token each
-  by_layer = collections.defaultdict(list)
-  for l, x, lg in dec:
-    by_layer[l].append((x[0], lg[0]))
-  n = min(len(v) for v in by_layer.values())
+  ids = eng.tokenizer.encode(a.prompt)
+  logits, cache = eng.prefill(ids)
+  by_layer = collections.defaultdict(list)  # layer -> [(x [d], logits [E])], one per token
+  for t in range(a.tokens):  # greedy, one decode program a token: its records are its own
+    token = int(np.argmax(np.asarray(logits)))
+    calls.clear()
+    logits, cache = eng.decode_step(cache, token, len(ids) + t)
+    np.asarray(logits)  # the step (and its callbacks) done
+    layers = sorted(l for l, _, _ in calls)
+    if layers != list(range(L)):
+      raise SystemExit(f"token {t}: MoE blocks recorded for layers {layers}, not 0..{L - 1}")
+    for l, x, lg in calls:
+      by_layer[l].append((x[0], lg[0]))
+  n = a.tokens
   topk = lambda v, m=k: set(np.argsort(-v, kind="stable")[:m].tolist())
-  ids = {l: [topk(lg) for _, lg in by_layer[l][:n]] for l in range(L)}
+  used = {l: [topk(lg) for _, lg in by_layer[l][:n]] for l in range(L)}
   from jaxvt.gguf.reader import open_gguf
   gf = open_gguf(a.model)
   R = {l: np.asarray(gf.tensors[f"blk.{l}.ffn_gate_inp.weight"].data, np.float32).reshape(E, -1)
        for l in range(L)}
-  print(f"{a.model}: {L} layers, top-{k} of {E} experts, {n} decode tokens "
-        f"({out.stats.generated_tokens} generated); chance {k / E:.3f}")
+  print(f"{a.model}: {L} layers, top-{k} of {E} experts, {n} greedy decode tokens after "
+        f"{len(ids)} prompt tokens; chance {k / E:.3f}")
   print("| layer | reuse from the token before | LRU 16 | LRU 32 | LRU 64 | predicted from the "
         f"layer before, top {k} | top {2 * k} | top 2 used | top 4 used |")
   print("|---|---|---|---|---|---|---|---|---|")
   for l in range(L):
-    reuse = np.mean([len(ids[l][t] & ids[l][t - 1]) / k for t in range(1, n)])
+    reuse = np.mean([len(used[l][t] & used[l][t - 1]) / k for t in range(1, n)])
     lru = []
     for C in (16, 32, 64):
       cache, hits = collections.OrderedDict(), 0
       for t in range(n):
-        for e in sorted(ids[l][t]):
+        for e in sorted(used[l][t]):
           if e in cache:
             hits += 1
             cache.move_to_end(e)
@@ -94,9 +102,9 @@ def main(argv: list[str]) -> int:
     pred = ["-"] * 4
     if l > 0:
       guess = [R[l] @ by_layer[l - 1][t][0] for t in range(n)]
-      pred = [f"{np.mean([len(topk(guess[t], m) & ids[l][t]) / k for t in range(n)]):.3f}"
+      pred = [f"{np.mean([len(topk(guess[t], m) & used[l][t]) / k for t in range(n)]):.3f}"
               for m in (k, 2 * k)]
-      pred += [f"{np.mean([len(topk(guess[t], m) & ids[l][t]) / m for t in range(n)]):.3f}"
+      pred += [f"{np.mean([len(topk(guess[t], m) & used[l][t]) / m for t in range(n)]):.3f}"
                for m in (2, 4)]
     print(f"| {l} | {reuse:.3f} | " + " | ".join([f"{h:.3f}" for h in lru] + pred) + " |")
   return 0
