@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
 
   import jax
   import jaxvt
+  from jaxvt.gguf.reader import open_gguf
   from jaxvt.model import moe
 
   calls = []  # (layer, x [T, d], logits [T, E]) in call order
@@ -75,7 +76,6 @@ def main(argv: list[str]) -> int:
   n = a.tokens
   topk = lambda v, m=k: set(np.argsort(-v, kind="stable")[:m].tolist())
   used = {l: [topk(lg) for _, lg in by_layer[l][:n]] for l in range(L)}
-  from jaxvt.gguf.reader import open_gguf
   gf = open_gguf(a.model)
   R = {l: np.asarray(gf.tensors[f"blk.{l}.ffn_gate_inp.weight"].data, np.float32).reshape(E, -1)
        for l in range(L)}

@@ -347,14 +347,9 @@ class Tokenizer:
   def check_metadata(md: Mapping[str, Any]) -> None:
     """Raises the JaxvtError from_gguf_metadata would raise for `md`, without building the
     tokenizer or keeping anything (jaxvt.engine.load checks a file early and builds last)."""
-    Tokenizer._checked_texts(md)
-
-  @staticmethod
-  def _checked_texts(md: Mapping[str, Any]) -> list[str]:
     tokens, types, _, pre = _vocab_metadata(md)
     texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     _check_vocab(texts, types if types is not None else [NORMAL] * len(tokens), pre)
-    return texts
 
   @classmethod
   def from_gguf(cls, path: str) -> "Tokenizer":
