@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
                                 reason="jaxvt's extension is not built (pip install -e .)")
 
 if ffi.available("cpu"):
-  from jaxvt.ffi import ops
+  from jaxvt.ffi import ops, steps
   from jaxvt.offload.host_tier import HostTier
 
 from test_ffi_cases import (ALL, BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,
@@ -450,8 +450,8 @@ def test_ggml_norm_and_swiglu_kernels(rng):
   x = (rng.standard_normal((5, 7, 576)) * 3).astype(np.float32)
   x[0, 0] = 0
   w = rng.uniform(0.5, 2, 576).astype(np.float32)
-  k = np.asarray(jax.jit(lambda x, w: ops.rms_norm(x, w, 1e-5))(x, w))
-  r = np.asarray(jax.jit(lambda x, w: ops.rms_norm(x, w, 1e-5, kernels=False))(x, w))
+  k = np.asarray(jax.jit(lambda x, w: steps.rms_norm(x, w, 1e-5))(x, w))
+  r = np.asarray(jax.jit(lambda x, w: steps.rms_norm(x, w, 1e-5, kernels=False))(x, w))
   np.testing.assert_allclose(k, r, rtol=2e-6, atol=1e-30)
   x64 = x.astype(np.float64)
   np.testing.assert_allclose(k, x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w,
@@ -459,11 +459,11 @@ def test_ggml_norm_and_swiglu_kernels(rng):
   g = (rng.standard_normal((3, 1541)) * 8).astype(np.float32)  # a tail past the 8-lane blocks
   g[0, :4] = [-200.0, 200.0, 0.0, -90.0]                       # exp under/overflow paths
   u = rng.standard_normal((3, 1541)).astype(np.float32)
-  k = np.asarray(jax.jit(ops.swiglu)(g, u))
+  k = np.asarray(jax.jit(steps.swiglu)(g, u))
   g64 = g.astype(np.float64)
   # atol: at g = -90 float32's exp(90) overflows, so silu is 0 where float64 gives 1e-37 * |u|
   np.testing.assert_allclose(k, g64 / (1 + np.exp(-g64)) * u, rtol=1e-6, atol=1e-35)
-  np.testing.assert_allclose(k, np.asarray(ops.swiglu(g, u, kernels=False)), rtol=1e-6, atol=1e-37)
+  np.testing.assert_allclose(k, np.asarray(steps.swiglu(g, u, kernels=False)), rtol=1e-6, atol=1e-37)
 
 
 @pytest.mark.parametrize("neox,n_dims", [(False, 64), (True, 64), (True, 32)])
@@ -472,7 +472,7 @@ def test_ggml_rope_kernel(neox, n_dims, rng):
   x = rng.standard_normal((2, 9, 5, 64)).astype(np.float32)
   pos = np.array([[0, 1, 2, 3, 4, 100, 1000, 4095, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]],
                  np.int32)[:, :9]
-  f = lambda x, p, kern: ops.rope(x, p, n_dims, 10000.0, neox, kernels=kern)
+  f = lambda x, p, kern: steps.rope(x, p, n_dims, 10000.0, neox, kernels=kern)
   k = np.asarray(jax.jit(functools.partial(f, kern=True))(x, pos))
   r = np.asarray(jax.jit(functools.partial(f, kern=False))(x, pos))
   np.testing.assert_allclose(k, r, rtol=0, atol=2e-5)
@@ -545,7 +545,7 @@ def test_ggml_attention_kernel(cache, t, rng):
   pos = np.stack([np.arange(40, 40 + t), np.arange(7, 7 + t)]).astype(np.int32)
   nq = np.array([t, max(t - 2, 1)], np.int32)  # row 1: its last queries are padding
   args = (q, kc, vc, np.int32(1), pos, nq)
-  f = lambda *a, kern: ops.attention(*a, 256, 0.125, kernels=kern)
+  f = lambda *a, kern: steps.attention(*a, 256, 0.125, kernels=kern)
   k = np.asarray(jax.jit(functools.partial(f, kern=True))(*args))
   r = np.asarray(jax.jit(functools.partial(f, kern=False))(*args))
   want = _attention_f64(q, kc, vc, 1, pos, 0.125)

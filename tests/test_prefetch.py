@@ -174,6 +174,13 @@ def moe8(tmp_path_factory):
   return path
 
 
+def routed_on_host(name: str, layer) -> str:
+  """The placement of the model tests here: the routed experts of layers 1, 2, 5 and layer 7's
+  down in the host tier, everything else on the device."""
+  host = name.startswith("moe.w_") and (layer in (1, 2, 5) or (name == "moe.w_down" and layer == 7))
+  return "host" if host else "device"
+
+
 @pytest.mark.parametrize("rule", ["grouped", "per-slot"])
 def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule):
   """Routed experts of layers 1, 2, 5 (and layer 7's down only) in the host tier: a 32-token
@@ -187,12 +194,8 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule):
   from jaxvt.model.layers import Products
   from jaxvt.model.sharding import one_device
   m = loader.open_model(moe8)
-  host = {1, 2, 5}
-  where = lambda n, l: ("host" if n.startswith("moe.w_") and (l in host or
-                                                             (n == "moe.w_down" and l == 7))
-                        else "device")
   par = one_device(device)
-  weights = loader.place(m, where, par=par, host=tier)
+  weights = loader.place(m, routed_on_host, par=par, host=tier)
   assert weights["moe.w_gate"].meta.host_layers == (1, 2, 5)
   assert weights["moe.w_down"].meta.host_layers == (1, 2, 5, 7)
   T = 32

@@ -56,6 +56,14 @@
 #                                       # the 16 GiB card with this build and .dev/prev's (carry
 #                                       # both); an 8192-token prompt at auto on the 16 GiB card
 #   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it)
+#   bash tools/h200_session.sh predict  # llama-bench built in the background; the expert-ring
+#                                       # and prefetch GPU tests; decode with the next host-tier
+#                                       # layer's likeliest experts copied ahead, by how many
+#                                       # (tools/predict_rate.py), every routed expert in the host
+#                                       # tier and at auto, on the 16 GiB card
+#   bash tools/h200_session.sh predict2 # decode profiles with every routed expert in the host tier,
+#                                       # predicting off / on (one and two ring sets); the decode
+#                                       # rates by variant there and at auto
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -450,6 +458,52 @@ if [ "$what" = det ]; then  # #16: two processes, every budget (auto's layers ev
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = predict ]; then
+  start_llama
+  timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_prefetch_experts_gpu.py tests/test_prefetch_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+  tail -6 "$OUT/gpu_tests.txt"
+  model; echo "model $(( $(date +%s) - t0 )) s"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${HOSTALL_S:-200} python3 tools/predict_rate.py \
+    --model $M --offload-gb 0 --pattern exps --device-gb 16 --rounds 2 \
+    --variants ${HOSTALL_V:-off,1:1,2:2,3:3} > "$OUT/predict_hostall.txt" 2>&1
+  tail -6 "$OUT/predict_hostall.txt"; echo "host-all $(( $(date +%s) - t0 )) s"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${AUTO_S:-200} python3 tools/predict_rate.py \
+    --model $M --offload-gb auto --device-gb 16 --rounds 2 \
+    --variants ${AUTO_V:-off,2:2,2:4,2:6} > "$OUT/predict_auto.txt" 2>&1
+  tail -6 "$OUT/predict_auto.txt"
+fi
+if [ "$what" = predict2 ]; then
+  [ -n "${TESTS:-}" ] && { timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    --tb=short $TESTS > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"; }
+  model
+  for v in ${RING_V:-}; do  # copies XLA makes of a ring in the compiled decode step
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 100 python3 tools/ring_copies.py --model $M \
+      --offload-gb 17 --device-gb 16 --predict $v > "$OUT/ring_copies_${v//:/-}.txt" 2>&1
+    grep -v "^W1203\|remat" "$OUT/ring_copies_${v//:/-}.txt" | tail -8
+  done
+  for v in ${HITS_V:-}; do  # v = BUDGET/H:D[:S]: the predicted experts' hit rates
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/predict_hits.py --model $M \
+      --offload-gb ${v%%/*} --device-gb 16 --predict ${v#*/} --tokens 24 \
+      > "$OUT/hits_${v//[:\/]/-}.txt" 2>&1
+    grep -v "^W1203\|remat" "$OUT/hits_${v//[:\/]/-}.txt" | tail -3
+  done
+  for v in ${PROFILE_V:-off 2:2 2:2:1}; do
+    f="$OUT/profile_${v//:/-}.txt"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 100 python3 -m jaxvt.bench profile --model $M \
+      --offload-gb 17 --device-gb 16 --steps 8 --top 40 --predict $v > "$f" 2>&1
+    head -${PROFILE_LINES:-2} "$f"
+  done
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${HOSTALL_S:-200} python3 tools/predict_rate.py \
+    --model $M --offload-gb 17 --pattern exps --device-gb 16 --rounds 2 \
+    --variants ${HOSTALL_V:-off,2:2:1,4:4,4:4:1} > "$OUT/predict_hostall.txt" 2>&1 ||
+    [ -n "${HOSTALL_V:-}" ]
+  tail -5 "$OUT/predict_hostall.txt"; echo "host-all $(( $(date +%s) - t0 )) s"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${AUTO_S:-200} python3 tools/predict_rate.py \
+    --model $M --offload-gb auto --device-gb 16 --rounds 2 \
+    --variants ${AUTO_V:-off,2:2:1,3:3} > "$OUT/predict_auto.txt" 2>&1
+  tail -4 "$OUT/predict_auto.txt"
 fi
 if [ "$what" = sweep ]; then
   [ -f /tmp/keep.so ] && cp /tmp/keep.so $(ls jaxvt/ffi/_jaxvt_ffi*.so) && echo "extension: the take call's"

@@ -10,6 +10,7 @@ cost most. Nothing is written to docs/BENCHMARKS.md; the table goes to stdout.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -112,6 +113,16 @@ def _prefill(eng, ids, args, mesh) -> str:
   return "\n".join(out)
 
 
+def predict_products(products, spec: str):
+  """products with predict_after_host, predict_after_device (and predict_sets) from "H:D[:S]"
+  ("off": 0:0)."""
+  v = [0, 0] if spec == "off" else [int(a) for a in spec.split(":")]
+  kw = dict(predict_after_host=v[0], predict_after_device=v[1])
+  if len(v) > 2:
+    kw["predict_sets"] = v[2]
+  return dataclasses.replace(products, **kw)
+
+
 def main(args) -> str:
 
 
@@ -119,6 +130,8 @@ def main(args) -> str:
   eng = jaxvt.load(args.model, max_context=args.prompt + args.steps * 3 + 16,
                    offload_gb=args.offload_gb, device_gb=args.device_gb, force=True, mesh=mesh)
   ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
+  if getattr(args, "predict", None):
+    eng.ex = dataclasses.replace(eng.ex, products=predict_products(eng.ex.products, args.predict))
   if getattr(args, "prefill", False):
     return _prefill(eng, ids, args, mesh)
   _, cache = eng.prefill(ids)
@@ -143,7 +156,8 @@ def main(args) -> str:
   toks.block_until_ready()
   wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
 
-  out = [f"model {eng.path}: {eng.cfg.arch}, {eng.cfg.n_layers} layers; offload "
+  out = [f"model {eng.path}: {eng.cfg.arch}, {eng.cfg.n_layers} layers; predict "
+         f"{getattr(args, 'predict', None) or 'default'}; offload "
          f"{eng.plan.plan.host_bytes / 2**30:.2f} GiB; predicted "
          f"{eng.plan.prediction.ms_per_step:.2f} ms/step; wall {wall_ms:.2f} ms/step "
          f"({args.steps} steps)"]

@@ -15,9 +15,8 @@ missing CUDA/ROCm handler if one is compiled for a GPU; numerics.default_mode(pl
 mode to pass there). "f32" dequantizes exactly and takes an f32 dot product. References pick the layer's format with `lax.switch` over `w.meta.formats` and use jnp
 math. They read device-tier layers only: for a host-tier layer they return NaN.
 
-Model steps in ggml arithmetic (`rms_norm`, `swiglu`, `rope`, `attention`): CPU kernels that
-reproduce ggml's float32 rounding bit for bit (csrc/kernels_cpu_ggml.h); other platforms and
-`kernels=False` run the jnp formulas of jaxvt.ffi.numerics.
+Model steps in ggml arithmetic (`rms_norm`, `swiglu`, `rope`, `attention`) are in
+jaxvt.ffi.steps.
 
 Shapes (rows x cols is one layer's matrix, E = w.meta.experts):
   qmatmul(x f32 [..., cols], w, layer)                 -> f32 [..., rows]
@@ -278,27 +277,28 @@ def qmatmul_ref(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Arra
 
 @functools.cache
 def _experts_call(rows: int, cols: int, experts: int, act_bytes: int):
-  def call(x, data, table, fmts, layer, ids):
+  def call(x, data, table, fmts, layer, ids, *ring):  # ring: () or a decode expert ring
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
     attrs = dict(rows=np.int64(rows), cols=np.int64(cols), experts=np.int64(experts))
     if act_bytes == 0:
       return jax.ffi.ffi_call("jaxvt_qmatmul_experts", out)(x, data, table, fmts, layer, ids,
-                                                            **attrs)
+                                                            *ring, **attrs)
     scratch = jax.ShapeDtypeStruct((x.size // cols, act_bytes), jnp.uint8)
     return jax.ffi.ffi_call("jaxvt_qmatmul_experts_q8", (out, scratch))(
-        x, data, table, fmts, layer, ids, **attrs)[0]
+        x, data, table, fmts, layer, ids, *ring, **attrs)[0]
 
   return _vmappable(call, lambda *a: None)
 
 
 def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
-                    mode: str = "ggml") -> jax.Array:
+                    mode: str = "ggml", ring: jax.Array | None = None) -> jax.Array:
   """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows].
 
   out[t, j] = W[layer, ids[t, j]] @ (x[t] or x[t, j]); only routed experts' bytes are read, each
   distinct routed expert once per call (per 16 slots on GPU). Ids above range are clamped into
   it; a negative id routes its slot nowhere: out[t, j] = 0 and nothing is read for it (a sharded
-  MoE marks the slots of other devices' experts so).
+  MoE marks the slots of other devices' experts so). ring: a decode expert ring
+  (prefetch.fetch_experts): the experts it holds for `layer` are read from it (the same bytes).
   """
   _check(w, "qmatmul_experts", experts=True)
   m = w.meta
@@ -307,33 +307,40 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   _check_x_ids(x, ids, m.cols, "qmatmul_experts")
   act = _act_bytes(w) if numerics.integer_products(_mode(mode)) else 0
   return _experts_call(m.rows, m.cols, m.experts, act)(x, w.data, w.table, w.fmts, _layer(layer),
-                                                       ids)
+                                                       ids, *_rings(ring))
+
+
+def _rings(*rings) -> tuple:  # an experts call's ring operands: none, or every one given
+  return () if any(r is None for r in rings) else rings
 
 
 @functools.cache
 def _experts2_call(rows: int, cols: int, experts: int, acts: tuple[int, int] | None):
   """(fused GPU call, separate calls); acts: the two stacks' activation scratch bytes under
   ggml's arithmetic (None: float32)."""
-  def fused(x, d0, t0, f0, d1, t1, f1, layer, ids):
+  def fused(x, d0, t0, f0, d1, t1, f1, layer, ids, *rings):
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
     return jax.ffi.ffi_call("jaxvt_qmatmul_experts2", (out, out))(
-        x, d0, t0, f0, d1, t1, f1, layer, ids, rows=np.int64(rows), cols=np.int64(cols),
+        x, d0, t0, f0, d1, t1, f1, layer, ids, *rings, rows=np.int64(rows), cols=np.int64(cols),
         experts=np.int64(experts), ggml=np.int64(acts is not None))
 
-  def separate(x, d0, t0, f0, d1, t1, f1, layer, ids):
+  def separate(x, d0, t0, f0, d1, t1, f1, layer, ids, *rings):
     a0, a1 = acts if acts is not None else (0, 0)
-    return (_experts_call(rows, cols, experts, a0)(x, d0, t0, f0, layer, ids),
-            _experts_call(rows, cols, experts, a1)(x, d1, t1, f1, layer, ids))
+    r0, r1 = (rings[:1], rings[1:]) if rings else ((), ())
+    return (_experts_call(rows, cols, experts, a0)(x, d0, t0, f0, layer, ids, *r0),
+            _experts_call(rows, cols, experts, a1)(x, d1, t1, f1, layer, ids, *r1))
 
   return fused, separate
 
 
 def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Array,
-                     mode: str = "ggml") -> tuple[jax.Array, jax.Array]:
+                     mode: str = "ggml", rings=(None, None)) -> tuple[jax.Array, jax.Array]:
   """(qmatmul_experts(x, w0, ...), qmatmul_experts(x, w1, ...)) for two expert stacks of one shape
-  (a MoE's gate and up): one launch on a GPU ("f32" or "q8"), with the same bits as two."""
+  (a MoE's gate and up): one launch on a GPU ("f32" or "q8"), with the same bits as two. rings:
+  the two stacks' decode expert rings (both or neither)."""
   if _mode(mode) == "ggml":  # the CPU's mode: separate calls
-    return (qmatmul_experts(x, w0, layer, ids, mode), qmatmul_experts(x, w1, layer, ids, mode))
+    return (qmatmul_experts(x, w0, layer, ids, mode, rings[0]),
+            qmatmul_experts(x, w1, layer, ids, mode, rings[1]))
   _check(w0, "qmatmul_experts2", experts=True)
   _check(w1, "qmatmul_experts2", experts=True)
   if w0.shape != w1.shape:
@@ -344,7 +351,8 @@ def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Arr
   _check_x_ids(x, ids, m.cols, "qmatmul_experts2")
   acts = (_act_bytes(w0), _act_bytes(w1)) if numerics.integer_products(mode) else None
   fused, separate = _experts2_call(m.rows, m.cols, m.experts, acts)
-  args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids)
+  args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids,
+          *_rings(*rings))
   if _ffi.available("cpu"):
     return jax.lax.platform_dependent(*args, cpu=separate, default=fused)
   return fused(*args)
@@ -373,32 +381,36 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
   return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u  # "q8": float32
 
 
-def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None):
+def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None,
+         rings=None):
   """on_read(stage, out): sees the output of the products that read gate and up ("gate_up", the
   activation h) and of the one that reads down ("down"): prefetch orders a ring's next copy after
-  the ring's last reader."""
+  the ring's last reader. rings: decode expert rings of the three stacks (kernels only)."""
   x = jnp.asarray(x, jnp.float32)
+  kw = (lambda k: {"ring": rings.get(k)}) if rings else (lambda k: {})  # only mm that take one
   if mm2 is None:
-    g, u = mm(x, w_gate, layer, ids, mode), mm(x, w_up, layer, ids, mode)
+    g, u = mm(x, w_gate, layer, ids, mode, **kw("gate")), mm(x, w_up, layer, ids, mode, **kw("up"))
   else:
-    g, u = mm2(x, w_gate, w_up, layer, ids, mode)
+    g, u = mm2(x, w_gate, w_up, layer, ids, mode,
+               **({"rings": (rings.get("gate"), rings.get("up"))} if rings else {}))
   h = silu_mul(g, u, mode)  # [T, k, ffn]
   if on_read is not None:
     on_read("gate_up", h)
-  d = mm(h, w_down, layer, ids, mode)  # [T, k, cols]
+  d = mm(h, w_down, layer, ids, mode, **kw("down"))  # [T, k, cols]
   if on_read is not None:
     on_read("down", d)
   return jnp.einsum("tk,tkd->td", jnp.asarray(weights, jnp.float32), d)
 
 
 def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
-                mode: str = "ggml", on_read=None):
+                mode: str = "ggml", on_read=None, rings=None):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once.
   on_read(stage, out): sees the products' outputs, gate/up's then down's (see _moe; for
-  jaxvt.model.moe's prefetch)."""
+  jaxvt.model.moe's prefetch). rings: {"gate", "up", "down"} decode expert rings
+  (prefetch.fetch_experts): experts they hold for `layer` are read from them, the same bytes."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
-              qmatmul_experts2, on_read)
+              qmatmul_experts2, on_read, rings)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
@@ -502,95 +514,3 @@ def moe_route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, 
          jax.ShapeDtypeStruct((*logits.shape[:-1], k), jnp.float32))
   return jax.ffi.ffi_call("jaxvt_moe_route", out, vmap_method="expand_dims")(
       logits, renormalise=bool(renormalise))
-
-
-# ---------------------------------------------------------------------------------------------
-# model steps in ggml arithmetic: CPU kernels, jnp formulas elsewhere
-
-
-def _on_cpu(kernel, ref, *args):
-  """kernel(*args) when lowered for CPU (and the extension is built), else ref(*args)."""
-  if not _ffi.available("cpu"):
-    return ref(*args)
-  return jax.lax.platform_dependent(*args, cpu=kernel, default=ref)
-
-
-def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, kernels: bool = True) -> jax.Array:
-  """x f32 [..., d], w f32 [d] or None -> numerics.rms_norm (ggml's rounding on CPU kernels)."""
-  x = jnp.asarray(x, jnp.float32)
-  if not kernels:
-    return numerics.rms_norm(x, w, eps)
-  w = jnp.ones(x.shape[-1:], jnp.float32) if w is None else jnp.asarray(w, jnp.float32)
-
-  def kernel(x, w):
-    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    return jax.ffi.ffi_call("jaxvt_rms_norm", out, vmap_method="sequential")(
-        x, w, eps=np.float32(eps))
-
-  return _on_cpu(kernel, lambda x, w: numerics.rms_norm(x, w, eps), x, w)
-
-
-def swiglu(g: jax.Array, u: jax.Array, kernels: bool = True) -> jax.Array:
-  """(g / (1 + exp(-g))) * u for f32 [..., d] (numerics.swiglu)."""
-  g, u = jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32)
-  if not kernels:
-    return numerics.swiglu(g, u)
-
-  def kernel(g, u):
-    out = jax.ShapeDtypeStruct(g.shape, jnp.float32)
-    return jax.ffi.ffi_call("jaxvt_swiglu", out, vmap_method="sequential")(g, u)
-
-  return _on_cpu(kernel, numerics.swiglu, g, u)
-
-
-def rope(x: jax.Array, positions: jax.Array, n_dims: int, base: float, neox: bool,
-         kernels: bool = True) -> jax.Array:
-  """x f32 [..., T, H, hd], positions int32 [..., T] -> numerics.rope (ggml_rope_ext)."""
-  x = jnp.asarray(x, jnp.float32)
-  positions = jnp.asarray(positions, jnp.int32)
-  ref = lambda x, p: numerics.rope(x, p, n_dims, base, neox)
-  if not kernels:
-    return ref(x, positions)
-
-  def kernel(x, p):
-    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    return jax.ffi.ffi_call("jaxvt_rope", out, vmap_method="sequential")(
-        x, p, n_dims=np.int64(n_dims), base=np.float32(base), neox=np.int64(bool(neox)))
-
-  return _on_cpu(kernel, ref, x, positions)
-
-
-def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, positions: jax.Array,
-              n_query: jax.Array, kv_len: int, scale: float, kernels: bool = True) -> jax.Array:
-  """Causal softmax attention over a stacked KV cache, as ggml's non-flash path rounds it.
-
-  q f32 [b, t, H, D] (after RoPE); k_cache [A, b, S, K, D], v_cache [A, b, S, K, Dv] (float16
-  or float32: q and the probabilities are rounded to it); layer int32 [] (which of the A);
-  positions int32 [b, t]; n_query int32 [b]: query tokens of each row in this call (llama.cpp's
-  batched products, whose float32 order differs, serve >= 2). Only the first kv_len (static)
-  positions are read. -> f32 [b, t, H, Dv].
-  """
-  q = jnp.asarray(q, jnp.float32)
-  layer = _layer(layer)
-  positions = jnp.asarray(positions, jnp.int32)
-  n_query = jnp.asarray(n_query, jnp.int32)
-  b = q.shape[0]
-  K, D, Dv = k_cache.shape[3], k_cache.shape[4], v_cache.shape[4]
-
-  def ref(q, kc, vc, layer, positions, n_query):
-    zero = jnp.zeros((), jnp.int32)
-    l = jnp.clip(layer, 0, kc.shape[0] - 1)
-    ks = jax.lax.dynamic_slice(kc, (l, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
-    vs = jax.lax.dynamic_slice(vc, (l, zero, zero, zero, zero), (1, b, kv_len, K, Dv))[0]
-    return numerics.attention(q, ks, vs, positions, scale)
-
-  args = (q, k_cache, v_cache, layer, positions, n_query)
-  if not kernels or kv_len % 8:
-    return ref(*args)
-
-  def kernel(q, kc, vc, layer, positions, n_query):
-    out = jax.ShapeDtypeStruct((*q.shape[:3], Dv), jnp.float32)
-    return jax.ffi.ffi_call("jaxvt_attention", out, vmap_method="sequential")(
-        q, kc, vc, layer, positions, n_query, kv_len=np.int64(kv_len), scale=np.float32(scale))
-
-  return _on_cpu(kernel, ref, *args)

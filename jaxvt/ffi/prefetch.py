@@ -110,3 +110,66 @@ def schedule(meta: QMeta) -> tuple[int, np.ndarray]:
   for a, b in zip(host, host[1:]):
     after[a] = b
   return (host[0] if host else -1), after
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: the experts the next host-tier layer's router will most likely pick, copied ahead
+# (prefetch.h, XHeader). At one token, layer l + 1's router applied to layer l's MoE input names
+# most of the experts layer l + 1 then routes to (tools/routing_probe.py); jaxvt.model.moe asks
+# for them once layer l's experts are read, and layer l + 1's per-slot experts kernels read the
+# ones that came from the ring (ops.moe_experts(rings=...)): the same bytes, so the same bits.
+#
+#   rings = {n: new_expert_ring(w[n].meta) for n in stacks}
+#   for each layer l (a scan):
+#     y = ops.moe_experts(..., rings=rings)                 # layer l reads what its ring holds
+#     rings = fetch_experts(rings, w, l + 1, predicted_ids, after=y, n_host=2, n_device=4)
+#   x = join(x, any ring)
+#
+# With two rings a stack (layer l reads ring l % 2) the fetch into the other ring need not wait
+# for layer l's experts: after a device-tier layer (the bus idle) it comes right after the router
+# (when="after_device"), after a host-tier one after the down product (when="after_host").
+
+XHEADER = 4096  # prefetch.h kXHeader
+XSLOTS = 8  # prefetch.h kXSlotsMax
+
+
+def expert_slot_bytes(meta: QMeta) -> int:
+  """Bytes of one slot: an expert of the stack in its largest format, rounded up to 256."""
+  per_row = max(row_bytes(f, meta.cols) for f in meta.formats)
+  return -(-per_row * meta.rows // 256) * 256
+
+
+def new_expert_ring(meta: QMeta) -> jax.Array:
+  """An empty expert ring (zeros: no copy asked for)."""
+  return jnp.zeros((XHEADER + XSLOTS * expert_slot_bytes(meta),), jnp.uint8)
+
+
+WHEN = {"any": 0, "after_host": 1, "after_device": 2}  # prefetch.h expert_count
+
+
+def fetch_experts(rings: dict, ws: dict, target, ids, after=None, *, n_host: int,
+                  n_device: int, when: str = "any") -> dict:
+  """Starts copying, into each stack's ring, the first n of `ids` (int32 [m], most likely first)
+  of layer `target` (int32 scalar, may be traced) of that stack, where it is a host-tier layer:
+  n = n_host when layer target - 1 of the stack is host-tier too, else n_device (at most 8, at
+  most m); any other target empties the ring. when="after_host" / "after_device": only targets
+  of that kind are fetched, any other leaves the ring as it is. `after`: what the program must
+  have computed before the rings may be overwritten (their last reader's output). Returns the
+  rings."""
+  names = tuple(rings)
+  metas = [ws[n].meta for n in names]
+  if len({m.experts for m in metas}) != 1 or not metas[0].experts:
+    raise ValueError("fetch_experts: expert stacks with one expert count")
+  after = jnp.zeros((), jnp.int32) if after is None else after
+  ids = jnp.asarray(ids).astype(jnp.int32).reshape(-1)
+  call = jax.ffi.ffi_call("jaxvt_prefetch_experts",
+                          tuple(jax.ShapeDtypeStruct(rings[n].shape, jnp.uint8) for n in names),
+                          input_output_aliases={3 + 3 * i: i for i in range(len(names))})
+  operands = [a for n in names for a in (rings[n], ws[n].table, ws[n].fmts)]
+  out = call(_i32(target), ids, after, *operands,
+             rows=np.array([m.rows for m in metas], np.int64),
+             cols=np.array([m.cols for m in metas], np.int64),
+             slot=np.array([expert_slot_bytes(m) for m in metas], np.int64),
+             experts=np.int64(metas[0].experts), n_host=np.int64(n_host),
+             n_device=np.int64(n_device), when=np.int64(WHEN[when]))
+  return dict(zip(names, out))

@@ -56,10 +56,11 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
   return kv + st
 
 
-def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: dict):
-  """(the FFN's output, rings): rings (moe.start_rings) carry the prefetched expert layers."""
+def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: moe.Rings,
+         ring_set: int):
+  """(the FFN's output, rings): rings (moe.Rings) carry the host-tier experts copied ahead."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex, rings)  # (y, rings) whenever rings is a dict
+    return moe.moe_block(h, w, li, cfg, ex, rings, ring_set)
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
                        ex), rings
 
@@ -84,8 +85,15 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   n_att = period.count("attention")
   n_gdn = P - n_att
   w = weights
-  # host-tier expert layers copied ahead of their turn (Products.prefetch_per_expert)
-  rings = moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t))
+  # host-tier expert layers copied ahead of their turn (Products.prefetch_per_expert), and at
+  # one token the next host-tier layer's likeliest experts (Products.predict_after_*)
+  # two sets of expert rings alternate by layer where a period's layers are even (the parity of
+  # a layer is then that of its place in the period, known when tracing)
+  sets = 2 if P % 2 == 0 and ex.products.predict_sets == 2 else 1
+  rings = moe.Rings(moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t)),
+                    moe.start_expert_rings(w, moe.predicted(w, cfg, ex, b * t), sets))
+  if rings.experts:
+    w = moe.next_router(w)
 
   def body(carry, p):
     x, cache, rings = carry
@@ -109,7 +117,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
       x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
-        y, rings = _ffn(h, w, li, cfg, ex, rings)
+        y, rings = _ffn(h, w, li, cfg, ex, rings, j % sets)
         x = x + y
     return (x, cache, rings), None
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.ffi import attn as attn_ffi, grouped, ops  # importing registers the custom calls
+from jaxvt.ffi import attn as attn_ffi, grouped, ops, steps  # importing registers the custom calls
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.axes import AXES, TP
 from jaxvt.qweight import QMeta, QWeight
@@ -43,6 +43,14 @@ GROUPED_SLOTS = 256
 # and no others worth counting; it overlaps the layers before it instead of stalling the layer.
 # The 35B-shaped model (256 experts, top 8): prompts of 128 tokens or more.
 PREFETCH_PER_EXPERT = 4
+# decode: the next host-tier layer's likeliest experts copied ahead (Products.predict_after_*):
+# off. On the H200 (2026-12-03, tools/predict_rate.py, 35B-shaped file, 16 GiB card) every
+# variant decoded slower than reading in place: every routed expert in the host tier 67.1 tok/s
+# off, 60.7-63.3 on; auto 150.6 off, 123.7-137.6 on. The predictions are right (94-96% of the
+# experts asked for are routed to) and the experts kernels read less, but each fetch call breaks
+# XLA's command buffers (docs/BENCHMARKS.md "Decode: the next layer's experts copied ahead").
+PREDICT_AFTER_HOST = 0
+PREDICT_AFTER_DEVICE = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,15 @@ class Products:
   layers before it compute (jaxvt.ffi.prefetch: a ring per stack in the program's workspace, the
   copy on a stream of jaxvt's own); the layer's kernels then read the copy, with the same bytes.
   0 never (the CPU: its ops run one after another, nothing to overlap).
+
+  predict_after_host / predict_after_device: at one token (decode), layer l + 1's router
+  applied to layer l's MoE input names most of the experts layer l + 1 will use; where layer
+  l + 1 is a host-tier layer, that many of its likeliest experts (at most 8) are copied to the
+  device while the layers between compute (after a host-tier layer the bus is busy with that
+  layer's own experts: fewer), and its per-slot experts kernels read those from the copy, the
+  same bytes (jaxvt.ffi.prefetch.fetch_experts). 0 and 0: never (the CPU). predict_sets: 2
+  rings a stack that alternate by layer (the next layer's fetch need not wait for this layer's
+  experts; a period of an odd number of layers always has 1), or 1.
   """
 
   tiled_rows: int = 0
@@ -86,6 +103,9 @@ class Products:
   gdn_fused: bool = False
   attn_fused: bool = False
   prefetch_per_expert: int = 0
+  predict_after_host: int = 0
+  predict_after_device: int = 0
+  predict_sets: int = 2
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -110,7 +130,9 @@ class Products:
 # XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
                         grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True,
-                        attn_fused=True, prefetch_per_expert=PREFETCH_PER_EXPERT)
+                        attn_fused=True, prefetch_per_expert=PREFETCH_PER_EXPERT,
+                        predict_after_host=PREDICT_AFTER_HOST,
+                        predict_after_device=PREDICT_AFTER_DEVICE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +220,9 @@ def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = None) -> jax.Array:
   """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
-  With a ggml-numerics `ex`, ggml's rounding (jaxvt.ffi.ops.rms_norm)."""
+  With a ggml-numerics `ex`, ggml's rounding (jaxvt.ffi.steps.rms_norm)."""
   if ex is not None and ex.ggml:
-    return ops.rms_norm(x, w, eps, kernels=ex.kernels)
+    return steps.rms_norm(x, w, eps, kernels=ex.kernels)
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y if w is None else y * w
@@ -212,10 +234,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
 
   x [b, t, h, d], positions int32 [b, t]. `interleaved` rotates pairs (2i, 2i+1) (llama GGUF,
   whose converter permuted q/k rows); otherwise pairs (i, i + rope_dim/2) (NEOX, Qwen). With a
-  ggml-numerics `ex`, ggml_rope_ext's angles and rounding (jaxvt.ffi.ops.rope).
+  ggml-numerics `ex`, ggml_rope_ext's angles and rounding (jaxvt.ffi.steps.rope).
   """
   if ex is not None and ex.ggml:
-    return ops.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
+    return steps.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
   half = rope_dim // 2
   inv = jnp.asarray(attn_ffi.inv_freq(theta, rope_dim))  # the fused step's constants too
   ang = positions.astype(jnp.float32)[..., None, None] * inv  # [b, t, 1, half]
@@ -298,7 +320,7 @@ def attend(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, kv_len: 
   if ex.ggml:
     nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
-    o = ops.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
+    o = steps.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
                       kernels=ex.kernels).reshape(b, t, H * Dv)
   else:
     zero = jnp.zeros((), jnp.int32)
@@ -346,7 +368,7 @@ def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
 def swiglu_down(g: jax.Array, u: jax.Array, w_down: QWeight, li, ex: Exec) -> jax.Array:
   """The second half of swiglu: down(silu(g) * u) from the gate and up products."""
   if ex.ggml:
-    h = ops.swiglu(g, u, kernels=ex.kernels)
+    h = steps.swiglu(g, u, kernels=ex.kernels)
   else:
     h = jax.nn.silu(g) * u
   return linear(h, w_down, li, ex)

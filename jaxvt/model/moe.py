@@ -16,7 +16,9 @@ T tokens, k routed slots, e experts, f expert hidden, d model dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +115,17 @@ def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Arr
 
 
 ROUTED = ("moe.w_gate", "moe.w_up", "moe.w_down")
+STAGE = {"moe.w_gate": "gate", "moe.w_up": "up", "moe.w_down": "down"}
+NEXT_ROUTER = "moe.router@next"  # decode's view of layer l + 1's router at index l (next_router)
+
+
+class Rings(NamedTuple):
+  """What a call carries through its layer scan for host-tier routed experts: `layers` (prefill:
+  start_rings, whole layers copied ahead) and `experts` (decode: start_expert_rings, the next
+  host-tier layer's predicted experts copied ahead; one set of rings, or two that alternate by
+  layer). Either may be empty."""
+  layers: dict
+  experts: tuple[dict, ...]
 
 
 def prefetched(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str, ...]:
@@ -124,6 +137,35 @@ def prefetched(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str,
     return ()
   # a weight type that moves layers itself (bench arms) keeps its own path
   return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
+
+
+def predicted(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str, ...]:
+  """The routed-expert stacks whose host-tier layers a call of n_tokens tokens reads partly from
+  decode expert rings (Products.predict_after_host / predict_after_device; one token, one device,
+  the per-slot experts kernels)."""
+  p = ex.products
+  if (not cfg.is_moe or not ex.kernels or n_tokens != 1
+      or not (p.predict_after_host or p.predict_after_device)
+      or p.experts(cfg.n_experts_used) != "matvec" or (ex.par is not None and ex.par.size > 1)):
+    return ()
+  return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
+
+
+def start_expert_rings(w: dict, names: tuple[str, ...], sets: int) -> tuple[dict, ...]:
+  """`sets` sets (1 or 2) of empty decode expert rings, one ring per stack of `names` (none
+  without names)."""
+  if not names:
+    return ()
+  return tuple({n: prefetch.new_expert_ring(w[n].meta) for n in names} for _ in range(sets))
+
+
+def next_router(w: dict) -> dict:
+  """w with NEXT_ROUTER: the router stack seen one layer on (index l reads layer l + 1's router;
+  the last index wraps to layer 0, whose prediction targets no layer). Built once, outside the
+  layer scan: the same data, its table and formats rolled."""
+  r = w["moe.router"]
+  return dict(w, **{NEXT_ROUTER: dataclasses.replace(r, table=jnp.roll(r.table, -1, axis=0),
+                                                     fmts=jnp.roll(r.fmts, -1))})
 
 
 def start_rings(w: dict, names: tuple[str, ...]) -> dict:
@@ -138,44 +180,71 @@ def start_rings(w: dict, names: tuple[str, ...]) -> dict:
   return out
 
 
-def join_rings(x: jax.Array, rings: dict) -> jax.Array:
+def join_rings(x: jax.Array, rings: Rings) -> jax.Array:
   """x once no copy into `rings` is still under way (prefetch.join on every ring)."""
-  for r in rings.values():
+  for r in (*rings.layers.values(), *(r for s in rings.experts for r in s.values())):
     x = prefetch.join(x, r)
   return x
 
 
-def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: dict | None = None):
+def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Rings | None = None,
+              ring_set: int = 0):
   """MoE FFN of layer `li` (traced int32 index into the stacks). h [b, t, d] (already normed)
-  -> float32 [b, t, d]. With `rings` (start_rings: the prefetched stacks' rings) the routed
-  experts read layer `li` from its ring where the ring holds it, then the ring fetches the
-  stack's next host-tier layer; returns (y, rings) then."""
+  -> float32 [b, t, d]. With `rings` returns (y, rings): rings.layers (start_rings, prefill) give
+  the routed experts layer `li` from a ring where it holds it, then each ring fetches its
+  stack's next host-tier layer; rings.experts[ring_set] (start_expert_rings, decode; w from
+  next_router) gives them the experts it holds for `li`, and layer li + 1's most likely experts
+  (its router applied to this layer's input) are fetched where li + 1 is a host-tier layer: into
+  the same set after the down product, or with two sets into the other one, right after the
+  router when this layer is device-tier (the bus idle), after the down product when it is
+  host-tier (its own experts fill the bus until then)."""
   b, t, d = h.shape
   x = h.reshape(b * t, d).astype(jnp.float32)
+  sets = () if rings is None else list(rings.experts)
+  xr = sets[ring_set] if sets else {}
+  into = (ring_set + 1) % len(sets) if sets else 0
   with jax.named_scope("router"):
-    # The router and the shared expert's gate / up read the same x: one launch where they can.
+    # The router, the next layer's (decode prediction) and the shared expert's gate / up read
+    # the same x: one launch where they can.
     shared = ["shexp.w_gate", "shexp.w_up"] if cfg.shared_ffn_dim else []
-    logits, *gu = layers.linear_many(x, [w["moe.router"]] + [w[n] for n in shared], li, ex)
+    nxt = [NEXT_ROUTER] if xr else []
+    logits, *more = layers.linear_many(x, [w[n] for n in ["moe.router", *nxt, *shared]], li, ex)
+    gu = more[len(nxt):]
     # Whole [T, E] logits on every device (the router is replicated), routed before the split.
-    ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob,
-                     fused=ex.kernels and ex.products.fused_route)
+    fused = ex.kernels and ex.products.fused_route
+    ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob, fused=fused)
+    p = ex.products
+    if xr:  # layer li + 1's likeliest experts, most likely first
+      pred, _ = route(more[0], max(p.predict_after_host, p.predict_after_device), False, fused)
+      if len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
+        sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=pred,
+                                            n_host=p.predict_after_host,
+                                            n_device=p.predict_after_device, when="after_device")
     if ex.par is not None and ex.par.size > 1:  # the experts are split over the whole mesh
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
     views = {n: w[n] for n in ROUTED}
-    rings = None if rings is None else dict(rings)
-    for n in rings or ():  # waits (on the device) for layer li's copy where the ring has it
-      rings[n], views[n] = prefetch.take(rings[n], w[n], li)
+    lr = {} if rings is None else dict(rings.layers)
+    for n in lr:  # waits (on the device) for layer li's copy where the ring has it
+      lr[n], views[n] = prefetch.take(lr[n], w[n], li)
     (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
     read = {}  # the products' outputs: a ring's last reader is done once its output exists
-    kw = {"on_read": read.__setitem__} if rings else {}
+    kw = {"on_read": read.__setitem__} if lr or xr else {}
+    if xr:
+      kw["rings"] = {STAGE[n]: r for n, r in xr.items()}
     y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
-    for n in rings or ():  # then the ring fetches the stack's next host-tier layer: gate's and
-      # up's as soon as their product is done, while down's runs
-      nxt = jnp.asarray(prefetch.schedule(w[n].meta)[1])[li]
+    for n in lr:  # then the ring fetches the stack's next host-tier layer: gate's and up's as
+      # soon as their product is done, while down's runs
+      nxt_layer = jnp.asarray(prefetch.schedule(w[n].meta)[1])[li]
       after = read["down" if n == "moe.w_down" else "gate_up"]
-      rings[n] = prefetch.fetch(rings[n], w[n], nxt, after=after)
+      lr[n] = prefetch.fetch(lr[n], w[n], nxt_layer, after=after)
+    if xr:  # after the down product (the last reader of this layer's rings)
+      sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=read["down"],
+                                          n_host=p.predict_after_host,
+                                          n_device=p.predict_after_device,
+                                          when="after_host" if len(sets) == 2 else "any")
+    rings = None if rings is None else Rings(lr, tuple(sets))
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
       s = layers.swiglu_down(gu[0], gu[1], w["shexp.w_down"], li, ex)

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "gdn.h"
 #include "handlers.h"
 #include "kernels_cpu.h"
+#include "prefetch.h"
 #include "route.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -167,9 +169,31 @@ struct ExpertGroups {
   }
 };
 
+// Where each group's expert of layer `layer` is read: base + e * mat_bytes, or from a decode
+// expert ring (prefetch.h) that holds it, complete, for that layer (ops run in order here, so a
+// fetch's copy is done).
+std::vector<const uint8_t*> ExpertBases(const std::optional<ffi::Buffer<ffi::U8>>& ring,
+                                        const ffi::Buffer<ffi::S32>& layer,
+                                        const std::vector<int32_t>& experts, const uint8_t* base,
+                                        int64_t mat_bytes) {
+  std::vector<const uint8_t*> out(experts.size());
+  const auto* h =
+      ring.has_value() && static_cast<int64_t>(ring->element_count()) >= prefetch::kXHeader
+          ? reinterpret_cast<const prefetch::XHeader*>(ring->typed_data())
+          : nullptr;
+  for (size_t g = 0; g < experts.size(); ++g) {
+    out[g] = base + static_cast<int64_t>(experts[g]) * mat_bytes;
+    const int j = h ? prefetch::expert_slot(h, layer.typed_data()[0], experts[g]) : -1;
+    if (j >= 0 && h->tag[j] == h->seq)
+      out[g] = ring->typed_data() + prefetch::kXHeader + j * h->slot;
+  }
+  return out;
+}
+
 ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                                ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                               std::optional<ffi::Buffer<ffi::U8>> ring,
                                ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
                                int64_t rows, int64_t cols, int64_t experts) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
@@ -201,10 +225,10 @@ ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   }
   const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
   const int64_t tpg = (rows + per - 1) / per;
+  const auto bases = ExpertBases(ring, layer, eg.expert_of_group, L.base, mat_bytes);
   auto task = [&](int64_t t) {
     const int64_t g = t / tpg, c = t % tpg;
-    cpu::gemv_q8_rows(L.fmt, L.base + static_cast<int64_t>(eg.expert_of_group[g]) * mat_bytes,
-                      cols, batches[g], c * per, std::min(rows, (c + 1) * per));
+    cpu::gemv_q8_rows(L.fmt, bases[g], cols, batches[g], c * per, std::min(rows, (c + 1) * per));
   };
   cpu::parallel_for(G * tpg, task);
   return ffi::Error::Success();
@@ -215,6 +239,7 @@ ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
 ffi::Error QMatmulExpertsCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                              ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             std::optional<ffi::Buffer<ffi::U8>> ring,
                              ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
                              int64_t experts) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
@@ -254,10 +279,10 @@ ffi::Error QMatmulExpertsCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   }
   const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
   const int64_t tpg = (rows + per - 1) / per;
+  const auto bases = ExpertBases(ring, layer, expert_of_group, L.base, mat_bytes);
   auto task = [&](int64_t t) {
     const int64_t g = t / tpg, c = t % tpg;
-    cpu::gemv_rows(L.fmt, L.base + static_cast<int64_t>(expert_of_group[g]) * mat_bytes, cols,
-                   batches[g], c * per, std::min(rows, (c + 1) * per));
+    cpu::gemv_rows(L.fmt, bases[g], cols, batches[g], c * per, std::min(rows, (c + 1) * per));
   };
   cpu::parallel_for(G * tpg, task);
   return ffi::Error::Success();
@@ -441,6 +466,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsCpu, jaxvt::QMatmulExpertsCpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::U8>>()  // decode expert ring
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
@@ -466,6 +492,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsQ8Cpu, jaxvt::QMatmulExpertsQ8C
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::U8>>()  // decode expert ring
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("rows")

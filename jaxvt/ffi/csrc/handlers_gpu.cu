@@ -3,6 +3,7 @@
 // are read by the kernels. With no host-side per-step logic, each handler carries the
 // command-buffer trait, so XLA may capture it into a CUDA graph and replay it.
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "attn.h"
@@ -27,6 +28,16 @@ gpu::WeightArgs Weights(const ffi::AnyBuffer& data, const ffi::Buffer<ffi::U32>&
                          fmts.typed_data(),
                          static_cast<int64_t>(fmts.element_count()),
                          layer.typed_data()};
+}
+
+// A decode expert ring (prefetch.h) passed after an experts call's ids, or nullptr.
+const uint8_t* RingOf(const std::optional<ffi::Buffer<ffi::U8>>& ring) {
+  return ring.has_value() ? ring->typed_data() : nullptr;
+}
+
+gpu::WeightArgs WithRing(gpu::WeightArgs w, const std::optional<ffi::Buffer<ffi::U8>>& ring) {
+  w.ring = RingOf(ring);
+  return w;
 }
 
 ffi::Error Status(gpuError_t e, const char* op) {
@@ -61,6 +72,7 @@ ffi::Error QMatmulQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer d
 ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                                ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                               std::optional<ffi::Buffer<ffi::U8>> ring,
                                ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> scratch,
                                int64_t rows, int64_t cols, int64_t experts) {
   (void)scratch;
@@ -68,24 +80,25 @@ ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyB
   auto idd = ids.dimensions();
   const int64_t k = idd.size() >= 1 ? idd.back() : 1;
   const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
-  return Status(gpu::launch_qmatmul_experts(s, Weights(data, table, fmts, layer), x.typed_data(),
-                                            per_slot, ids.typed_data(), slots, k, y->typed_data(),
-                                            rows, cols, experts, true),
+  return Status(gpu::launch_qmatmul_experts(s, WithRing(Weights(data, table, fmts, layer), ring),
+                                            x.typed_data(), per_slot, ids.typed_data(), slots, k,
+                                            y->typed_data(), rows, cols, experts, true),
                 "qmatmul_experts (ggml arithmetic)");
 }
 
 ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                              ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             std::optional<ffi::Buffer<ffi::U8>> ring,
                              ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
                              int64_t experts) {
   const int64_t slots = static_cast<int64_t>(ids.element_count());
   auto idd = ids.dimensions();
   const int64_t k = idd.size() >= 1 ? idd.back() : 1;
   const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
-  return Status(gpu::launch_qmatmul_experts(s, Weights(data, table, fmts, layer), x.typed_data(),
-                                            per_slot, ids.typed_data(), slots, k, y->typed_data(),
-                                            rows, cols, experts),
+  return Status(gpu::launch_qmatmul_experts(s, WithRing(Weights(data, table, fmts, layer), ring),
+                                            x.typed_data(), per_slot, ids.typed_data(), slots, k,
+                                            y->typed_data(), rows, cols, experts),
                 "qmatmul_experts");
 }
 
@@ -121,18 +134,20 @@ ffi::Error QMatmulExperts2Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                               ffi::Buffer<ffi::U32> table0, ffi::Buffer<ffi::S32> fmts0,
                               ffi::AnyBuffer data1, ffi::Buffer<ffi::U32> table1,
                               ffi::Buffer<ffi::S32> fmts1, ffi::Buffer<ffi::S32> layer,
-                              ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y0,
+                              ffi::Buffer<ffi::S32> ids, std::optional<ffi::Buffer<ffi::U8>> ring0,
+                              std::optional<ffi::Buffer<ffi::U8>> ring1,
+                              ffi::ResultBuffer<ffi::F32> y0,
                               ffi::ResultBuffer<ffi::F32> y1, int64_t rows, int64_t cols,
                               int64_t experts, int64_t ggml) {
   const int64_t slots = static_cast<int64_t>(ids.element_count());
   auto idd = ids.dimensions();
   const int64_t k = idd.size() >= 1 ? idd.back() : 1;
   const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
-  return Status(gpu::launch_qmatmul_experts2(s, Weights(data0, table0, fmts0, layer),
-                                             Weights(data1, table1, fmts1, layer), x.typed_data(),
-                                             per_slot, ids.typed_data(), slots, k,
-                                             y0->typed_data(), y1->typed_data(), rows, cols,
-                                             experts, ggml != 0),
+  const gpu::WeightArgs w0 = WithRing(Weights(data0, table0, fmts0, layer), ring0);
+  const gpu::WeightArgs w1 = WithRing(Weights(data1, table1, fmts1, layer), ring1);
+  return Status(gpu::launch_qmatmul_experts2(s, w0, w1, x.typed_data(), per_slot,
+                                             ids.typed_data(), slots, k, y0->typed_data(),
+                                             y1->typed_data(), rows, cols, experts, ggml != 0),
                 "qmatmul_experts2");
 }
 
@@ -281,6 +296,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsGpu, jaxvt::QMatmulExpertsGpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::U8>>()  // decode expert ring
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
@@ -336,6 +352,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExperts2Gpu, jaxvt::QMatmulExperts2Gpu
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::U8>>()  // decode expert ring
+                                  .OptionalArg<ffi::Buffer<ffi::U8>>()  // decode expert ring
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
@@ -367,6 +385,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtQMatmulExpertsQ8Gpu, jaxvt::QMatmulExpertsQ8G
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::U8>>()  // decode expert ring
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("rows")

@@ -21,6 +21,9 @@ struct WeightArgs {
   const int32_t* fmts;    // [L]
   int64_t n_layers;
   const int32_t* layer;   // [] (device scalar)
+  // A decode expert ring (prefetch.h, XHeader) holding some experts of some layer, or nullptr:
+  // the per-slot experts kernels read an expert the ring holds for this layer from it.
+  const uint8_t* ring = nullptr;
 };
 
 // y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]; float32 (docs/NUMERICS.md "f32"),

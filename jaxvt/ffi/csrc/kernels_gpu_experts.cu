@@ -6,6 +6,7 @@
 
 #include "formats.h"
 #include "kernels_gpu.h"
+#include "prefetch.h"
 
 namespace jaxvt::gpu {
 namespace {
@@ -16,6 +17,37 @@ namespace {
 // nowhere (-1: its output row is zero, nothing is read; a sharded MoE marks the slots of other
 // devices' experts so).
 __device__ __forceinline__ int expert_id(int32_t v, int64_t n) { return v < 0 ? -1 : clamp_id(v, n); }
+
+// Where the block reads expert e of layer `layer`: from the decode expert ring when it holds that
+// expert of that layer (thread 0 waits, sleeping, for the slot's copy; a copy that does not
+// complete within about 16 ms leaves the host-tier address), else `base`. Block-uniform; every
+// thread of the block must call it.
+constexpr int64_t kXSpinLimit = int64_t{1} << 14;
+__device__ const uint8_t* ring_expert(const uint8_t* ring, int32_t layer, int e,
+                                      const uint8_t* base) {
+  if (ring == nullptr) return base;
+  __shared__ const uint8_t* where;
+  if (threadIdx.x == 0) {
+    where = base;
+    const prefetch::XHeader* h = reinterpret_cast<const prefetch::XHeader*>(ring);
+    const int j = prefetch::expert_slot(h, layer, e);
+    if (j >= 0) {
+      const uint32_t seq = h->seq;
+      const volatile uint32_t* tag = &h->tag[j];
+      int64_t i = 0;
+      while (*tag != seq && i < kXSpinLimit) {
+        gpuSleep();
+        ++i;
+      }
+      if (*tag == seq) {
+        __threadfence();
+        where = ring + prefetch::kXHeader + j * h->slot;
+      }
+    }
+  }
+  __syncthreads();
+  return where;
+}
 
 // grid.y: (matrix m, slot s) = (y / slots, y % slots); m picks w0 / y0 or w1 / y1 (two stacks of
 // the same shape that read the same x: a MoE's gate and up). The first slot routed to an expert
@@ -137,7 +169,8 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
   LayerRef L;
   const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
-  const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
+  const uint8_t* base = ring_expert(
+      w.ring, *w.layer, e, L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols));
   matvec_fmt<1, XM>(L.fmt, base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                     static_cast<int64_t>(blockIdx.x) * kWarps + wib,
                     static_cast<int64_t>(gridDim.x) * kWarps, hold);

@@ -65,6 +65,7 @@ nb::dict Registrations() {
   cpu["jaxvt_prefetch_fetch"] = Capsule(JaxvtPrefetchFetchCpu);
   cpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeCpu);
   cpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinCpu);
+  cpu["jaxvt_prefetch_experts"] = Capsule(JaxvtPrefetchExpertsCpu);
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -83,6 +84,7 @@ nb::dict Registrations() {
   gpu["jaxvt_prefetch_fetch"] = Capsule(JaxvtPrefetchFetchGpu);
   gpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeGpu);
   gpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinGpu);
+  gpu["jaxvt_prefetch_experts"] = Capsule(JaxvtPrefetchExpertsGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;

@@ -83,6 +83,105 @@ inline const char* check(int64_t ring_bytes, int64_t table_elems, int64_t n_laye
   return nullptr;
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Decode: the experts a layer's router will most likely pick, copied ahead (jaxvt_prefetch_experts;
+// Python side prefetch.fetch_experts). At a single token the router of layer l + 1 applied to
+// layer l's input names most of the experts layer l + 1 then uses, so while layers compute on
+// XLA's stream the likely experts of the next host-tier layer cross the bus on jaxvt's stream, and
+// the per-slot experts kernels read those from device memory (the same bytes, so the same bits).
+//
+// An expert ring is one uint8 buffer of the program: a header of kXHeader bytes (XHeader), then
+// kXSlotsMax slots of `slot` bytes each (room for one expert of the stack in its largest format,
+// rounded up to 256 bytes).
+//
+// fetch(target, ids, after, (ring, table, fmts) per stack) -> rings (aliased): when `target` is a
+//   host-tier layer of a stack, the first n of `ids` (int32, the predicted experts, most likely
+//   first) of that layer are copied into the stack's ring, n = n_host when layer target - 1 of
+//   the stack is host-tier too (the bus is busy then: few), else n_device; the copy runs after
+//   everything XLA's stream had before it (the rings' last readers), on a GPU on jaxvt's stream
+//   while XLA's goes on. Otherwise the ring is marked empty, or left as it is (expert_count's
+//   `when`: a model with two rings a stack asks twice a layer, each call for one kind of target).
+// A per-slot experts kernel given the stack's ring (WeightArgs::ring) reads expert e of layer l
+//   from slot j when the header's layer is l and ids[j] == e, once tag[j] == seq (on a GPU it
+//   waits for that, bounded; past the bound it reads the host tier in place, never wrong).
+constexpr int64_t kXHeader = 4096;
+constexpr int kXSlotsMax = 8;
+constexpr int kXRequests = 32;
+
+// What one fetch call asked of its copy (written on XLA's stream, read on jaxvt's; call c uses
+// req[c % kXRequests], so a late copy never reads a later call's request).
+struct XRequest {
+  uint32_t seq;
+  int32_t layer;
+  int32_t n;
+  uint32_t pad;
+  int32_t ids[kXSlotsMax];
+  uint32_t count[kXSlotsMax];  // blocks of the copy of slot j done
+};
+
+struct XHeader {
+  uint32_t seq;    // the current copy's number (never 0 once a copy was asked)
+  int32_t layer;   // its layer; -1: the ring holds nothing
+  int32_t n;       // experts in it
+  uint32_t pad;
+  int64_t slot;    // bytes per slot
+  int64_t pad2;
+  int32_t ids[kXSlotsMax];
+  uint32_t tag[kXSlotsMax];  // seq once slot j is complete
+  XRequest req[kXRequests];
+};
+static_assert(sizeof(XHeader) <= kXHeader, "the expert ring's header fits in kXHeader bytes");
+
+// The bytes of expert e of host-tier layer l (nbytes 0 when l or e is out of range, the layer is
+// not host-tier, or an expert does not fit a slot).
+JV_HD Source expert_source(const uint32_t* table, const int32_t* fmts, int64_t n_layers,
+                                  int32_t l, int32_t e, int64_t rows, int64_t cols,
+                                  int64_t experts, int64_t slot) {
+  Source s{nullptr, 0};
+  if (l < 0 || l >= n_layers || e < 0 || e >= experts || !(fmts[l] & kHostBit)) return s;
+  const int64_t n = row_bytes(fmts[l] & kFmtMask, cols) * rows;
+  if (n <= 0 || n > slot) return s;
+  const uint64_t v = static_cast<uint64_t>(table[2 * l]) |
+                     (static_cast<uint64_t>(table[2 * l + 1]) << 32);
+  s.src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v)) + e * n;
+  s.nbytes = n;
+  return s;
+}
+
+// How many predicted experts a fetch of `target` copies for a stack: 0 (the ring is emptied), or
+// -1 (the ring is left as it is). `when`: 0 any target; 1 only a target after a host-tier layer
+// (whose own experts fill the bus until its down product: that fetch comes after it); 2 only a
+// target after a device-tier layer (the bus idle: that fetch comes right after the router). A
+// target that is not a host-tier layer empties the ring under `when` 0 and leaves it otherwise.
+JV_HD int expert_count(const int32_t* fmts, int64_t n_layers, int32_t target, int64_t n_host,
+                       int64_t n_device, int64_t when) {
+  if (target < 0 || target >= n_layers || !(fmts[target] & kHostBit)) return when ? -1 : 0;
+  const bool after_host = target > 0 && (fmts[target - 1] & kHostBit);
+  if ((when == 1 && !after_host) || (when == 2 && after_host)) return -1;
+  const int64_t n = after_host ? n_host : n_device;
+  return static_cast<int>(n < 0 ? 0 : (n > kXSlotsMax ? kXSlotsMax : n));
+}
+
+// The slot of the ring holding expert e of layer l, or -1 (whether or not its copy is complete).
+JV_HD int expert_slot(const XHeader* h, int32_t l, int32_t e) {
+  if (h->layer != l || h->seq == 0) return -1;
+  for (int j = 0; j < h->n && j < kXSlotsMax; ++j)
+    if (h->ids[j] == e) return j;
+  return -1;
+}
+
+// The expert ring's operands checked; nullptr when they fit, else the problem.
+inline const char* check_experts(int64_t ring_bytes, int64_t slot, int64_t table_elems,
+                                 int64_t n_layers) {
+  if (slot < 256 || slot % 256 != 0)
+    return "an expert slot must be a positive multiple of 256 bytes";
+  if (ring_bytes != kXHeader + kXSlotsMax * slot)
+    return "an expert ring must be 4096 bytes and 8 slots";
+  if (n_layers < 1 || table_elems != 2 * n_layers) return "table must be [L, 2] for fmts [L]";
+  return nullptr;
+}
+
 }  // namespace prefetch
 }  // namespace jaxvt
 

@@ -1,12 +1,14 @@
 // The prefetch ops (prefetch.h) for platform "cpu": XLA:CPU runs a program's ops one after
-// another on the host, so a fetch copies at once and take never waits; the results are what the
-// GPU's asynchronous copy gives.
+// another on the host, so a fetch (of a layer, or of decode's predicted experts) copies at once
+// and take never waits; the results are what the GPU's asynchronous copy gives.
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
 #include "handlers.h"
 #include "prefetch.h"
+#include "prefetch_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -77,6 +79,47 @@ ffi::Error JoinCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring, ffi::Result<ffi:
   return ffi::Error::Success();
 }
 
+// The decode expert ring's fetch (prefetch.h): the predicted experts copied at once.
+ffi::Error XFetchCpu(ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer after,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
+                     ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
+                     int64_t n_device, int64_t when) {
+  (void)after;
+  static std::atomic<uint32_t> counter{0};  // numbers the copies (any nonzero, distinct value)
+  prefetch::XOperand ops[prefetch::kXStacks];
+  int64_t n = 0;
+  if (const char* e = prefetch::x_operands(args, rets, rows, cols, slot, ops, &n))
+    return ffi::Error::InvalidArgument(std::string("prefetch_experts: ") + e);
+  const int32_t t = target.typed_data()[0];
+  const int64_t n_ids = static_cast<int64_t>(ids.element_count());
+  uint32_t calls = ++counter;
+  if (calls == 0) calls = ++counter;
+  for (int64_t i = 0; i < n; ++i) {
+    const prefetch::XOperand& o = ops[i];
+    if (o.out != o.in) std::memcpy(o.out, o.in, static_cast<size_t>(o.bytes));
+    uint8_t* r = o.out;
+    auto* h = reinterpret_cast<prefetch::XHeader*>(r);
+    int m = prefetch::expert_count(o.fmts, o.n_layers, t, n_host, n_device, when);
+    if (m < 0) continue;  // not this call's kind of target: the ring as it is
+    if (m > n_ids) m = static_cast<int>(n_ids);
+    h->seq = calls;
+    h->layer = m > 0 ? t : -1;
+    h->n = m;
+    h->slot = o.slot;
+    for (int j = 0; j < prefetch::kXSlotsMax; ++j) {
+      const int32_t e = j < m ? ids.typed_data()[j] : -2;
+      const prefetch::Source s = prefetch::expert_source(o.table, o.fmts, o.n_layers, t, e,
+                                                         o.rows, o.cols, experts, o.slot);
+      h->ids[j] = s.nbytes > 0 ? e : -2;
+      h->tag[j] = s.nbytes > 0 ? calls : 0u;
+      if (s.nbytes > 0)
+        std::memcpy(r + prefetch::kXHeader + j * o.slot, s.src, static_cast<size_t>(s.nbytes));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxvt
 
@@ -108,3 +151,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinCpu, jaxvt::JoinCpu,
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Arg<ffi::Buffer<ffi::U8>>()    // ring
                                   .Ret<ffi::AnyBuffer>());        // x (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsCpu, jaxvt::XFetchCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // target layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // predicted expert ids
+                                  .Arg<ffi::AnyBuffer>()         // after (not read)
+                                  .RemainingArgs()               // (ring, table, fmts) per stack
+                                  .RemainingRets()               // the rings (aliased)
+                                  .Attr<ffi::Span<const int64_t>>("rows")
+                                  .Attr<ffi::Span<const int64_t>>("cols")
+                                  .Attr<ffi::Span<const int64_t>>("slot")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("n_host")
+                                  .Attr<int64_t>("n_device")
+                                  .Attr<int64_t>("when"));

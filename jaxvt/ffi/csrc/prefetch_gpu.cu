@@ -21,9 +21,15 @@
 // device or scheduled before any later work of XLA's stream (which is held here), so the wait
 // ends; a bound of a few seconds keeps the host-tier address instead.
 // join(x, ring) -> x: XLA's stream waits for an event recorded after the last copy.
+// experts (decode, prefetch.h XHeader): a one-block kernel on XLA's stream writes the call's
+// request (its slot in the header's request ring: the host counts calls, so a late copy never
+// reads a later request) and each ring's new header; an event forks jaxvt's stream, whose copy
+// kernel (a grid of blocks per slot and stack; those beyond the request's count exit) copies
+// each predicted expert into its slot, the slot's last block setting the slot's tag. The
+// per-slot experts kernels wait for a tag themselves (kernels_gpu_experts.cu ring_expert).
 // take carries the command-buffer trait (XLA may capture it in a CUDA graph with the kernels
 // around it: one kernel on XLA's stream whose arguments are buffers, no host state); fetch and
-// join do not: they enqueue work on a second stream, and fetch keeps count on the host.
+// join and experts do not: they enqueue work on a second stream, and keep count on the host.
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -34,6 +40,7 @@
 #include "kernels_gpu.h"
 #include "memory.h"
 #include "prefetch.h"
+#include "prefetch_ffi.h"
 #include "vendor.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -45,6 +52,30 @@ namespace {
 constexpr int kCopyThreads = 256;
 constexpr int kInFlight = 4;  // 16-byte loads per thread issued before their stores
 constexpr int64_t kSpinLimit = int64_t{1} << 22;  // gpuSleep()s before take gives up (seconds)
+
+// The grid's share of copying nbytes from src to dst (16-byte aligned): thread t of the grid's
+// blocks along x takes the 16-byte words t, t + stride, ..., kInFlight loads in flight before
+// their stores; block 0 also copies the bytes after the last whole 16 (all of them if src is
+// unaligned).
+__device__ __forceinline__ void copy_bytes(uint8_t* dst8, const uint8_t* src8, int64_t nbytes) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(src8) & 15) == 0;
+  const int64_t n16 = aligned ? nbytes / 16 : 0;
+  const uint4* src = reinterpret_cast<const uint4*>(src8);
+  uint4* dst = reinterpret_cast<uint4*>(dst8);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < n16;
+       base += stride * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (base + j * stride < n16) v[j] = src[base + j * stride];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (base + j * stride < n16) dst[base + j * stride] = v[j];
+  }
+  if (blockIdx.x == 0)
+    for (int64_t i = n16 * 16 + threadIdx.x; i < nbytes; i += blockDim.x) dst8[i] = src8[i];
+}
 
 __global__ void intent_kernel(prefetch::Header* h, const uint32_t* table, const int32_t* fmts,
                               int64_t n_layers, const int32_t* target, int64_t rows, int64_t cols,
@@ -91,23 +122,7 @@ copy_kernel(uint8_t* ring, prefetch::Header* h, const uint32_t* table, const int
   const prefetch::Source s = prefetch::source(table, fmts, n_layers,
                                               static_cast<int32_t>(intent - 1), rows, cols,
                                               experts, capacity);
-  const bool aligned = (reinterpret_cast<uintptr_t>(s.src) & 15) == 0;
-  const int64_t n16 = aligned ? s.nbytes / 16 : 0;
-  const uint4* src = reinterpret_cast<const uint4*>(s.src);
-  uint4* dst = reinterpret_cast<uint4*>(ring);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < n16;
-       base += stride * kInFlight) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j)
-      if (base + j * stride < n16) v[j] = src[base + j * stride];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j)
-      if (base + j * stride < n16) dst[base + j * stride] = v[j];
-  }
-  if (blockIdx.x == 0)  // the bytes after the last whole 16 (all of them if src is unaligned)
-    for (int64_t i = n16 * 16 + threadIdx.x; i < s.nbytes; i += blockDim.x) ring[i] = s.src[i];
+  copy_bytes(ring, s.src, s.nbytes);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -136,6 +151,82 @@ __global__ void take_kernel(const prefetch::Header* h, const uint32_t* table, co
   __threadfence();
   table2[2 * l] = static_cast<uint32_t>(ring & 0xFFFFFFFFu);
   table2[2 * l + 1] = static_cast<uint32_t>(ring >> 32);
+}
+
+
+// ---- decode: the predicted experts of the next host-tier layer (prefetch.h, XHeader) ----
+
+using prefetch::kXStacks;
+struct XStack {
+  uint8_t* ring;
+  const uint32_t* table;
+  const int32_t* fmts;
+  int64_t n_layers, rows, cols, slot;
+};
+struct XStacks {
+  XStack s[kXStacks];
+  int n;
+};
+
+// One thread per stack, on XLA's stream: the call's request and the ring's new header.
+__global__ void xintent_kernel(XStacks st, const int32_t* target, const int32_t* ids,
+                               int64_t n_ids, int64_t experts, int64_t n_host, int64_t n_device,
+                               int64_t when, uint32_t seq, int rslot) {
+  const int i = threadIdx.x;
+  if (i >= st.n) return;
+  const XStack& x = st.s[i];
+  prefetch::XHeader* h = reinterpret_cast<prefetch::XHeader*>(x.ring);
+  const int32_t t = *target;
+  int n = prefetch::expert_count(x.fmts, x.n_layers, t, n_host, n_device, when);
+  if (n > n_ids) n = static_cast<int>(n_ids);
+  prefetch::XRequest& r = h->req[rslot];
+  r.seq = seq;
+  if (n < 0) {  // not this call's kind of target: the ring (and any copy into it) as it is
+    r.layer = -1;
+    r.n = 0;
+    return;
+  }
+  r.layer = n > 0 ? t : -1;
+  r.n = n;
+  for (int j = 0; j < prefetch::kXSlotsMax; ++j) {
+    const int32_t e = j < n ? ids[j] : -2;
+    // an expert that cannot be copied is never looked for (-2 matches no routed id)
+    const bool ok = prefetch::expert_source(x.table, x.fmts, x.n_layers, t, e, x.rows, x.cols,
+                                            experts, x.slot).nbytes > 0;
+    r.ids[j] = ok ? e : -2;
+    r.count[j] = 0;
+    h->ids[j] = r.ids[j];
+    h->tag[j] = 0;
+  }
+  h->seq = seq;
+  h->layer = r.layer;
+  h->n = n;
+  h->slot = x.slot;
+}
+
+// On jaxvt's stream: block (b, j, i) copies its share of slot j of stack i; the slot's last block
+// sets the slot's tag (after a fence).
+__global__ void __launch_bounds__(kCopyThreads)
+xcopy_kernel(XStacks st, int64_t experts, int rslot) {
+  const int j = blockIdx.y, i = blockIdx.z;
+  if (i >= st.n) return;
+  const XStack& x = st.s[i];
+  prefetch::XHeader* h = reinterpret_cast<prefetch::XHeader*>(x.ring);
+  prefetch::XRequest& r = h->req[rslot];
+  const volatile prefetch::XRequest* vr = &r;
+  const int32_t e = vr->ids[j];
+  if (j >= vr->n || e < 0) return;
+  const prefetch::Source s = prefetch::expert_source(x.table, x.fmts, x.n_layers, vr->layer, e,
+                                                     x.rows, x.cols, experts, x.slot);
+  copy_bytes(x.ring + prefetch::kXHeader + j * x.slot, s.src, s.nbytes);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&r.count[j], 1u) == gridDim.x - 1) {
+      __threadfence();
+      atomicExch(&h->tag[j], vr->seq);
+    }
+  }
 }
 
 // jaxvt's stream of each device, the event that forks it from XLA's stream, and the event that
@@ -283,6 +374,58 @@ ffi::Error JoinGpu(gpuStream_t st, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring,
   return Status(gpuStreamWaitEvent(st, g_side[dev].done, 0), "prefetch_join");
 }
 
+
+uint64_t g_xcalls = 0;  // expert fetch calls so far (all devices)
+
+// target, ids, after, then (ring, table, fmts) per stack; the rings come back aliased.
+ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids,
+                     ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
+                     ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
+                     int64_t n_device, int64_t when) {
+  (void)after;
+  prefetch::XOperand ops[prefetch::kXStacks];
+  int64_t n = 0;
+  if (const char* e = prefetch::x_operands(args, rets, rows, cols, slot, ops, &n))
+    return ffi::Error::InvalidArgument(std::string("prefetch_experts: ") + e);
+  XStacks xs{};
+  xs.n = static_cast<int>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const prefetch::XOperand& o = ops[i];
+    if (o.out != o.in)
+      if (gpuError_t e = gpuMemcpyAsync(o.out, o.in, o.bytes, gpuMemcpyDeviceToDevice, st))
+        return Status(e, "prefetch_experts");
+    xs.s[i] = XStack{o.out, o.table, o.fmts, o.n_layers, o.rows, o.cols, o.slot};
+  }
+  int dev = 0;
+  if (gpuError_t e = gpuGetDevice(&dev)) return Status(e, "prefetch_experts");
+  std::lock_guard<std::mutex> lock(g_mu);
+  Side* s = nullptr;
+  if (gpuError_t e = side_for(dev, &s)) return Status(e, "prefetch_experts (stream)");
+  const uint64_t c = g_xcalls++;
+  const uint32_t seq = static_cast<uint32_t>(c % 0xFFFFFFFFull) + 1u;
+  const int rslot = static_cast<int>(c % prefetch::kXRequests);
+  xintent_kernel<<<1, 32, 0, st>>>(xs, target.typed_data(), ids.typed_data(),
+                                   static_cast<int64_t>(ids.element_count()), experts, n_host,
+                                   n_device, when, seq, rslot);
+  if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts");
+  if (gpuError_t e = gpuEventRecord(s->fork, st)) return Status(e, "prefetch_experts");
+  if (gpuError_t e = gpuStreamWaitEvent(s->stream, s->fork, 0))
+    return Status(e, "prefetch_experts");
+  // A slot of a stack gets a share of four blocks a multiprocessor sized for two slots a stack:
+  // each thread then has about one round of loads of its expert in flight. Reads of mapped host
+  // memory are latency-bound: with a quarter of the multiprocessors' blocks spread over every
+  // slot the copy of two experts a stack ran at 21.6 GB/s on the H200 (2026-12-03, the profile
+  // in docs/BENCHMARKS.md), too slow to finish while the next layer's other work runs. The blocks
+  // of slots beyond the request's count exit at once.
+  int per = 4 * gpu::sm_count() / (2 * xs.n);
+  if (per < 1) per = 1;
+  xcopy_kernel<<<dim3(per, prefetch::kXSlotsMax, xs.n), kCopyThreads, 0, s->stream>>>(
+      xs, experts, rslot);
+  if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts (copy)");
+  s->used = true;
+  return Status(gpuEventRecord(s->done, s->stream), "prefetch_experts");
+}
 }  // namespace
 
 namespace gpu_mem {
@@ -333,3 +476,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinGpu, jaxvt::JoinGpu,
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Arg<ffi::Buffer<ffi::U8>>()    // ring
                                   .Ret<ffi::AnyBuffer>());        // x (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsGpu, jaxvt::XFetchGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // target layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // predicted expert ids
+                                  .Arg<ffi::AnyBuffer>()         // after (not read)
+                                  .RemainingArgs()               // (ring, table, fmts) per stack
+                                  .RemainingRets()               // the rings (aliased)
+                                  .Attr<ffi::Span<const int64_t>>("rows")
+                                  .Attr<ffi::Span<const int64_t>>("cols")
+                                  .Attr<ffi::Span<const int64_t>>("slot")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("n_host")
+                                  .Attr<int64_t>("n_device")
+                                  .Attr<int64_t>("when"));
