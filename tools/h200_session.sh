@@ -63,7 +63,8 @@
 #                                       # tier and at auto, on the 16 GiB card
 #   bash tools/h200_session.sh predict2 # decode profiles with every routed expert in the host tier,
 #                                       # predicting off / on (one and two ring sets); the decode
-#                                       # rates by variant there and at auto
+#                                       # rates by variant there and at auto (RATES=0: not these;
+#                                       # TESTS, RING_V, HITS_V: GPU tests and probes first)
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
 # Logs come back under $OUT.
 set -uo pipefail
@@ -495,15 +496,16 @@ if [ "$what" = predict2 ]; then
       --offload-gb 17 --device-gb 16 --steps 8 --top 40 --predict $v > "$f" 2>&1
     head -${PROFILE_LINES:-2} "$f"
   done
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${HOSTALL_S:-200} python3 tools/predict_rate.py \
-    --model $M --offload-gb 17 --pattern exps --device-gb 16 --rounds 2 \
-    --variants ${HOSTALL_V:-off,2:2:1,4:4,4:4:1} > "$OUT/predict_hostall.txt" 2>&1 ||
-    [ -n "${HOSTALL_V:-}" ]
-  tail -5 "$OUT/predict_hostall.txt"; echo "host-all $(( $(date +%s) - t0 )) s"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${AUTO_S:-200} python3 tools/predict_rate.py \
-    --model $M --offload-gb auto --device-gb 16 --rounds 2 \
-    --variants ${AUTO_V:-off,2:2:1,3:3} > "$OUT/predict_auto.txt" 2>&1
-  tail -4 "$OUT/predict_auto.txt"
+  if [ "${RATES:-1}" = 1 ]; then  # RATES=0: the probes above only
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${HOSTALL_S:-200} python3 tools/predict_rate.py \
+      --model $M --offload-gb 17 --pattern exps --device-gb 16 --rounds 2 \
+      --variants ${HOSTALL_V:-off,2:2:1,4:4,4:4:1} > "$OUT/predict_hostall.txt" 2>&1
+    tail -5 "$OUT/predict_hostall.txt"; echo "host-all $(( $(date +%s) - t0 )) s"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${AUTO_S:-200} python3 tools/predict_rate.py \
+      --model $M --offload-gb auto --device-gb 16 --rounds 2 \
+      --variants ${AUTO_V:-off,2:2:1,3:3} > "$OUT/predict_auto.txt" 2>&1
+    tail -4 "$OUT/predict_auto.txt"
+  fi
 fi
 if [ "$what" = sweep ]; then
   [ -f /tmp/keep.so ] && cp /tmp/keep.so $(ls jaxvt/ffi/_jaxvt_ffi*.so) && echo "extension: the take call's"
