@@ -44,31 +44,41 @@ DETERMINISTIC_OPTIONS: dict[str, object] = {
 OFF_VALUES = ("0", "false", "no", "off")
 
 
-def compiler_options(deterministic: bool) -> dict[str, object] | None:
+# XLA:GPU's command buffers (CUDA graphs) run independent commands side by side instead of in
+# the program's order: a custom call that touches none of a kernel's buffers (the inline expert
+# fetch, jaxvt.ffi.prefetch) runs beside it. The same kernels, so the same bits.
+CONCURRENT_OPTIONS: dict[str, object] = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+def compiler_options(deterministic: bool, concurrent: bool = False) -> dict[str, object] | None:
   """The XLA compiler options of a jaxvt program (None: XLA's defaults)."""
-  return dict(DETERMINISTIC_OPTIONS) if deterministic else None
+  opts = {**(DETERMINISTIC_OPTIONS if deterministic else {}),
+          **(CONCURRENT_OPTIONS if concurrent else {})}
+  return opts or None
 
 
 class Program:
   """A jitted jaxvt program whose compiler options follow its static `ex` argument
-  (`ex.deterministic`): jax.jit's call, `lower`, `trace` and `eval_shape`, one jitted function
-  per setting; and `compile`, which with the export store on (use_compile_cache) takes the
+  (`ex.deterministic`, `ex.concurrent`): jax.jit's call, `lower`, `trace` and `eval_shape`, one
+  jitted function per setting; and `compile`, which with the export store on (use_compile_cache) takes the
   program from the store instead of tracing it (jaxvt.exports). Static arguments go by
   keyword, the others by position."""
 
   def __init__(self, fun: Callable, **jit_kwargs):
     functools.update_wrapper(self, fun)
     self._fun, self._jit_kwargs = fun, jit_kwargs
-    self._jits = {d: jax.jit(fun, compiler_options=compiler_options(d), **jit_kwargs)
-                  for d in (True, False)}
+    self._jits = {m: jax.jit(fun, compiler_options=compiler_options(*m), **jit_kwargs)
+                  for m in ((True, False), (False, False), (True, True), (False, True))}
     self._compiled: dict = {}  # in-memory key -> jax.stages.Compiled (the store's path)
 
   @staticmethod
-  def _deterministic(kwargs: Mapping[str, object]) -> bool:
-    return bool(getattr(kwargs.get("ex"), "deterministic", True))
+  def _mode(kwargs: Mapping[str, object]) -> tuple[bool, bool]:
+    """(deterministic, concurrent) of a call's `ex`."""
+    ex = kwargs.get("ex")
+    return bool(getattr(ex, "deterministic", True)), bool(getattr(ex, "concurrent", False))
 
   def _pick(self, kwargs: Mapping[str, object]):
-    return self._jits[self._deterministic(kwargs)]
+    return self._jits[self._mode(kwargs)]
 
   def _key(self, args, kwargs):
     """(in-memory key, leaves' keys, treedef) of a call, or None where it cannot be stored (a
@@ -84,7 +94,7 @@ class Program:
         return None
       keys.append(k)
     try:
-      key = (self._deterministic(kwargs), tuple(sorted(kwargs.items())), treedef, tuple(keys))
+      key = (self._mode(kwargs), tuple(sorted(kwargs.items())), treedef, tuple(keys))
       hash(key)
     except TypeError:
       return None
@@ -106,9 +116,9 @@ class Program:
     got = self._compiled.get(key)
     if got is not None:
       return got
-    d = self._deterministic(kwargs)
+    d = self._mode(kwargs)
     dev = next(iter(jax.tree_util.tree_leaves(args)[0].sharding.device_set))  # their platform's
-    fkey = exports.file_key(self._fun, compiler_options(d), kwargs, treedef, leaf_keys, dev)
+    fkey = exports.file_key(self._fun, compiler_options(*d), kwargs, treedef, leaf_keys, dev)
     exp = store.get(fkey) if fkey is not None else None
     try:
       if exp is None:
@@ -123,7 +133,7 @@ class Program:
       call = lambda *a: exp.call(*a)
       call.__name__ = call.__qualname__ = self._fun.__name__  # XLA's name for it: jit_<name>
       got = jax.jit(call, donate_argnums=donate,
-                    compiler_options=compiler_options(d)).lower(*args).compile()
+                    compiler_options=compiler_options(*d)).lower(*args).compile()
     except Exception:  # pylint: disable=broad-except  (not exportable: traced as before)
       got = self.lower(*args, **kwargs).compile()
     self._compiled[key] = got

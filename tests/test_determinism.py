@@ -27,6 +27,9 @@ def test_the_options_are_known_to_this_jaxlib():
   with pytest.raises(Exception, match="No such compile option"):
     bad(jnp.ones(2))
   assert programs.compiler_options(False) is None
+  g = jax.jit(lambda x: x @ x, compiler_options=programs.compiler_options(True, True))
+  assert float(g(jnp.ones((4, 4))).sum()) == 64.0
+  assert programs.compiler_options(False, True) == programs.CONCURRENT_OPTIONS
 
 
 def test_program_compiles_with_the_options_its_ex_asks_for(monkeypatch):
@@ -43,6 +46,15 @@ def test_program_compiles_with_the_options_its_ex_asks_for(monkeypatch):
     f(jnp.ones(2), ex=Exec(deterministic=True))
   with pytest.raises(Exception, match="No such compile option"):
     f.lower(jnp.ones(2), ex=Exec()).compile()  # deterministic by default
+  monkeypatch.setattr(programs, "CONCURRENT_OPTIONS", {"xla_gpu_no_such_option2": 1})
+
+  @programs.jit(static_argnames=("ex",))
+  def g(x, *, ex):
+    return x * 3
+
+  assert float(g(jnp.ones(2), ex=Exec(deterministic=False)).sum()) == 6.0
+  with pytest.raises(Exception, match="No such compile option"):
+    g(jnp.ones(2), ex=Exec(deterministic=False, concurrent=True))
 
 
 def test_env_flag():
@@ -95,3 +107,18 @@ def test_processes_and_budgets_agree():
   assert not diffs, diffs
   assert [r["host_gib"] > 0 for r in runs] == [False, True]
   assert len(runs[0]["logits"][0]) == determinism.LOGIT_STEPS + 1
+
+
+def test_exec_for_schedules_decode_concurrently_on_one_gpu():
+  """One GPU: decode compiles under XLA's concurrent command-buffer scheduling, with the inline
+  expert fetch; a mesh of several devices and the CPU keep XLA's default; prefill's programs
+  never take it (Engine.prefill_ex)."""
+  import types
+  from jaxvt import engine
+  one = engine.exec_for("cuda", True, None)
+  assert one.concurrent and one.products.predict_inline and one.products.predict_after_host
+  assert not engine.exec_for("cuda", True, types.SimpleNamespace(size=2)).concurrent
+  assert not engine.exec_for("cpu", True, None).concurrent
+  assert not engine.exec_for("cuda", False, None).concurrent
+  pre = engine.Engine.prefill_ex.fget(types.SimpleNamespace(ex=one))
+  assert not pre.concurrent and pre.products == one.products

@@ -62,13 +62,19 @@ def stack(rng, tier):
   return make_stack(rng, FMTS, ROWS, COLS, experts=E, host=HOST, tier=tier)
 
 
-@functools.partial(jax.jit, static_argnames=("n_host", "n_device"))
-def fetched(w, target, ids, n_host=2, n_device=3):
+@functools.partial(jax.jit, static_argnames=("n_host", "n_device", "inline"))
+def fetched(w, target, ids, n_host=2, n_device=3, inline=False):
   """A new ring after one fetch, read back once the copy is done (join: on a GPU the copy runs on
-  a stream of jaxvt's own)."""
+  a stream of jaxvt's own; inline: on XLA's, in its command buffer)."""
   ring = prefetch.fetch_experts({"w": prefetch.new_expert_ring(w.meta)}, {"w": w}, target, ids,
-                                n_host=n_host, n_device=n_device)["w"]
+                                n_host=n_host, n_device=n_device, inline=inline,
+                                blocks=3 if inline else 0)["w"]
   return ring, prefetch.join(jnp.zeros((), jnp.float32), ring)
+
+
+@pytest.fixture(params=[False, True], ids=["side", "inline"])
+def inline(request):
+  return request.param
 
 
 PRED = np.array([7, 2, 11, 0, 5, 9, 3, 1], np.int32)
@@ -76,11 +82,12 @@ PRED = np.array([7, 2, 11, 0, 5, 9, 3, 1], np.int32)
 
 @pytest.mark.parametrize("target,n_expected", [(1, 3), (2, 2), (4, 3), (0, 0), (3, 0), (5, 0),
                                                (-1, 0)])
-def test_fetch_copies_the_predicted_experts(stack, device, target, n_expected):
+def test_fetch_copies_the_predicted_experts(stack, device, target, n_expected, inline):
   """n_host = 2 after a host-tier layer, n_device = 3 after a device-tier one; nothing for a
-  device-tier or out-of-range target; each slot holds the file's bytes of its expert."""
+  device-tier or out-of-range target; each slot holds the file's bytes of its expert (the copy on
+  a stream of jaxvt's own or inline)."""
   w = put(stack.w, device)
-  ring, _ = fetched(w, jnp.int32(target), jnp.asarray(PRED))
+  ring, _ = fetched(w, jnp.int32(target), jnp.asarray(PRED), inline=inline)
   h = header(ring)
   assert h["n"] == n_expected
   assert h["slot"] == prefetch.expert_slot_bytes(w.meta)
@@ -96,13 +103,13 @@ def test_fetch_copies_the_predicted_experts(stack, device, target, n_expected):
     np.testing.assert_array_equal(slot_bytes(ring, j, want.size), want)
 
 
-@functools.partial(jax.jit, static_argnames=("when",))
-def fetched_twice(w, first, second, ids, when):
+@functools.partial(jax.jit, static_argnames=("when", "inline"))
+def fetched_twice(w, first, second, ids, when, inline=False):
   """A ring fetched for `first` (any target), then for `second` under `when`."""
   rings = prefetch.fetch_experts({"w": prefetch.new_expert_ring(w.meta)}, {"w": w}, first, ids,
-                                 n_host=2, n_device=3)
+                                 n_host=2, n_device=3, inline=inline)
   rings = prefetch.fetch_experts(rings, {"w": w}, second, ids[::-1], n_host=2, n_device=3,
-                                 when=when)
+                                 when=when, inline=inline)
   return rings["w"], prefetch.join(jnp.zeros((), jnp.float32), rings["w"])
 
 
@@ -110,15 +117,16 @@ def fetched_twice(w, first, second, ids, when):
     ("after_device", 1, True), ("after_device", 2, False), ("after_device", 3, False),
     ("after_host", 2, True), ("after_host", 1, False), ("after_host", 4, False),
     ("after_host", -1, False)])
-def test_fetch_when(stack, device, when, second, fetches):
+def test_fetch_when(stack, device, when, second, fetches, inline):
   """A fetch for one kind of target (two rings a stack) copies that kind (layer 1 follows a
   device-tier layer, 2 a host-tier one) and leaves the ring as it was for any other target."""
   w = put(stack.w, device)
   ids = jnp.asarray(PRED)
-  ring, _ = fetched_twice(w, jnp.int32(4), jnp.int32(second), ids, when)
+  ring, _ = fetched_twice(w, jnp.int32(4), jnp.int32(second), ids, when, inline=inline)
   h = header(ring)
-  if not fetches:  # layer 4's experts 7, 2, 11 still there
+  if not fetches:  # layer 4's experts 7, 2, 11 still there, their tags those of its copy
     assert h["layer"] == 4 and h["ids"][:3] == PRED[:3].tolist() and h["n"] == 3
+    assert h["tag"][:3] == [h["seq"]] * 3
     want = expert_raw(stack, 4, int(PRED[0]))
     np.testing.assert_array_equal(slot_bytes(ring, 0, want.size), want)
     return
@@ -242,6 +250,10 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
   base = engine.exec_for(device.platform, True, par)
   off = dataclasses.replace(base, products=Products())
   on = dataclasses.replace(base, products=Products(predict_after_host=2, predict_after_device=6))
+  # the copy on XLA's stream, in its command buffers run concurrently (on a GPU)
+  inline = dataclasses.replace(on, products=dataclasses.replace(on.products, predict_inline=True,
+                                                                predict_blocks=5),
+                               concurrent=True)
   n_ctx, prompt = 24, 6
   toks = jnp.asarray(np.random.default_rng(5).integers(3, 300, (1, prompt)), jnp.int32)
 
@@ -260,16 +272,20 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
       out.append(np.asarray(logits))
     return out, {k: np.asarray(v) for k, v in cache.items()}
 
-  (l_off, c_off), (l_on, c_on) = run(off), run(on)
-  for a, b in zip(l_on, l_off):
+  (l_off, c_off), (l_on, c_on), (l_in, c_in) = run(off), run(on), run(inline)
+  for a, b, c in zip(l_on, l_off, l_in):
     np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(c, b)
   for k in c_off:
     np.testing.assert_array_equal(c_on[k], c_off[k])
+    np.testing.assert_array_equal(c_in[k], c_off[k])
   cache = jax.eval_shape(lambda: decoder.init_cache(m.cfg, 1, n_ctx))
   one = (jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
   text = lambda ex: engine.decode_fn.lower(weights, cache, *one, cfg=m.cfg, ex=ex,
                                            kv_len=n_ctx).as_text()
   assert "jaxvt_prefetch_experts" in text(on) and "jaxvt_prefetch_experts" not in text(off)
+  assert "jaxvt_prefetch_experts_inline" in text(inline)
+  assert "jaxvt_prefetch_experts_inline" not in text(on)
   assert "has_side_effect = true" not in text(on)
   # a prefill (many tokens) predicts nothing
   pre = engine.prefill_fn.lower(weights, cache, toks, jnp.arange(prompt, dtype=jnp.int32)[None],

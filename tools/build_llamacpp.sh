@@ -27,6 +27,10 @@ if [ "${1:-}" = --prune ]; then  # what llama-bench does not need: models, docs,
       tools/mtmd/tests* tools/mtmd/legacy-models &&
     cd ggml/src && rm -rf ggml-cann ggml-et ggml-metal ggml-virtgpu ggml-sycl ggml-vulkan \
       ggml-webgpu ggml-zdnn ggml-opencl ggml-hexagon ggml-zendnn ggml-openvino )
+  # the sdist's `.git` file (a gitdir that does not exist) makes the source a nested git
+  # repository: the device tool's copy then left some of its files behind (ggml-cuda/vendors,
+  # H200, 2026-12-03), and llama-bench did not build. It is not needed.
+  rm -f "$SRC/.git"
   # mtmd (a tool target we do not build) names miniaudio's header-only library: keep a stub
   echo '// pruned: jaxvt builds llama-bench only' > "$SRC/vendor/miniaudio/miniaudio.h"
   du -sh "$SRC"

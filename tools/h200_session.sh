@@ -64,8 +64,12 @@
 #   bash tools/h200_session.sh predict2 # decode profiles with every routed expert in the host tier,
 #                                       # predicting off / on (one and two ring sets); the decode
 #                                       # rates by variant there and at auto (RATES=0: not these;
-#                                       # TESTS, RING_V, HITS_V: GPU tests and probes first)
-#   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run)
+#                                       # TESTS, RING_V, HITS_V: GPU tests and probes first;
+#                                       # HBM_V: variants with everything in HBM last)
+#   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run;
+#                                       # OFFLOAD_S: its --time-limit, which must cover the
+#                                       # model's creation on a fresh machine and llama.cpp's
+#                                       # 110 s besides the jaxvt arms: 330 or more)
 # Logs come back under $OUT.
 set -uo pipefail
 what=${1:-checks}
@@ -500,11 +504,16 @@ if [ "$what" = predict2 ]; then
     XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${HOSTALL_S:-200} python3 tools/predict_rate.py \
       --model $M --offload-gb 17 --pattern exps --device-gb 16 --rounds 2 \
       --variants ${HOSTALL_V:-off,2:2:1,4:4,4:4:1} > "$OUT/predict_hostall.txt" 2>&1
-    tail -5 "$OUT/predict_hostall.txt"; echo "host-all $(( $(date +%s) - t0 )) s"
+    grep "predict \|budget\|Error" "$OUT/predict_hostall.txt" | tail -12; echo "host-all $(( $(date +%s) - t0 )) s"
     XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${AUTO_S:-200} python3 tools/predict_rate.py \
       --model $M --offload-gb auto --device-gb 16 --rounds 2 \
       --variants ${AUTO_V:-off,2:2:1,3:3} > "$OUT/predict_auto.txt" 2>&1
-    tail -4 "$OUT/predict_auto.txt"
+    grep "predict \|budget\|Error" "$OUT/predict_auto.txt" | tail -12
+  fi
+  if [ -n "${HBM_V:-}" ]; then  # everything in HBM (no card limit): e.g. HBM_V=off,off+c
+    timeout ${HBM_S:-150} python3 tools/predict_rate.py --model $M --rounds 2 --variants $HBM_V \
+      > "$OUT/predict_hbm.txt" 2>&1
+    grep "predict \|budget\|Error" "$OUT/predict_hbm.txt" | tail -8
   fi
 fi
 if [ "$what" = sweep ]; then

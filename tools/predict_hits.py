@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import sys
 
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxvt
-from jaxvt.bench.profile import predict_products
+from jaxvt.bench.profile import predict_exec
 from jaxvt.ffi import prefetch
 from jaxvt.model import decoder, moe
 
@@ -57,7 +56,7 @@ def main(argv: list[str]) -> int:
   with jaxvt.load(a.model, offload_gb=a.offload_gb, device_gb=a.device_gb,
                   max_context=a.max_context, force=True) as eng:
     cfg = eng.cfg
-    ex = dataclasses.replace(eng.ex, products=predict_products(eng.ex.products, a.predict))
+    ex = predict_exec(eng.ex, a.predict)
     host = set(eng.weights["moe.w_gate"].meta.host_layers)
     ids = np.random.default_rng(0).integers(10, cfg.vocab_size - 10, 64).tolist()
     logits, cache = eng.prefill(ids)

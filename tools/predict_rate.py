@@ -5,16 +5,17 @@
                                [--max-context 1024] [--pattern exps]
 
 Loads the model once at the budget (max context 1024 by default, the sweep's), then generates
---tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S] of
-Products.predict_after_host : predict_after_device [: predict_sets] ("off": 0:0), in rounds
-(each variant once a round, the first round compiles), and prints each variant's decode tok/s (the best round, and every round), the routed
+--tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S][@B][+c] of
+Products.predict_after_host : predict_after_device [: predict_sets] ("off": 0:0; @B the inline
+fetch with B blocks an expert; +c XLA's concurrent command-buffer scheduling:
+jaxvt.bench.profile.predict_exec), in rounds (each variant once a round, the first round
+compiles), and prints each variant's decode tok/s (the best round, and every round), the routed
 experts' host-tier layers, and whether its tokens equal the first variant's.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 
@@ -22,7 +23,7 @@ import numpy as np
 
 import jaxvt
 from jaxvt.bench.arms import no_stops
-from jaxvt.bench.profile import predict_products
+from jaxvt.bench.profile import predict_exec
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> int:
     base = eng.ex
     exs = {}
     for n in names:
-      exs[n] = dataclasses.replace(base, products=predict_products(base.products, n))
+      exs[n] = predict_exec(base, n)
     host = eng.weights["moe.w_gate"].meta.host_layers if "moe.w_gate" in eng.weights else ()
     gib = math.ceil(eng.plan.plan.budget_bytes / 2**30 * 1e4) / 1e4 if eng.plan is not None else 0.0
     rates = {n: [] for n in names}

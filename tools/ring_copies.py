@@ -12,7 +12,6 @@ optimized HLO that copies a buffer of a ring's size, and the count of expert fet
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 
 import jaxvt
 from jaxvt import engine
-from jaxvt.bench.profile import predict_products
+from jaxvt.bench.profile import predict_exec
 from jaxvt.ffi import prefetch
 from jaxvt.model import decoder
 
@@ -35,7 +34,7 @@ def main(argv: list[str]) -> int:
   a = ap.parse_args(argv)
   with jaxvt.load(a.model, offload_gb=a.offload_gb, device_gb=a.device_gb, max_context=256,
                   force=True) as eng:
-    ex = dataclasses.replace(eng.ex, products=predict_products(eng.ex.products, a.predict))
+    ex = predict_exec(eng.ex, a.predict)
     cache = jax.eval_shape(lambda: decoder.init_cache(eng.cfg, 1, 256))
     one = (jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
     hlo = engine.decode_fn.lower(eng.weights, cache, *one, cfg=eng.cfg, ex=ex,

@@ -416,6 +416,10 @@ def main(args) -> str:
     notes.append("llama-bench was being built (nice 19, 12 jobs) while the jaxvt arms ran")
   end = t_start + args.time_limit - 15
   sweep_end = end - (LLAMA_RESERVE_S if llama else 0)
+  if sweep_end - time.time() < 60:  # the jaxvt arms would be killed before their first row
+    kept = f" ({LLAMA_RESERVE_S} s kept for llama.cpp)" if llama else ""
+    log(f"warning: --time-limit {args.time_limit} leaves {max(0, sweep_end - time.time()):.0f} s "
+        f"for the jaxvt arms{kept}; give the sweep more time")
   frac = pool_fraction(args.device_gb)
   cap = {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
   # both children start now; the lock serialises their GPU phases (device arm first)

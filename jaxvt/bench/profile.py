@@ -115,12 +115,22 @@ def _prefill(eng, ids, args, mesh) -> str:
 
 def predict_products(products, spec: str):
   """products with predict_after_host, predict_after_device (and predict_sets) from "H:D[:S]"
-  ("off": 0:0)."""
+  ("off": 0:0); "H:D[:S]@B": the inline fetch (predict_inline) with B blocks an expert (0: the
+  default). Exec.concurrent is set apart (predict_exec)."""
+  spec, _, blocks = spec.partition("@")
   v = [0, 0] if spec == "off" else [int(a) for a in spec.split(":")]
-  kw = dict(predict_after_host=v[0], predict_after_device=v[1])
+  kw = dict(predict_after_host=v[0], predict_after_device=v[1], predict_inline=bool(blocks),
+            predict_blocks=int(blocks or 0))
   if len(v) > 2:
     kw["predict_sets"] = v[2]
   return dataclasses.replace(products, **kw)
+
+
+def predict_exec(ex, spec: str):
+  """ex with predict_products(spec), and concurrent scheduling where spec ends in "+c" (e.g.
+  "off+c", "2:2:1@16+c")."""
+  spec, c = (spec[:-2], True) if spec.endswith("+c") else (spec, False)
+  return dataclasses.replace(ex, products=predict_products(ex.products, spec), concurrent=c)
 
 
 def main(args) -> str:
@@ -131,7 +141,7 @@ def main(args) -> str:
                    offload_gb=args.offload_gb, device_gb=args.device_gb, force=True, mesh=mesh)
   ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
   if getattr(args, "predict", None):
-    eng.ex = dataclasses.replace(eng.ex, products=predict_products(eng.ex.products, args.predict))
+    eng.ex = predict_exec(eng.ex, args.predict)
   if getattr(args, "prefill", False):
     return _prefill(eng, ids, args, mesh)
   _, cache = eng.prefill(ids)

@@ -17,13 +17,14 @@ import jax
 TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
            "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_qmatmul_grouped",
            "jaxvt_moe_route", "jaxvt_gdn_step", "jaxvt_attn_step", "jaxvt_prefetch_fetch",
-           "jaxvt_prefetch_take", "jaxvt_prefetch_join", "jaxvt_prefetch_experts")
+           "jaxvt_prefetch_take", "jaxvt_prefetch_join", "jaxvt_prefetch_experts",
+           "jaxvt_prefetch_experts_inline")
 # The targets a GPU build registers for its platform ("CUDA" or "ROCM").
 GPU_TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
                "jaxvt_qmatmul_grouped", "jaxvt_qmatmul_multi", "jaxvt_qmatmul_experts2",
                "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_moe_route",
                "jaxvt_gdn_step", "jaxvt_attn_step", "jaxvt_prefetch_fetch", "jaxvt_prefetch_take",
-               "jaxvt_prefetch_join", "jaxvt_prefetch_experts")
+               "jaxvt_prefetch_join", "jaxvt_prefetch_experts", "jaxvt_prefetch_experts_inline")
 _lock = threading.Lock()
 _registered: set[str] = set()
 

@@ -148,21 +148,23 @@ WHEN = {"any": 0, "after_host": 1, "after_device": 2}  # prefetch.h expert_count
 
 
 def fetch_experts(rings: dict, ws: dict, target, ids, after=None, *, n_host: int,
-                  n_device: int, when: str = "any") -> dict:
+                  n_device: int, when: str = "any", inline: bool = False,
+                  blocks: int = 0) -> dict:
   """Starts copying, into each stack's ring, the first n of `ids` (int32 [m], most likely first)
   of layer `target` (int32 scalar, may be traced) of that stack, where it is a host-tier layer:
   n = n_host when layer target - 1 of the stack is host-tier too, else n_device (at most 8, at
   most m); any other target empties the ring. when="after_host" / "after_device": only targets
   of that kind are fetched, any other leaves the ring as it is. `after`: what the program must
-  have computed before the rings may be overwritten (their last reader's output). Returns the
-  rings."""
+  have computed before the rings may be overwritten (their last reader's output). inline: on a
+  GPU the copy is a kernel on XLA's stream that XLA may capture in a command buffer (else on a
+  stream of jaxvt's own), `blocks` blocks an expert (0: the default). Returns the rings."""
   names = tuple(rings)
   metas = [ws[n].meta for n in names]
   if len({m.experts for m in metas}) != 1 or not metas[0].experts:
     raise ValueError("fetch_experts: expert stacks with one expert count")
   after = jnp.zeros((), jnp.int32) if after is None else after
   ids = jnp.asarray(ids).astype(jnp.int32).reshape(-1)
-  call = jax.ffi.ffi_call("jaxvt_prefetch_experts",
+  call = jax.ffi.ffi_call("jaxvt_prefetch_experts_inline" if inline else "jaxvt_prefetch_experts",
                           tuple(jax.ShapeDtypeStruct(rings[n].shape, jnp.uint8) for n in names),
                           input_output_aliases={3 + 3 * i: i for i in range(len(names))})
   operands = [a for n in names for a in (rings[n], ws[n].table, ws[n].fmts)]
@@ -171,5 +173,5 @@ def fetch_experts(rings: dict, ws: dict, target, ids, after=None, *, n_host: int
              cols=np.array([m.cols for m in metas], np.int64),
              slot=np.array([expert_slot_bytes(m) for m in metas], np.int64),
              experts=np.int64(metas[0].experts), n_host=np.int64(n_host),
-             n_device=np.int64(n_device), when=np.int64(WHEN[when]))
+             n_device=np.int64(n_device), when=np.int64(WHEN[when]), blocks=np.int64(blocks))
   return dict(zip(names, out))

@@ -44,13 +44,17 @@ GROUPED_SLOTS = 256
 # The 35B-shaped model (256 experts, top 8): prompts of 128 tokens or more.
 PREFETCH_PER_EXPERT = 4
 # decode: the next host-tier layer's likeliest experts copied ahead (Products.predict_after_*):
-# off. On the H200 (2026-12-03, tools/predict_rate.py, 35B-shaped file, 16 GiB card) every
-# variant decoded slower than reading in place: every routed expert in the host tier 67.1 tok/s
-# off, 60.7-63.3 on; auto 150.6 off, 123.7-137.6 on. The predictions are right (94-96% of the
-# experts asked for are routed to) and the experts kernels read less, but each fetch call breaks
-# XLA's command buffers (docs/BENCHMARKS.md "Decode: the next layer's experts copied ahead").
-PREDICT_AFTER_HOST = 0
-PREDICT_AFTER_DEVICE = 0
+# the 2 likeliest, after a host-tier layer or a device-tier one, two ring sets, the copy inline
+# (a kernel of 8 blocks an expert on XLA's stream, run beside the other work by the concurrent
+# command-buffer scheduling, Exec.concurrent). On the H200 (2026-12-03, tools/predict_rate.py,
+# 35B-shaped file, 16 GiB card, same tokens every time): every routed expert in the host tier
+# 67.2 tok/s without, 71.9-72.6 with; auto 154.1 without, 158.5-159.5 with. The copy on a stream
+# of jaxvt's own was slower than none (60.7-63.3 / 123.7-137.6: each fetch broke XLA's command
+# buffers); more blocks or more experts were slower too (docs/BENCHMARKS.md "Decode: the next
+# layer's experts copied ahead, inline").
+PREDICT_AFTER_HOST = 2
+PREDICT_AFTER_DEVICE = 2
+PREDICT_BLOCKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +96,11 @@ class Products:
   layer's own experts: fewer), and its per-slot experts kernels read those from the copy, the
   same bytes (jaxvt.ffi.prefetch.fetch_experts). 0 and 0: never (the CPU). predict_sets: 2
   rings a stack that alternate by layer (the next layer's fetch need not wait for this layer's
-  experts; a period of an odd number of layers always has 1), or 1.
+  experts; a period of an odd number of layers always has 1), or 1. predict_inline: the copy
+  runs on XLA's stream as a kernel XLA may capture in its command buffers (no break a layer;
+  under the concurrent scheduling mode it runs beside the work that does not touch the rings)
+  with predict_blocks blocks an expert (0: the extension's default), instead of on a stream of
+  jaxvt's own.
   """
 
   tiled_rows: int = 0
@@ -106,6 +114,8 @@ class Products:
   predict_after_host: int = 0
   predict_after_device: int = 0
   predict_sets: int = 2
+  predict_inline: bool = False
+  predict_blocks: int = 0
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -132,7 +142,8 @@ GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_
                         grouped_slots=GROUPED_SLOTS, fused_route=True, gdn_fused=True,
                         attn_fused=True, prefetch_per_expert=PREFETCH_PER_EXPERT,
                         predict_after_host=PREDICT_AFTER_HOST,
-                        predict_after_device=PREDICT_AFTER_DEVICE)
+                        predict_after_device=PREDICT_AFTER_DEVICE, predict_inline=True,
+                        predict_blocks=PREDICT_BLOCKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +171,9 @@ class Exec:
   deterministic: compile with XLA's algorithm choices fixed (jaxvt.programs): the same bits in
     every process and for every placement. The model code never reads it; jaxvt's jitted
     programs pick their compiler options from it.
+  concurrent: compile with XLA:GPU's concurrent command-buffer scheduling (jaxvt.programs
+    CONCURRENT_OPTIONS): kernels with no buffer in common run side by side. Also read by no
+    model code.
   """
 
   kernels: bool = False
@@ -167,6 +181,7 @@ class Exec:
   par: object = None
   products: Products = Products()
   deterministic: bool = True
+  concurrent: bool = False
 
   def __post_init__(self):
     if self.numerics not in ("ggml", "f32", "q8"):

@@ -219,7 +219,8 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
       if len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
         sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=pred,
                                             n_host=p.predict_after_host,
-                                            n_device=p.predict_after_device, when="after_device")
+                                            n_device=p.predict_after_device, when="after_device",
+                                            inline=p.predict_inline, blocks=p.predict_blocks)
     if ex.par is not None and ex.par.size > 1:  # the experts are split over the whole mesh
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
@@ -243,7 +244,8 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
       sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=read["down"],
                                           n_host=p.predict_after_host,
                                           n_device=p.predict_after_device,
-                                          when="after_host" if len(sets) == 2 else "any")
+                                          when="after_host" if len(sets) == 2 else "any",
+                                          inline=p.predict_inline, blocks=p.predict_blocks)
     rings = None if rings is None else Rings(lr, tuple(sets))
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):

@@ -66,6 +66,7 @@ nb::dict Registrations() {
   cpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeCpu);
   cpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinCpu);
   cpu["jaxvt_prefetch_experts"] = Capsule(JaxvtPrefetchExpertsCpu);
+  cpu["jaxvt_prefetch_experts_inline"] = Capsule(JaxvtPrefetchExpertsCpu);  // one copy on a CPU
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
@@ -85,6 +86,7 @@ nb::dict Registrations() {
   gpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeGpu);
   gpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinGpu);
   gpu["jaxvt_prefetch_experts"] = Capsule(JaxvtPrefetchExpertsGpu);
+  gpu["jaxvt_prefetch_experts_inline"] = Capsule(JaxvtPrefetchExpertsInlineGpu);
   out[kGpuPlatform] = gpu;
 #endif
   return out;

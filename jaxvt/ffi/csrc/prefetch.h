@@ -102,6 +102,8 @@ inline const char* check(int64_t ring_bytes, int64_t table_elems, int64_t n_laye
 //   everything XLA's stream had before it (the rings' last readers), on a GPU on jaxvt's stream
 //   while XLA's goes on. Otherwise the ring is marked empty, or left as it is (expert_count's
 //   `when`: a model with two rings a stack asks twice a layer, each call for one kind of target).
+// fetch_inline (jaxvt_prefetch_experts_inline): the same, the copy on XLA's stream (capturable;
+//   the copy's number counted on the device).
 // A per-slot experts kernel given the stack's ring (WeightArgs::ring) reads expert e of layer l
 //   from slot j when the header's layer is l and ids[j] == e, once tag[j] == seq (on a GPU it
 //   waits for that, bounded; past the bound it reads the host tier in place, never wrong).

@@ -84,8 +84,9 @@ ffi::Error XFetchCpu(ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids, ff
                      ffi::RemainingArgs args, ffi::RemainingRets rets,
                      ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
                      ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
-                     int64_t n_device, int64_t when) {
+                     int64_t n_device, int64_t when, int64_t blocks) {
   (void)after;
+  (void)blocks;  // the GPU's copy grid
   static std::atomic<uint32_t> counter{0};  // numbers the copies (any nonzero, distinct value)
   prefetch::XOperand ops[prefetch::kXStacks];
   int64_t n = 0;
@@ -165,4 +166,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsCpu, jaxvt::XFetchCpu,
                                   .Attr<int64_t>("experts")
                                   .Attr<int64_t>("n_host")
                                   .Attr<int64_t>("n_device")
-                                  .Attr<int64_t>("when"));
+                                  .Attr<int64_t>("when")
+                                  .Attr<int64_t>("blocks"));

@@ -27,9 +27,15 @@
 // kernel (a grid of blocks per slot and stack; those beyond the request's count exit) copies
 // each predicted expert into its slot, the slot's last block setting the slot's tag. The
 // per-slot experts kernels wait for a tag themselves (kernels_gpu_experts.cu ring_expert).
-// take carries the command-buffer trait (XLA may capture it in a CUDA graph with the kernels
-// around it: one kernel on XLA's stream whose arguments are buffers, no host state); fetch and
-// join and experts do not: they enqueue work on a second stream, and keep count on the host.
+// experts_inline: the same two kernels, both on XLA's stream (the request in slot 0, the copy's
+// number counted on the device from the header's), so nothing is left on the host and XLA may
+// capture the call in its command buffers; under XLA's concurrent command-buffer scheduling
+// the copy then runs beside the kernels that touch no ring, and a later experts kernel reading
+// the ring follows it in the graph (its tags are set by then).
+// take and experts_inline carry the command-buffer trait (XLA may capture them in a CUDA graph
+// with the kernels around them: kernels on XLA's stream whose arguments are buffers, no host
+// state); fetch and join and experts do not: they enqueue work on a second stream, and keep
+// count on the host.
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -51,6 +57,7 @@ namespace {
 
 constexpr int kCopyThreads = 256;
 constexpr int kInFlight = 4;  // 16-byte loads per thread issued before their stores
+constexpr int kInlineBlocks = 8;  // blocks a slot of the inline expert fetch, by default (H200: 4-8 best)
 constexpr int64_t kSpinLimit = int64_t{1} << 22;  // gpuSleep()s before take gives up (seconds)
 
 // The grid's share of copying nbytes from src to dst (16-byte aligned): thread t of the grid's
@@ -180,6 +187,7 @@ __global__ void xintent_kernel(XStacks st, const int32_t* target, const int32_t*
   int n = prefetch::expert_count(x.fmts, x.n_layers, t, n_host, n_device, when);
   if (n > n_ids) n = static_cast<int>(n_ids);
   prefetch::XRequest& r = h->req[rslot];
+  if (seq == 0) seq = h->seq + 1u == 0u ? 1u : h->seq + 1u;  // counted on the device (graphs)
   r.seq = seq;
   if (n < 0) {  // not this call's kind of target: the ring (and any copy into it) as it is
     r.layer = -1;
@@ -204,7 +212,7 @@ __global__ void xintent_kernel(XStacks st, const int32_t* target, const int32_t*
   h->slot = x.slot;
 }
 
-// On jaxvt's stream: block (b, j, i) copies its share of slot j of stack i; the slot's last block
+// On jaxvt's stream (on XLA's for the inline fetch): block (b, j, i) copies its share of slot j of stack i; the slot's last block
 // sets the slot's tag (after a fence).
 __global__ void __launch_bounds__(kCopyThreads)
 xcopy_kernel(XStacks st, int64_t experts, int rslot) {
@@ -378,11 +386,14 @@ ffi::Error JoinGpu(gpuStream_t st, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring,
 uint64_t g_xcalls = 0;  // expert fetch calls so far (all devices)
 
 // target, ids, after, then (ring, table, fmts) per stack; the rings come back aliased.
+// kInline: the copy runs on XLA's stream (jaxvt_prefetch_experts_inline, capturable: no host
+// state, the copy's number counted on the device), `blocks` blocks a slot (0: kInlineBlocks).
+template <bool kInline>
 ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids,
                      ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets,
                      ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
                      ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
-                     int64_t n_device, int64_t when) {
+                     int64_t n_device, int64_t when, int64_t blocks) {
   (void)after;
   prefetch::XOperand ops[prefetch::kXStacks];
   int64_t n = 0;
@@ -396,6 +407,15 @@ ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<f
       if (gpuError_t e = gpuMemcpyAsync(o.out, o.in, o.bytes, gpuMemcpyDeviceToDevice, st))
         return Status(e, "prefetch_experts");
     xs.s[i] = XStack{o.out, o.table, o.fmts, o.n_layers, o.rows, o.cols, o.slot};
+  }
+  if (kInline) {  // one request slot: the copy follows its request on the same stream
+    xintent_kernel<<<1, 32, 0, st>>>(xs, target.typed_data(), ids.typed_data(),
+                                     static_cast<int64_t>(ids.element_count()), experts, n_host,
+                                     n_device, when, 0u, 0);
+    if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts");
+    const int per = static_cast<int>(blocks > 0 ? (blocks > 1024 ? 1024 : blocks) : kInlineBlocks);
+    xcopy_kernel<<<dim3(per, prefetch::kXSlotsMax, xs.n), kCopyThreads, 0, st>>>(xs, experts, 0);
+    return Status(gpuGetLastError(), "prefetch_experts (copy)");
   }
   int dev = 0;
   if (gpuError_t e = gpuGetDevice(&dev)) return Status(e, "prefetch_experts");
@@ -418,7 +438,8 @@ ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<f
   // slot the copy of two experts a stack ran at 21.6 GB/s on the H200 (2026-12-03, the profile
   // in docs/BENCHMARKS.md), too slow to finish while the next layer's other work runs. The blocks
   // of slots beyond the request's count exit at once.
-  int per = 4 * gpu::sm_count() / (2 * xs.n);
+  int per = blocks > 0 ? static_cast<int>(blocks > 1024 ? 1024 : blocks)
+                       : 4 * gpu::sm_count() / (2 * xs.n);
   if (per < 1) per = 1;
   xcopy_kernel<<<dim3(per, prefetch::kXSlotsMax, xs.n), kCopyThreads, 0, s->stream>>>(
       xs, experts, rslot);
@@ -477,18 +498,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinGpu, jaxvt::JoinGpu,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // ring
                                   .Ret<ffi::AnyBuffer>());        // x (aliased)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsGpu, jaxvt::XFetchGpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // target layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // predicted expert ids
-                                  .Arg<ffi::AnyBuffer>()         // after (not read)
-                                  .RemainingArgs()               // (ring, table, fmts) per stack
-                                  .RemainingRets()               // the rings (aliased)
-                                  .Attr<ffi::Span<const int64_t>>("rows")
-                                  .Attr<ffi::Span<const int64_t>>("cols")
-                                  .Attr<ffi::Span<const int64_t>>("slot")
-                                  .Attr<int64_t>("experts")
-                                  .Attr<int64_t>("n_host")
-                                  .Attr<int64_t>("n_device")
-                                  .Attr<int64_t>("when"));
+// target, ids, after (not read), then (ring, table, fmts) per stack; the rings come back aliased
+#define XFETCH_BINDING                                                                       \
+  ffi::Ffi::Bind()                                                                           \
+      .Ctx<ffi::PlatformStream<gpuStream_t>>()                                               \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                          \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                          \
+      .Arg<ffi::AnyBuffer>()                                                                 \
+      .RemainingArgs()                                                                       \
+      .RemainingRets()                                                                       \
+      .Attr<ffi::Span<const int64_t>>("rows")                                                \
+      .Attr<ffi::Span<const int64_t>>("cols")                                                \
+      .Attr<ffi::Span<const int64_t>>("slot")                                                \
+      .Attr<int64_t>("experts")                                                              \
+      .Attr<int64_t>("n_host")                                                               \
+      .Attr<int64_t>("n_device")                                                             \
+      .Attr<int64_t>("when")                                                                 \
+      .Attr<int64_t>("blocks")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsGpu, jaxvt::XFetchGpu<false>,
+                              XFETCH_BINDING);
+
+// The same fetch with its copy on XLA's stream: capturable in XLA's command buffers, where the
+// concurrent scheduling mode runs it beside the kernels that do not touch the rings.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsInlineGpu, jaxvt::XFetchGpu<true>,
+                              XFETCH_BINDING, {ffi::Traits::kCmdBufferCompatible});
