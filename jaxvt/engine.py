@@ -106,11 +106,6 @@ class Engine:
     kv = jnp.float16 if self.ex.ggml else jnp.float32
     return sharding.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
 
-  @property
-  def prefill_ex(self):
-    """ex for prefill's programs: concurrent scheduling is decode's (Exec.concurrent)."""
-    return dataclasses.replace(self.ex, concurrent=False) if self.ex.concurrent else self.ex
-
   def kv_len(self, n: int) -> int:
     self._check_open()
     return bucket(n, KV_BUCKETS, self.max_context)
@@ -159,7 +154,7 @@ class Engine:
   def _prefill_call(self, tokens: list[int], cache: dict, start: int, T: int):
     """One prefill program of T >= len(tokens) positions from `start`."""
     args, kv_len = self._prefill_args(tokens, start, T)
-    logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.prefill_ex,
+    logits, cache = prefill_fn(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
                                kv_len=kv_len)
     return logits[0], cache
 
@@ -328,7 +323,7 @@ class Engine:
     cache = self.new_cache(1)
     for off, m, T in prefill_chunks(n, 0, self.prefill_chunk, self.max_context):
       args, kv_len = self._prefill_args([0] * m, off, T)
-      compiled = prefill_fn.compile(self.weights, cache, *args, cfg=self.cfg, ex=self.prefill_ex,
+      compiled = prefill_fn.compile(self.weights, cache, *args, cfg=self.cfg, ex=self.ex,
                                     kv_len=kv_len)
       logits_sharding, cache_shardings = compiled.output_shardings
       cache = spec(compiled.out_info[1], cache_shardings)  # as the next call takes it
@@ -428,13 +423,12 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True)
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
   kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic`
   fixes XLA's algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's
-  concurrent command-buffer scheduling (Exec.concurrent; on the H200 5% faster all in HBM, and
-  what lets the inline expert fetch overlap the layers; meshes keep XLA's default, unmeasured)."""
+  concurrent command-buffer scheduling (Exec.concurrent; meshes keep XLA's default)."""
   gpu = platform != "cpu"
-  one = par is None or getattr(par, "size", 1) == 1
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
               products=GPU_PRODUCTS if gpu and kernels else Products(),
-              deterministic=deterministic, concurrent=gpu and kernels and one)
+              deterministic=deterministic,
+              concurrent=gpu and kernels and getattr(par, "size", 1) == 1)
 
 
 def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,

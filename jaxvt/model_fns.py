@@ -56,8 +56,9 @@ def _forward(weights, cache, tokens, positions, cfg: ModelConfig, ex: Exec, kv_l
                           logits_at=logits_at)
 
 
-# programs.jit: jax.jit with the compiler options `ex.deterministic` asks for (jaxvt.programs)
-@programs.jit(static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
+# programs.jit: jax.jit with the compiler options `ex.deterministic` / `ex.concurrent` ask for
+# (jaxvt.programs); the concurrent scheduling is decode's (prefill keeps XLA's default)
+@programs.jit(concurrent=False, static_argnames=("cfg", "ex", "kv_len"), donate_argnames=("cache",))
 def prefill_fn(weights, cache, tokens, positions, valid, last, *, cfg: ModelConfig, ex: Exec,
                kv_len: int):
   """tokens/positions/valid [b, T]; last int32 [b] (index of each row's last real token).

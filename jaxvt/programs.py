@@ -60,22 +60,23 @@ def compiler_options(deterministic: bool, concurrent: bool = False) -> dict[str,
 class Program:
   """A jitted jaxvt program whose compiler options follow its static `ex` argument
   (`ex.deterministic`, `ex.concurrent`): jax.jit's call, `lower`, `trace` and `eval_shape`, one
-  jitted function per setting; and `compile`, which with the export store on (use_compile_cache) takes the
-  program from the store instead of tracing it (jaxvt.exports). Static arguments go by
-  keyword, the others by position."""
+  jitted function per setting; and `compile`, which with the export store on
+  (use_compile_cache) takes the program from the store instead of tracing it (jaxvt.exports).
+  Static arguments go by keyword, the others by position."""
 
-  def __init__(self, fun: Callable, **jit_kwargs):
+  def __init__(self, fun: Callable, concurrent: bool = True, **jit_kwargs):
     functools.update_wrapper(self, fun)
     self._fun, self._jit_kwargs = fun, jit_kwargs
+    self._concurrent = concurrent  # False: XLA's default scheduling whatever `ex` asks
     self._jits = {m: jax.jit(fun, compiler_options=compiler_options(*m), **jit_kwargs)
                   for m in ((True, False), (False, False), (True, True), (False, True))}
     self._compiled: dict = {}  # in-memory key -> jax.stages.Compiled (the store's path)
 
-  @staticmethod
-  def _mode(kwargs: Mapping[str, object]) -> tuple[bool, bool]:
+  def _mode(self, kwargs: Mapping[str, object]) -> tuple[bool, bool]:
     """(deterministic, concurrent) of a call's `ex`."""
     ex = kwargs.get("ex")
-    return bool(getattr(ex, "deterministic", True)), bool(getattr(ex, "concurrent", False))
+    return (bool(getattr(ex, "deterministic", True)),
+            self._concurrent and bool(getattr(ex, "concurrent", False)))
 
   def _pick(self, kwargs: Mapping[str, object]):
     return self._jits[self._mode(kwargs)]
@@ -156,10 +157,11 @@ class Program:
     return self._pick(kwargs).eval_shape(*args, **kwargs)
 
 
-def jit(**jit_kwargs) -> Callable[[Callable], Program]:
+def jit(concurrent: bool = True, **jit_kwargs) -> Callable[[Callable], Program]:
   """`@programs.jit(static_argnames=..., donate_argnames=...)`: jax.jit for a function with a
-  static `ex` (jaxvt.model.layers.Exec) argument."""
-  return lambda fun: Program(fun, **jit_kwargs)
+  static `ex` (jaxvt.model.layers.Exec) argument; concurrent=False: never compiled under the
+  concurrent scheduling, whatever `ex.concurrent` says."""
+  return lambda fun: Program(fun, concurrent, **jit_kwargs)
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:

@@ -32,29 +32,26 @@ def test_the_options_are_known_to_this_jaxlib():
   assert programs.compiler_options(False, True) == programs.CONCURRENT_OPTIONS
 
 
-def test_program_compiles_with_the_options_its_ex_asks_for(monkeypatch):
-  """A Program passes the deterministic options only to an `ex` with deterministic=True: with
-  an option XLA rejects in the set, that call fails and the other one compiles."""
-  monkeypatch.setattr(programs, "DETERMINISTIC_OPTIONS", {"xla_gpu_no_such_option": 1})
+@pytest.mark.parametrize("options,good,bad", [
+    ("DETERMINISTIC_OPTIONS", Exec(deterministic=False), Exec(deterministic=True)),
+    ("DETERMINISTIC_OPTIONS", Exec(deterministic=False), Exec()),  # deterministic by default
+    ("CONCURRENT_OPTIONS", Exec(deterministic=False), Exec(deterministic=False, concurrent=True)),
+])
+def test_program_compiles_with_the_options_its_ex_asks_for(monkeypatch, options, good, bad):
+  """A Program passes the deterministic (concurrent) options only to an `ex` asking for them:
+  with an option XLA rejects in the set, that call fails (called or compiled) and the other one
+  compiles."""
+  monkeypatch.setattr(programs, options, {"xla_gpu_no_such_option": 1})
 
   @programs.jit(static_argnames=("ex",))
   def f(x, *, ex):
     return x * 2
 
-  assert float(f(jnp.ones(2), ex=Exec(deterministic=False)).sum()) == 4.0
+  assert float(f(jnp.ones(2), ex=good).sum()) == 4.0
   with pytest.raises(Exception, match="No such compile option"):
-    f(jnp.ones(2), ex=Exec(deterministic=True))
+    f(jnp.ones(2), ex=bad)
   with pytest.raises(Exception, match="No such compile option"):
-    f.lower(jnp.ones(2), ex=Exec()).compile()  # deterministic by default
-  monkeypatch.setattr(programs, "CONCURRENT_OPTIONS", {"xla_gpu_no_such_option2": 1})
-
-  @programs.jit(static_argnames=("ex",))
-  def g(x, *, ex):
-    return x * 3
-
-  assert float(g(jnp.ones(2), ex=Exec(deterministic=False)).sum()) == 6.0
-  with pytest.raises(Exception, match="No such compile option"):
-    g(jnp.ones(2), ex=Exec(deterministic=False, concurrent=True))
+    f.lower(jnp.ones(2), ex=bad).compile()
 
 
 def test_env_flag():
@@ -112,13 +109,14 @@ def test_processes_and_budgets_agree():
 def test_exec_for_schedules_decode_concurrently_on_one_gpu():
   """One GPU: decode compiles under XLA's concurrent command-buffer scheduling, with the inline
   expert fetch; a mesh of several devices and the CPU keep XLA's default; prefill's programs
-  never take it (Engine.prefill_ex)."""
+  never take it (model_fns.prefill_fn)."""
   import types
-  from jaxvt import engine
+  from jaxvt import engine, model_fns
   one = engine.exec_for("cuda", True, None)
   assert one.concurrent and one.products.predict_inline and one.products.predict_after_host
   assert not engine.exec_for("cuda", True, types.SimpleNamespace(size=2)).concurrent
   assert not engine.exec_for("cpu", True, None).concurrent
   assert not engine.exec_for("cuda", False, None).concurrent
-  pre = engine.Engine.prefill_ex.fget(types.SimpleNamespace(ex=one))
-  assert not pre.concurrent and pre.products == one.products
+  assert model_fns.decode_fn._mode({"ex": one}) == (True, True)
+  assert model_fns.decode_loop_fn._mode({"ex": one}) == (True, True)
+  assert model_fns.prefill_fn._mode({"ex": one}) == (True, False)
