@@ -272,13 +272,16 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
       out.append(np.asarray(logits))
     return out, {k: np.asarray(v) for k, v in cache.items()}
 
-  (l_off, c_off), (l_on, c_on), (l_in, c_in) = run(off), run(on), run(inline)
-  for a, b, c in zip(l_on, l_off, l_in):
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(c, b)
-  for k in c_off:
-    np.testing.assert_array_equal(c_on[k], c_off[k])
-    np.testing.assert_array_equal(c_in[k], c_off[k])
+  # and two layers ahead where a device-tier layer comes between (two sets: qwen35moe only)
+  two = dataclasses.replace(inline, products=dataclasses.replace(inline.products,
+                                                                 predict_two_ahead=3))
+  l_off, c_off = run(off)
+  for ex in (on, inline, two):
+    l_ex, c_ex = run(ex)
+    for a, b in zip(l_ex, l_off):
+      np.testing.assert_array_equal(a, b)
+    for k in c_off:
+      np.testing.assert_array_equal(c_ex[k], c_off[k])
   cache = jax.eval_shape(lambda: decoder.init_cache(m.cfg, 1, n_ctx))
   one = (jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
   text = lambda ex: engine.decode_fn.lower(weights, cache, *one, cfg=m.cfg, ex=ex,
@@ -286,6 +289,8 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
   assert "jaxvt_prefetch_experts" in text(on) and "jaxvt_prefetch_experts" not in text(off)
   assert "jaxvt_prefetch_experts_inline" in text(inline)
   assert "jaxvt_prefetch_experts_inline" not in text(on)
+  # two layers ahead changes the program only where there are two ring sets (qwen35moe)
+  assert (text(two) != text(inline)) == (m.cfg.arch == "qwen35moe")
   assert "has_side_effect = true" not in text(on)
   # a prefill (many tokens) predicts nothing
   pre = engine.prefill_fn.lower(weights, cache, toks, jnp.arange(prompt, dtype=jnp.int32)[None],

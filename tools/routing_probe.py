@@ -14,6 +14,8 @@ is the one traced here), then reports per layer, over the decode tokens:
     L's router input (known before layer L's experts run): the share of layer L+1's actual
     top-k among them; and the share of the 2 and 4 most likely predicted experts that layer
     L+1 then uses (what a prefetch of that many would waste);
+  * prediction from two layers before (layer L+2's router on layer L's input, a copy with two
+    layers of compute to hide behind): the share of its 2 and 4 most likely that L+2 uses;
   * chance: k / E.
 
 The router weights come from the file (F32); nothing else is approximated.
@@ -48,9 +50,9 @@ def main(argv: list[str]) -> int:
     stash.append(logits)
     return orig_route(logits, *args, **kwargs)
 
-  def block(h, w, li, cfg, ex, rings=None):
+  def block(h, w, li, cfg, ex, rings=None, ring_set=0):
     stash.clear()
-    out = orig_block(h, w, li, cfg, ex, rings)
+    out = orig_block(h, w, li, cfg, ex, rings, ring_set)
     x = h.reshape(-1, h.shape[-1]).astype(np.float32)
     jax.debug.callback(lambda l, xx, lg: calls.append((int(l), np.asarray(xx), np.asarray(lg))),
                        li, x, stash[0])
@@ -82,8 +84,9 @@ def main(argv: list[str]) -> int:
   print(f"{a.model}: {L} layers, top-{k} of {E} experts, {n} greedy decode tokens after "
         f"{len(ids)} prompt tokens; chance {k / E:.3f}")
   print("| layer | reuse from the token before | LRU 16 | LRU 32 | LRU 64 | predicted from the "
-        f"layer before, top {k} | top {2 * k} | top 2 used | top 4 used |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        f"layer before, top {k} | top {2 * k} | top 2 used | top 4 used | two layers before, "
+        "top 2 used | top 4 used |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for l in range(L):
     reuse = np.mean([len(used[l][t] & used[l][t - 1]) / k for t in range(1, n)])
     lru = []
@@ -106,6 +109,11 @@ def main(argv: list[str]) -> int:
               for m in (k, 2 * k)]
       pred += [f"{np.mean([len(topk(guess[t], m) & used[l][t]) / m for t in range(n)]):.3f}"
                for m in (2, 4)]
+    pred += ["-"] * 2
+    if l > 1:
+      guess2 = [R[l] @ by_layer[l - 2][t][0] for t in range(n)]
+      pred[4:] = [f"{np.mean([len(topk(guess2[t], m) & used[l][t]) / m for t in range(n)]):.3f}"
+                  for m in (2, 4)]
     print(f"| {l} | {reuse:.3f} | " + " | ".join([f"{h:.3f}" for h in lru] + pred) + " |")
   return 0
 

@@ -93,7 +93,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   rings = moe.Rings(moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t)),
                     moe.start_expert_rings(w, moe.predicted(w, cfg, ex, b * t), sets))
   if rings.experts:
-    w = moe.next_router(w)
+    w = moe.next_router(w, two=sets == 2 and ex.products.predict_two_ahead > 0)
 
   def body(carry, p):
     x, cache, rings = carry
