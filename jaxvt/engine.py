@@ -421,14 +421,13 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True)
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
   it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
-  kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic`
-  fixes XLA's algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's
-  concurrent command-buffer scheduling (Exec.concurrent; meshes keep XLA's default)."""
-  gpu = platform != "cpu"
+  kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic` fixes XLA's
+  algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's concurrent
+  command-buffer scheduling (Exec.concurrent; meshes keep XLA's default)."""
+  gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              products=GPU_PRODUCTS if gpu and kernels else Products(),
-              deterministic=deterministic,
-              concurrent=gpu and kernels and getattr(par, "size", 1) == 1)
+              products=GPU_PRODUCTS if gpu else Products(), deterministic=deterministic,
+              concurrent=gpu and getattr(par, "size", 1) == 1)
 
 
 def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
