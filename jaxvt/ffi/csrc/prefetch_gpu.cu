@@ -57,7 +57,7 @@ namespace {
 
 constexpr int kCopyThreads = 256;
 constexpr int kInFlight = 4;  // 16-byte loads per thread issued before their stores
-constexpr int kInlineBlocks = 8;  // blocks a slot of the inline expert fetch, by default (H200: 4-8 best)
+constexpr int kInlineBlocks = 8;  // blocks a slot of the inline expert fetch (H200: 4-8 best)
 constexpr int64_t kSpinLimit = int64_t{1} << 22;  // gpuSleep()s before take gives up (seconds)
 
 // The grid's share of copying nbytes from src to dst (16-byte aligned): thread t of the grid's
@@ -212,8 +212,8 @@ __global__ void xintent_kernel(XStacks st, const int32_t* target, const int32_t*
   h->slot = x.slot;
 }
 
-// On jaxvt's stream (on XLA's for the inline fetch): block (b, j, i) copies its share of slot j of stack i; the slot's last block
-// sets the slot's tag (after a fence).
+// On jaxvt's stream (on XLA's for the inline fetch): block (b, j, i) copies its share of slot j
+// of stack i; the slot's last block sets the slot's tag (after a fence).
 __global__ void __launch_bounds__(kCopyThreads)
 xcopy_kernel(XStacks st, int64_t experts, int rslot) {
   const int j = blockIdx.y, i = blockIdx.z;
