@@ -14,7 +14,7 @@ import pytest
 from jaxvt import ffi
 
 
-from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
+from gpu_cases import OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_ffi import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
 from test_ffi import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: E402
@@ -37,10 +37,7 @@ del test_ggml_rope_kernel, test_ggml_attention_kernel, test_kernels_equal_refere
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
-
-@pytest.fixture(scope="module")
-def device():
-  return GPU
+from gpu_cases import device, tier  # noqa: E402,F401,F811  (the GPU ones)
 
 
 @pytest.fixture(params=["f32", "q8"])
@@ -48,13 +45,6 @@ def mode(request):
   """"f32", and "q8": ggml's integer products (the GPU default). "ggml" mode's other steps
   (norms, RoPE, attention in ggml's rounding) are a CPU contract."""
   return request.param
-
-
-@pytest.fixture(scope="module")
-def tier():
-  from jaxvt.offload.host_tier import HostTier
-  with HostTier(backend="gpu") as t:
-    yield t
 
 
 def test_tier_is_pinned_and_device_mapped(tier):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
+from gpu_cases import OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_gdn_step import *  # noqa: E402,F401,F403  (the same tests; the device fixture below)
 
@@ -16,7 +16,4 @@ del test_shape_errors  # the wrapper's checks, before any kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
-
-@pytest.fixture(scope="module")
-def device():
-  return GPU
+from gpu_cases import device  # noqa: E402,F401,F811  (the GPU one)

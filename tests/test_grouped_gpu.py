@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
+from gpu_cases import OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_grouped import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
 from test_grouped import ALL, E, NAMES, Q4_K, Q6_K, check, grouped, grouped_ref, put, routing  # noqa: E402
@@ -21,17 +21,7 @@ del test_grouped_user_errors  # CPU-only: nothing device-specific
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
-
-@pytest.fixture(scope="module")
-def device():
-  return GPU
-
-
-@pytest.fixture(scope="module")
-def tier():
-  from jaxvt.offload.host_tier import HostTier
-  with HostTier(backend="gpu") as t:
-    yield t
+from gpu_cases import device, tier  # noqa: E402,F401,F811  (the GPU ones)
 
 
 @pytest.fixture(scope="module")

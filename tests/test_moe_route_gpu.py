@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
+from gpu_cases import OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_moe_route import *  # noqa: E402,F401,F403  (the same tests; `device` overridden below)
 
@@ -18,7 +18,4 @@ del test_wide_routers_and_bad_k  # lowering and argument checks: no kernel runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
-
-@pytest.fixture(scope="module")
-def device():
-  return GPU
+from gpu_cases import device  # noqa: E402,F401,F811  (the GPU one)

@@ -9,20 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_cases import GPU, OK as _OK, REASON as _REASON  # noqa: E402
+from gpu_cases import OK as _OK, REASON as _REASON  # noqa: E402
 
 from test_prefetch import *  # noqa: E402,F401,F403  (the same tests; fixtures overridden below)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
-
-@pytest.fixture(scope="module")
-def device():
-  return GPU
-
-
-@pytest.fixture(scope="module")
-def tier():
-  from jaxvt.offload.host_tier import HostTier
-  with HostTier(backend="gpu") as t:
-    yield t
+from gpu_cases import device, tier  # noqa: E402,F401,F811  (the GPU ones)
