@@ -360,13 +360,18 @@ struct LayerRef {
   int fmt;              // ggml type id
 };
 
+// Entry l of a layer table (uint32 [L, 2]: lo, hi): a host address, or a device-tier row index.
+JV_HD uint64_t table_entry(const uint32_t* table, int64_t l) {
+  return static_cast<uint64_t>(table[2 * l]) | (static_cast<uint64_t>(table[2 * l + 1]) << 32);
+}
+
 // table: uint32 [L, 2] (lo, hi); fmts: int32 [L]; data: the device-tier stack [n, stride].
 // The layer index is clamped into [0, L) like a JAX dynamic index.
 JV_HD LayerRef resolve_layer(const uint8_t* data, int64_t stride, const uint32_t* table,
                              const int32_t* fmts, int64_t n_layers, int32_t layer) {
   int64_t l = layer < 0 ? 0 : (layer >= n_layers ? n_layers - 1 : layer);
   int32_t f = fmts[l];
-  uint64_t v = static_cast<uint64_t>(table[2 * l]) | (static_cast<uint64_t>(table[2 * l + 1]) << 32);
+  const uint64_t v = table_entry(table, l);
   LayerRef r;
   r.fmt = f & kFmtMask;
   r.base = (f & kHostBit) ? reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v))

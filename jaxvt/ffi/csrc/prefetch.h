@@ -64,8 +64,7 @@ JV_HD Source source(const uint32_t* table, const int32_t* fmts, int64_t n_layers
   Source s{nullptr, 0};
   if (target < 0 || target >= n_layers || !(fmts[target] & kHostBit)) return s;
   const int f = fmts[target] & kFmtMask;
-  const uint64_t v = static_cast<uint64_t>(table[2 * target]) |
-                     (static_cast<uint64_t>(table[2 * target + 1]) << 32);
+  const uint64_t v = table_entry(table, target);
   const int64_t n = row_bytes(f, cols) * rows * (experts > 0 ? experts : 1);
   if (n <= 0 || n > capacity) return s;
   s.src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v));
@@ -144,8 +143,7 @@ JV_HD Source expert_source(const uint32_t* table, const int32_t* fmts, int64_t n
   if (l < 0 || l >= n_layers || e < 0 || e >= experts || !(fmts[l] & kHostBit)) return s;
   const int64_t n = row_bytes(fmts[l] & kFmtMask, cols) * rows;
   if (n <= 0 || n > slot) return s;
-  const uint64_t v = static_cast<uint64_t>(table[2 * l]) |
-                     (static_cast<uint64_t>(table[2 * l + 1]) << 32);
+  const uint64_t v = table_entry(table, l);
   s.src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v)) + e * n;
   s.nbytes = n;
   return s;
