@@ -525,49 +525,50 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                      "model's trained context); pick a value in that range")
   par = layout(cfg, mesh_mod.parse(mesh), device)
   device = par.devices[0]
-  if kernels is None:
-    kernels = ffi.available(device.platform)
-  overlap = while_loading is not None and par.size == 1
-  if tokenizer is not None or overlap:  # the early Engine needs it before anything is placed
-    tokenizer = _file_tokenizer(m, tokenizer)
-  else:  # built last (below), checked before anything is placed
-    Tokenizer.check_metadata(m.gguf.metadata)
-  ex = exec_for(device.platform, kernels, par, deterministic)
-  # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
-  # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
-  # shapes before any weight is placed (Placed.settle). One device only.
-  seconds = []
-  workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds)
-  placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
-                max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
-                mesh=par, prefill_chunk=prefill_chunk,
-                workspace_of=workspace_of if par.size == 1 else None)
-  if on_plan:
-    on_plan(placed)
-  host_tier = HostTier() if placed.host_bytes else None
-  times = loader.LoadTimes()
-  early, warm_seconds = None, 0.0
-  tp = time.perf_counter()
-  placing = lambda: place(m, placed, par, host=host_tier, progress=progress, times=times)
-  try:
-    if overlap:  # compile on this thread while loader threads place the weights
-      job = loader.Placing(placing)
-      try:
-        early = Engine(cfg=cfg, ex=ex, weights=loader.abstract_weights(m, placed.placement, par),
-                       tokenizer=tokenizer, max_context=max_context, path=m.path,
-                       prefill_chunk=placed.shape.prefill_chunk)
-        while_loading(early)
-      finally:
-        warm_seconds = time.perf_counter() - tp
-        job.result()  # the weights are written before anything is freed; placing's error first
-      weights, place_seconds = job.result(), job.seconds
-    else:
-      weights = placing()
-      place_seconds = time.perf_counter() - tp
-  except BaseException:
-    if host_tier is not None:
-      host_tier.close()
-    raise
+  with programs.BackendStart(device):  # XLA's lazy start, beside the plan (programs.py)
+    if kernels is None:
+      kernels = ffi.available(device.platform)
+    overlap = while_loading is not None and par.size == 1
+    if tokenizer is not None or overlap:  # the early Engine needs it before anything is placed
+      tokenizer = _file_tokenizer(m, tokenizer)
+    else:  # built last (below), checked before anything is placed
+      Tokenizer.check_metadata(m.gguf.metadata)
+    ex = exec_for(device.platform, kernels, par, deterministic)
+    # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
+    # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
+    # shapes before any weight is placed (Placed.settle). One device only.
+    seconds = []
+    workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds)
+    placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
+                  max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
+                  mesh=par, prefill_chunk=prefill_chunk,
+                  workspace_of=workspace_of if par.size == 1 else None)
+    if on_plan:
+      on_plan(placed)
+    host_tier = HostTier() if placed.host_bytes else None
+    times = loader.LoadTimes()
+    early, warm_seconds = None, 0.0
+    tp = time.perf_counter()
+    placing = lambda: place(m, placed, par, host=host_tier, progress=progress, times=times)
+    try:
+      if overlap:  # compile on this thread while loader threads place the weights
+        job = loader.Placing(placing)
+        try:
+          early = Engine(cfg=cfg, ex=ex, weights=loader.abstract_weights(m, placed.placement, par),
+                         tokenizer=tokenizer, max_context=max_context, path=m.path,
+                         prefill_chunk=placed.shape.prefill_chunk)
+          while_loading(early)
+        finally:
+          warm_seconds = time.perf_counter() - tp
+          job.result()  # the weights are written before anything is freed; placing's error first
+        weights, place_seconds = job.result(), job.seconds
+      else:
+        weights = placing()
+        place_seconds = time.perf_counter() - tp
+    except BaseException:
+      if host_tier is not None:
+        host_tier.close()
+      raise
   eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer,
                max_context=max_context, path=m.path,
                load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,

@@ -290,6 +290,46 @@ class CompileCounter:
     return self.compiles, self.cache_hits, self.seconds
 
 
+class BackendStart:
+  """On the H200 the first transfer to a GPU in a process takes 1.6-1.75 s (the backend's lazy
+  start: a one-element device_put; the first program after it 0.13 s more), and the load's
+  first program (the device arrays) paid it on the first token's path (tools/arrays_probe.py:
+  1.6-2.7 s for a one-element program first). `with BackendStart(device):` puts a scalar on the
+  device and runs a one-element program on a thread of its own, while the load opens the file,
+  builds the tokenizer and plans (the start does not hold the GIL: 1.67 s for both where they
+  took 2.74-2.93 s one after the other), and waits for it on the way out (nothing of JAX's is
+  left running when a load fails). Not on the CPU (nothing to start). Its error is dropped:
+  the load's own programs meet the same one."""
+
+  SKIP = ("cpu",)  # platforms whose first program costs nothing worth a thread
+
+  def __init__(self, device):
+    self._thread = None
+    if device.platform not in self.SKIP:
+      self._thread = threading.Thread(target=self._start, args=(device,), name="jaxvt-backend",
+                                      daemon=True)
+
+  @classmethod
+  def _start(cls, device) -> None:
+    try:
+      cls._run(device)
+    except Exception:  # pylint: disable=broad-except  (the load's first program raises it)
+      pass
+
+  @staticmethod
+  def _run(device) -> None:
+    jax.jit(lambda x: x + 1)(jax.device_put(0, device)).block_until_ready()
+
+  def __enter__(self) -> "BackendStart":
+    if self._thread is not None:
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._thread is not None:
+      self._thread.join()
+
+
 @functools.cache
 def compile_counter() -> CompileCounter:
   """The process's CompileCounter (registered on first use)."""

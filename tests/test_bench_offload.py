@@ -132,6 +132,10 @@ def test_peer_goals_pair_rows_of_one_run():
   assert "160.0 vs 240.0 tok/s = 0.67x (-ngl 99)" in g[0][2]
   assert "--n-cpu-moe 8" in g[1][2] and "0.80x" in g[1][2] and "1.02x" in g[2][2]
   assert "0.40x" in g[7][2]
+  # a miss that two decimals would round up to the goal shows a third (1.2957 is not 1.30)
+  rows[1].decode_tok_s, rows[4].decode_tok_s = 156.65, 120.9
+  g = offload_report.peer_goals(rows)
+  assert g[1][1] == "MISSED" and "= 1.296x" in g[1][2], g[1]
   g = offload_report.peer_goals(rows[:3])
   assert [v for _, v, _ in g] == ["NOT RUN"] * 3 + ["NOT RUN", "MISSED", "NOT RUN", "NOT RUN",
                                                      "NOT RUN"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 
 import jax
 import numpy as np
@@ -222,6 +224,42 @@ def test_an_error_while_loading_waits_for_the_weights(moe_file, monkeypatch):
     jaxvt.load(moe_file, max_context=64, offload_gb=64, while_loading=fails)
   (tier,) = _Recording.tiers
   assert tier.closed and tier.ended == tier.started > 0 and tier.open_fills_at_close == 0
+
+
+@pytest.mark.parametrize("device_gb", [None, 0.001])
+def test_the_backend_starts_beside_the_plan_and_is_waited_for(moe_file, monkeypatch, device_gb):
+  """load runs a first program on a thread of its own (programs.BackendStart) from before the
+  plan, and returns or raises only after it ended; its error is dropped (a device of 0.001 GiB
+  is refused by the plan, so that load raises while the thread still runs)."""
+  monkeypatch.setattr(programs.BackendStart, "SKIP", ())
+  seen = {}
+  run = programs.BackendStart._run  # pylint: disable=protected-access
+
+  def slow(device):
+    seen["thread"] = threading.current_thread().name
+    time.sleep(0.5)
+    run(device)  # the real first program, on the CPU device
+    seen["ended"] = time.perf_counter()
+    raise RuntimeError("dropped")
+
+  monkeypatch.setattr(programs.BackendStart, "_run", staticmethod(slow))
+  if device_gb:
+    with pytest.raises(JaxvtError, match="no budget is safe"):
+      jaxvt.load(moe_file, max_context=64, device_gb=device_gb)
+    out = time.perf_counter()
+  else:
+    eng = jaxvt.load(moe_file, max_context=64)
+    out = time.perf_counter()
+    assert eng.generate(PROMPT, max_tokens=2).tokens
+    eng.close()
+  assert seen["thread"] == "jaxvt-backend" and seen["ended"] <= out
+  assert not any(t.name == "jaxvt-backend" for t in threading.enumerate())
+
+
+def test_the_backend_start_is_skipped_on_the_cpu():
+  start = programs.BackendStart(jax.devices("cpu")[0])
+  with start:
+    assert start._thread is None  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("offload_gb", [0.0, 0.02])
