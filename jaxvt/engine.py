@@ -507,11 +507,11 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   JAXVT_EXPORT_STORE=0: off). `while_loading(engine)`: runs on this thread while loader threads
   place the weights, given an Engine whose tokenizer is built and whose weights are only their
   shapes and shardings (loader.abstract_weights): compile there what the first call will run
-  (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits the
-  record of what was warmed); running the model there fails. On a mesh of several devices it
-  runs after the weights are placed. `tokenizer`: one built from this very file (carrying its
-  GGUFFile.identity; the CLI builds it before JAX starts), taken instead of building another;
-  JaxvtError if it is another file's, or the file changed since."""
+  (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits what was
+  warmed); running the model there fails. On a mesh of several devices it runs after the
+  weights are placed. `tokenizer`: one built from this very file (its GGUFFile.identity; the
+  CLI builds it before JAX starts), taken instead of building another; JaxvtError if it is
+  another file's, or the file changed since."""
   t0 = time.perf_counter()
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
@@ -534,9 +534,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     else:  # built last (below), checked before anything is placed
       Tokenizer.check_metadata(m.gguf.metadata)
     ex = exec_for(device.platform, kernels, par, deterministic)
-    # Where memory is planned tight, the planner replaces its workspace estimate by XLA's own
-    # analysis of each candidate plan's largest prefill, compiled ahead of time from the weights'
-    # shapes before any weight is placed (Placed.settle). One device only.
+    # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
+    # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []
     workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds)
     placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
@@ -577,11 +576,10 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                place_seconds=place_seconds, load_times=times)
   if early is not None:
     eng.warmed = early.warmed  # compiled against the weights' shapes: the same programs
-  # A mesh planned tight (offloaded, or --device-gb) checks its plan again with XLA's analysis
-  # of the largest prefill per device (one device did so before placing).
-  # Unless it was given or the early Engine needed it, the tokenizer is built last: its
-  # vocabulary's many small objects, alive while the weights were placed, shared heap arenas
-  # with objects JAX keeps for good (RSS grew ~1 MiB a load).
+  # A mesh planned tight (offloaded, or --device-gb) checks its plan again with XLA's analysis of
+  # the largest prefill per device (one device did so before placing). The tokenizer, unless
+  # given or needed early, is built last: its vocabulary's many small objects, alive while the
+  # weights were placed, shared heap arenas with objects JAX keeps (RSS grew ~1 MiB a load).
   try:
     if par.size > 1 and (placed.host_bytes or device_gb is not None):
       ws = xla_workspace_bytes(eng)
