@@ -5,13 +5,13 @@
                                [--max-context 1024] [--pattern exps]
 
 Loads the model once at the budget (max context 1024 by default, the sweep's), then generates
---tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S[:T]][@B][+c] of
-Products.predict_after_host : predict_after_device [: predict_sets [: predict_two_ahead]]
-("off": 0:0; @B the inline
-fetch with B blocks an expert; +c XLA's concurrent command-buffer scheduling:
+--tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S][@B][/K][+c] of
+Products.predict_after_host : predict_after_device [: predict_sets] ("off": 0:0; @B the inline
+fetch with B blocks an expert; /K predict_scans; +c XLA's concurrent command-buffer scheduling:
 jaxvt.bench.profile.predict_exec), in rounds (each variant once a round, the first round
-compiles), and prints each variant's decode tok/s (the best round, and every round), the routed
-experts' host-tier layers, and whether its tokens equal the first variant's.
+compiles), and prints each variant's decode tok/s (the best round, and every round), its first
+round's seconds (the programs' compile with it), the routed experts' host-tier layers, and
+whether its tokens equal the first variant's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
 import numpy as np
 
@@ -52,11 +53,13 @@ def main(argv: list[str]) -> int:
     host = eng.weights["moe.w_gate"].meta.host_layers if "moe.w_gate" in eng.weights else ()
     gib = math.ceil(eng.plan.plan.budget_bytes / 2**30 * 1e4) / 1e4 if eng.plan is not None else 0.0
     rates = {n: [] for n in names}
-    toks = {}
+    toks, first_s = {}, {}
     for _ in range(a.rounds + 1):  # the first round compiles each
       for n in names:
         eng.ex = exs[n]
+        t0 = time.perf_counter()
         g = eng.generate(ids, max_tokens=a.tokens)
+        first_s.setdefault(n, time.perf_counter() - t0)
         rates[n].append(g.stats.decode_tok_s)
         toks[n] = g.tokens
     eng.ex = base
@@ -69,7 +72,7 @@ def main(argv: list[str]) -> int:
     ok &= same
     print(f"  predict {n:>5}: decode {max(rates[n][1:]):7.2f} tok/s "
           f"{[round(r, 2) for r in rates[n][1:]]}; x{max(rates[n][1:]) / max(rates[first][1:]):.3f}"
-          f" of {first}; same tokens as {first}: {same}")
+          f" of {first}; first round {first_s[n]:.2f} s; same tokens as {first}: {same}")
   return 0 if ok else 1
 
 
