@@ -232,16 +232,15 @@ def moe8(tmp_path_factory, request):
   return path
 
 
-def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier, monkeypatch):
+def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
   """Routed experts of layers 1, 2, 5 (and layer 7's down only) in the host tier: 10 greedy decode
   steps with the predicted experts copied ahead give the logits and cache of the same program
   reading every expert in place, bit for bit (qwen35moe: a period of 4 layers, two ring sets;
-  qwen3moe: 1, one set), with the layer loop in one scan or cut into scans (moe.predict_scans);
-  the program holds the expert fetches only when asked, only at one token, and only in the
-  layers the scans' plan names."""
+  qwen3moe: 1, one set); the program holds the expert fetches only when asked, and only at one
+  token."""
   import dataclasses
   from jaxvt import engine, loader
-  from jaxvt.model import decoder, moe
+  from jaxvt.model import decoder
   from jaxvt.model.layers import Products
   from jaxvt.model.sharding import one_device
   from test_prefetch import routed_on_host
@@ -273,47 +272,25 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier, monke
       out.append(np.asarray(logits))
     return out, {k: np.asarray(v) for k, v in cache.items()}
 
-  # the layer loop in one scan (the fetch wherever any period needs it; the plan cuts it only
-  # for many periods), and cut after every period, fetching in every other one (any plan gives
-  # the same bits: the scans carry the cache and the rings on)
-  one = dataclasses.replace(inline, products=dataclasses.replace(inline.products,
-                                                                 predict_scans=1))
-  real, CUT = moe.predict_scans, 99
-
-  def forced(hosts, n_layers, period, scans):
-    if scans != CUT:
-      return real(hosts, n_layers, period, scans)
-    return tuple((p, p + 1, ("" if p % 2 else "both",) * period)
-                 for p in range(n_layers // period))
-
-  monkeypatch.setattr(moe, "predict_scans", forced)
-  cut = dataclasses.replace(inline, products=dataclasses.replace(inline.products,
-                                                                 predict_scans=CUT))
+  # and two layers ahead where a device-tier layer comes between (two sets: qwen35moe only)
+  two = dataclasses.replace(inline, products=dataclasses.replace(inline.products,
+                                                                 predict_two_ahead=3))
   l_off, c_off = run(off)
-  for ex in (on, inline, one, cut):
+  for ex in (on, inline, two):
     l_ex, c_ex = run(ex)
     for a, b in zip(l_ex, l_off):
       np.testing.assert_array_equal(a, b)
     for k in c_off:
       np.testing.assert_array_equal(c_ex[k], c_off[k])
   cache = jax.eval_shape(lambda: decoder.init_cache(m.cfg, 1, n_ctx))
-  one_tok = (jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
-  text = lambda ex: engine.decode_fn.lower(weights, cache, *one_tok, cfg=m.cfg, ex=ex,
+  one = (jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
+  text = lambda ex: engine.decode_fn.lower(weights, cache, *one, cfg=m.cfg, ex=ex,
                                            kv_len=n_ctx).as_text()
   assert "jaxvt_prefetch_experts" in text(on) and "jaxvt_prefetch_experts" not in text(off)
   assert "jaxvt_prefetch_experts_inline" in text(inline)
   assert "jaxvt_prefetch_experts_inline" not in text(on)
-  # the fetches the program holds: one per fetching layer of each scan's body (two where the
-  # device picks the kind and there are two ring sets)
-  hosts = [weights[n].meta.host_layers for n in moe.ROUTED]
-  P = len(decoder.layer_period(m.cfg))
-  sets = 2 if P % 2 == 0 else 1
-  calls = {"": 0, "after_device": 1, "after_host": 1, "both": sets}
-  for ex in (inline, one, cut):
-    plan = moe.predict_scans(hosts, m.cfg.n_layers, P, ex.products.predict_scans)
-    want = sum(calls[f] for _, _, fs in plan for f in fs)
-    assert text(ex).count("@jaxvt_prefetch_experts_inline(") == want, plan
-  assert len(moe.predict_scans(hosts, m.cfg.n_layers, P, CUT)) == m.cfg.n_layers // P
+  # two layers ahead changes the program only where there are two ring sets (qwen35moe)
+  assert (text(two) != text(inline)) == (m.cfg.arch == "qwen35moe")
   assert "has_side_effect = true" not in text(on)
   # a prefill (many tokens) predicts nothing
   pre = engine.prefill_fn.lower(weights, cache, toks, jnp.arange(prompt, dtype=jnp.int32)[None],

@@ -56,9 +56,6 @@
 #                                       # the 16 GiB card with this build and .dev/prev's (carry
 #                                       # both); an 8192-token prompt at auto on the 16 GiB card
 #   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it)
-#   bash tools/h200_session.sh scans    # llama-bench built in the background; the expert-ring GPU
-#                                       # tests and the determinism test; decode at auto on the
-#                                       # 16 GiB card by predict_scans (SCANS_V: the variants)
 #   bash tools/h200_session.sh predict  # llama-bench built in the background; the expert-ring
 #                                       # and prefetch GPU tests; decode with the next host-tier
 #                                       # layer's likeliest experts copied ahead, by how many
@@ -465,19 +462,6 @@ if [ "$what" = det ]; then  # #16: two processes, every budget (auto's layers ev
   start_llama
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
-  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
-fi
-if [ "$what" = scans ]; then
-  start_llama
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
-    tests/test_prefetch_experts_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
-    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -4 "$OUT/determinism.txt"
-  model; echo "tests and model $(( $(date +%s) - t0 )) s"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${AUTO_S:-240} python3 tools/predict_rate.py \
-    --model $M --offload-gb auto --device-gb 16 --rounds 2 \
-    --variants ${SCANS_V:-2:2@8/1+c,2:2@8+c,2:2@8/2+c} > "$OUT/predict_auto.txt" 2>&1
-  grep "predict \|budget\|Error" "$OUT/predict_auto.txt" | tail -8
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
 fi
 if [ "$what" = predict ]; then

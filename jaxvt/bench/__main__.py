@@ -63,9 +63,7 @@ def main(argv=None) -> int:
   f.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
   f.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
   f.add_argument("--predict", default=None,
-                 help="H:D[:S][@B][/K]: Products.predict_after_host, predict_after_device "
-                      "(predict_sets; @B the inline fetch with B blocks an expert; /K "
-                      "predict_scans)")
+                 help="H:D[:S]: Products.predict_after_host, predict_after_device (predict_sets)")
   d = sub.add_parser("determinism", help="same tokens across processes and budgets; its cost")
   d.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
   d.add_argument("--configs", default="0,all,auto",

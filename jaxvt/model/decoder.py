@@ -11,8 +11,6 @@ Block: h = x + mixer(norm(x)); out = h + ffn(norm(h)), the FFN dense SwiGLU or M
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -59,10 +57,10 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
 
 
 def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: moe.Rings,
-         ring_set: int, fetch: str):
+         ring_set: int):
   """(the FFN's output, rings): rings (moe.Rings) carry the host-tier experts copied ahead."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex, rings, ring_set, fetch)
+    return moe.moe_block(h, w, li, cfg, ex, rings, ring_set)
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
                        ex), rings
 
@@ -92,18 +90,12 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   # two sets of expert rings alternate by layer where a period's layers are even (the parity of
   # a layer is then that of its place in the period, known when tracing)
   sets = 2 if P % 2 == 0 and ex.products.predict_sets == 2 else 1
-  predicted = moe.predicted(w, cfg, ex, b * t)
   rings = moe.Rings(moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t)),
-                    moe.start_expert_rings(w, predicted, sets))
-  # the layers run as scans over periods; with expert rings the scans are cut so that the next
-  # layer's router and fetch run only at the positions where a scan's periods need them
-  scans = ((0, cfg.n_layers // P, ("",) * P),)
+                    moe.start_expert_rings(w, moe.predicted(w, cfg, ex, b * t), sets))
   if rings.experts:
-    w = moe.next_router(w)
-    scans = moe.predict_scans([w[n].meta.host_layers for n in predicted], cfg.n_layers, P,
-                              ex.products.predict_scans)
+    w = moe.next_router(w, two=sets == 2 and ex.products.predict_two_ahead > 0)
 
-  def body(fetches, carry, p):
+  def body(carry, p):
     x, cache, rings = carry
     cache = dict(cache)
     a_j = g_j = 0
@@ -125,15 +117,12 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
       x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
-        y, rings = _ffn(h, w, li, cfg, ex, rings, j % sets, fetches[j])
+        y, rings = _ffn(h, w, li, cfg, ex, rings, j % sets)
         x = x + y
     return (x, cache, rings), None
 
-  carry = (x, cache, rings)
-  for first, end, fetches in scans:
-    carry, _ = jax.lax.scan(functools.partial(body, fetches), carry,
-                            jnp.arange(first, end, dtype=jnp.int32))
-  x, cache, rings = carry
+  (x, cache, rings), _ = jax.lax.scan(body, (x, cache, rings),
+                                      jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
   x = moe.join_rings(x, rings)
   if logits_at is not None:
     x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]

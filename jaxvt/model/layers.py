@@ -100,11 +100,10 @@ class Products:
   runs on XLA's stream as a kernel XLA may capture in its command buffers (no break a layer;
   under the concurrent scheduling mode it runs beside the work that does not touch the rings)
   with predict_blocks blocks an expert (0: the extension's default), instead of on a stream of
-  jaxvt's own. predict_scans: decode's layer loop (with rings) is cut into at most this many
-  scans (0: as many as pay), so that the next layer's router and the fetch run only in the
-  layers before a host-tier layer, not in every layer of one scan (moe.predict_scans; each scan's
-  body compiles apart: on the CPU the decode program of a 40-layer qwen35moe with 9 host-tier
-  layers took 1.8 s to lower and compile in one scan, 3.1 s in three, 5.9 s in six).
+  jaxvt's own. predict_two_ahead: with two ring sets, a host-tier layer l + 2 that follows a
+  device-tier layer l + 1 gets that many of its likeliest experts (its router applied to layer
+  l's MoE input) copied after layer l's down product, with two layers of compute to hide
+  behind, instead of the predict_after_device ones after layer l + 1's router; 0: never.
   """
 
   tiled_rows: int = 0
@@ -118,7 +117,7 @@ class Products:
   predict_after_host: int = 0
   predict_after_device: int = 0
   predict_sets: int = 2
-  predict_scans: int = 4
+  predict_two_ahead: int = 0
   predict_inline: bool = False
   predict_blocks: int = 0
 

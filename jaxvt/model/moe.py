@@ -117,6 +117,7 @@ def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Arr
 ROUTED = ("moe.w_gate", "moe.w_up", "moe.w_down")
 STAGE = {"moe.w_gate": "gate", "moe.w_up": "up", "moe.w_down": "down"}
 NEXT_ROUTER = "moe.router@next"  # decode's view of layer l + 1's router at index l (next_router)
+NEXT2_ROUTER = "moe.router@next2"  # and of layer l + 2's (Products.predict_two_ahead)
 
 
 class Rings(NamedTuple):
@@ -145,7 +146,7 @@ def predicted(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str, 
   the per-slot experts kernels)."""
   p = ex.products
   if (not cfg.is_moe or not ex.kernels or n_tokens != 1
-      or not (p.predict_after_host or p.predict_after_device)
+      or not (p.predict_after_host or p.predict_after_device or p.predict_two_ahead)
       or p.experts(cfg.n_experts_used) != "matvec" or (ex.par is not None and ex.par.size > 1)):
     return ()
   return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
@@ -159,62 +160,15 @@ def start_expert_rings(w: dict, names: tuple[str, ...], sets: int) -> tuple[dict
   return tuple({n: prefetch.new_expert_ring(w[n].meta) for n in names} for _ in range(sets))
 
 
-def next_router(w: dict) -> dict:
+def next_router(w: dict, two: bool = False) -> dict:
   """w with NEXT_ROUTER: the router stack seen one layer on (index l reads layer l + 1's router;
-  the last index wraps to layer 0, whose prediction targets no layer). Built once, outside the
-  layer scan: the same data, its table and formats rolled."""
+  the last index wraps to layer 0, whose prediction targets no layer), and with `two`
+  NEXT2_ROUTER, seen two layers on. Built once, outside the layer scan: the same data, its table
+  and formats rolled."""
   r = w["moe.router"]
-  return dict(w, **{NEXT_ROUTER: dataclasses.replace(r, table=jnp.roll(r.table, -1, axis=0),
-                                                     fmts=jnp.roll(r.fmts, -1))})
-
-
-def predict_scans(hosts, n_layers: int, period: int,
-                  scans: int) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
-  """Decode's layer loop, with expert rings, as consecutive scans over periods of `period`
-  layers: ((first period, end period, fetches), ...), fetches[j] what layer li (the period's
-  j-th) does about layer li + 1's likeliest experts in every period of that scan: "" nothing
-  (li + 1 is a host-tier layer of no stack of `hosts`, the stacks' host-tier layers, in any of
-  the scan's periods: neither the next router nor the fetch runs), "after_device" /
-  "after_host" (wherever li + 1 is host-tier in a stack, li is device-tier / host-tier there:
-  moe_block's one fetch of that kind), "both" (either: both fetches, the device picks). A scan
-  fetches at a position of its period if any of its periods needs it there. The scans (at most
-  `scans`; 0: no limit) are cut where the layers that fetch, plus a period's length for each
-  scan after the first (its body is compiled apart: a cut must spare more fetches than that),
-  are fewest; then into the fewest scans. Pure: a traced program's plan, from static placement."""
-  hosts = [frozenset(h) for h in hosts]
-  every = frozenset().union(*hosts)
-  n = n_layers // period
-  need = [[p * period + j + 1 < n_layers and p * period + j + 1 in every
-           for j in range(period)] for p in range(n)]
-  cost = {}  # (a, b): layers fetching in one scan over periods [a, b)
-  for a in range(n):
-    used = [False] * period
-    for b in range(a + 1, n + 1):
-      used = [u or v for u, v in zip(used, need[b - 1])]
-      cost[a, b] = (b - a) * sum(used)
-  k = n if scans <= 0 else min(scans, n)
-  inf = float("inf")
-  best = [[(inf, -1)] * (n + 1) for _ in range(k + 1)]  # best[s][b]: periods [0, b) in s scans
-  best[0][0] = (0, -1)
-  for s in range(1, k + 1):
-    for b in range(1, n + 1):
-      best[s][b] = min(((best[s - 1][a][0] + cost[a, b], a) for a in range(b)
-                        if best[s - 1][a][0] < inf), default=(inf, -1))
-  s = min(range(1, k + 1), key=lambda s: (best[s][n][0] + period * (s - 1), s))
-  cuts = [n]
-  for s in range(s, 0, -1):
-    cuts.append(best[s][cuts[-1]][1])
-  cuts.reverse()
-  out = []
-  for a, b in zip(cuts, cuts[1:]):
-    fetches = []
-    for j in range(period):
-      lis = [p * period + j for p in range(a, b)]
-      kinds = {li in h for li in lis for h in hosts if li + 1 < n_layers and li + 1 in h}
-      fetches.append("" if not kinds else "both" if len(kinds) == 2 else
-                     "after_host" if True in kinds else "after_device")
-    out.append((a, b, tuple(fetches)))
-  return tuple(out)
+  on = lambda k: dataclasses.replace(r, table=jnp.roll(r.table, -k, axis=0),
+                                     fmts=jnp.roll(r.fmts, -k))
+  return dict(w, **{NEXT_ROUTER: on(1)}, **({NEXT2_ROUTER: on(2)} if two else {}))
 
 
 def start_rings(w: dict, names: tuple[str, ...]) -> dict:
@@ -237,7 +191,7 @@ def join_rings(x: jax.Array, rings: Rings) -> jax.Array:
 
 
 def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Rings | None = None,
-              ring_set: int = 0, fetch: str = "both"):
+              ring_set: int = 0):
   """MoE FFN of layer `li` (traced int32 index into the stacks). h [b, t, d] (already normed)
   -> float32 [b, t, d]. With `rings` returns (y, rings): rings.layers (start_rings, prefill) give
   the routed experts layer `li` from a ring where it holds it, then each ring fetches its
@@ -246,22 +200,21 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
   (its router applied to this layer's input) are fetched where li + 1 is a host-tier layer: into
   the same set after the down product, or with two sets into the other one, right after the
   router when this layer is device-tier (the bus idle), after the down product when it is
-  host-tier (its own experts fill the bus until then). `fetch` (static, predict_scans): which of
-  those fetches this layer makes: "" none (no next router either), "after_device",
-  "after_host", or "both" (the device picks by the tiers)."""
+  host-tier (its own experts fill the bus until then); with NEXT2_ROUTER in w (two sets,
+  Products.predict_two_ahead) layer li + 2's likeliest instead where li + 1 is device-tier, into
+  this layer's set after its down product."""
   b, t, d = h.shape
   x = h.reshape(b * t, d).astype(jnp.float32)
   sets = () if rings is None else list(rings.experts)
-  xr = sets[ring_set] if sets and fetch else {}
+  xr = sets[ring_set] if sets else {}
   into = (ring_set + 1) % len(sets) if sets else 0
-  early = len(sets) == 2 and fetch in ("after_device", "both")  # into the other set, now
-  late = len(sets) == 1 or fetch in ("after_host", "both")  # after the down product
   with jax.named_scope("router"):
     # The router, the next layer's (decode prediction) and the shared expert's gate / up read
     # the same x: one launch where they can.
     shared = ["shexp.w_gate", "shexp.w_up"] if cfg.shared_ffn_dim else []
     p = ex.products
-    nxt = [NEXT_ROUTER] if xr else []
+    two = bool(xr) and NEXT2_ROUTER in w  # layer li + 2's likeliest too (predict_two_ahead)
+    nxt = [NEXT_ROUTER, *([NEXT2_ROUTER] if two else [])] if xr else []
     logits, *more = layers.linear_many(x, [w[n] for n in ["moe.router", *nxt, *shared]], li, ex)
     gu = more[len(nxt):]
     # Whole [T, E] logits on every device (the router is replicated), routed before the split.
@@ -269,7 +222,9 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
     ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob, fused=fused)
     if xr:  # layer li + 1's likeliest experts, most likely first
       pred, _ = route(more[0], max(p.predict_after_host, p.predict_after_device), False, fused)
-      if early:  # the other set has no reader left: after a device-tier layer, now
+      if two:
+        pred2, _ = route(more[1], p.predict_two_ahead, False, fused)
+      elif len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
         sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=pred,
                                             n_host=p.predict_after_host,
                                             n_device=p.predict_after_device, when="after_device",
@@ -284,22 +239,26 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
       lr[n], views[n] = prefetch.take(lr[n], w[n], li)
     (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
     read = {}  # the products' outputs: a ring's last reader is done once its output exists
-    mine = sets[ring_set] if sets else {}  # this layer's experts come from its own set
-    kw = {"on_read": read.__setitem__} if lr or mine else {}
-    if mine:
-      kw["rings"] = {STAGE[n]: r for n, r in mine.items()}
+    kw = {"on_read": read.__setitem__} if lr or xr else {}
+    if xr:
+      kw["rings"] = {STAGE[n]: r for n, r in xr.items()}
     y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
     for n in lr:  # then the ring fetches the stack's next host-tier layer: gate's and up's as
       # soon as their product is done, while down's runs
       nxt_layer = jnp.asarray(prefetch.schedule(w[n].meta)[1])[li]
       after = read["down" if n == "moe.w_down" else "gate_up"]
       lr[n] = prefetch.fetch(lr[n], w[n], nxt_layer, after=after)
-    if xr and late:  # after the down product (the last reader of this layer's rings)
+    if xr:  # after the down product (the last reader of this layer's rings)
       sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=read["down"],
                                           n_host=p.predict_after_host,
                                           n_device=p.predict_after_device,
                                           when="after_host" if len(sets) == 2 else "any",
                                           inline=p.predict_inline, blocks=p.predict_blocks)
+    if two:  # this set's next reader is layer li + 2: where li + 1 is device-tier, its experts
+      sets[ring_set] = prefetch.fetch_experts(sets[ring_set], w, li + 2, pred2[0],
+                                              after=read["down"], n_host=0,
+                                              n_device=p.predict_two_ahead, when="after_device",
+                                              inline=p.predict_inline, blocks=p.predict_blocks)
     rings = None if rings is None else Rings(lr, tuple(sets))
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):

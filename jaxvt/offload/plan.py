@@ -46,9 +46,9 @@ where a prefix of spread_order alone must split one gap unevenly (9: 4, 9, ..., 
 Prefill copies each host-tier expert layer to the device while the layers before it compute
 (Products.prefetch_per_expert): a copy takes about three layers' compute on the H200, so the
 copy of a host-tier layer with one device-tier layer before it waits. Within a layer,
-declaration order, so each layer's gate/up/down move together. Decode reads a layer's tier as
-data in one scan body (only the predicted experts' fetch is planned from the host-tier layers:
-jaxvt.model.moe.predict_scans). `Policy.layers="first"` takes layers 0..N-1 (llama.cpp's `--n-cpu-moe N` moves those),
+declaration order, so each layer's gate/up/down move together. Decode's per-step cost does
+not depend on which layers: the scan runs every layer through one body and a layer's tier is
+data. `Policy.layers="first"` takes layers 0..N-1 (llama.cpp's `--n-cpu-moe N` moves those),
 "last" the last first.
 """
 
