@@ -56,6 +56,9 @@
 #                                       # the 16 GiB card with this build and .dev/prev's (carry
 #                                       # both); an 8192-token prompt at auto on the 16 GiB card
 #   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it)
+#   bash tools/h200_session.sh small    # the expert-ring GPU tests; the first token of a model of
+#                                       # the default model's size (tools/small_model.py), cold
+#                                       # and cached
 #   bash tools/h200_session.sh predict  # llama-bench built in the background; the expert-ring
 #                                       # and prefetch GPU tests; decode with the next host-tier
 #                                       # layer's likeliest experts copied ahead, by how many
@@ -463,6 +466,13 @@ if [ "$what" = det ]; then  # #16: two processes, every budget (auto's layers ev
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = small ]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_prefetch_experts_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  python3 tools/small_model.py /tmp/small.gguf > /dev/null
+  timeout 200 python3 tools/first_token.py --runs ${RUNS:-4} -- --model /tmp/small.gguf \
+    --max-tokens 32 > "$OUT/first_token_small.txt" 2>&1; tail -16 "$OUT/first_token_small.txt"
 fi
 if [ "$what" = predict ]; then
   start_llama
