@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
     exs = {}
     for n in names:
       exs[n] = predict_exec(base, n)
-    host = eng.weights["moe.w_gate"].meta.host_layers if "moe.w_gate" in eng.weights else ()
+    host = {n[6:]: list(eng.weights[n].meta.host_layers)
+            for n in ("moe.w_gate", "moe.w_up", "moe.w_down") if n in eng.weights}
     gib = math.ceil(eng.plan.plan.budget_bytes / 2**30 * 1e4) / 1e4 if eng.plan is not None else 0.0
     rates = {n: [] for n in names}
     toks, first_s = {}, {}
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
     eng.ex = base
   first = names[0]
   print(f"{eng.path}: offload {budget} = budget {gib:.4f} GiB (device {a.device_gb}); routed "
-        f"experts' host-tier layers {list(host)} ({len(host)})")
+        "experts' host-tier layers: " + "; ".join(f"{n} {h} ({len(h)})" for n, h in host.items()))
   ok = True
   for n in names:
     same = toks[n] == toks[first]
