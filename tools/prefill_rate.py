@@ -1,7 +1,7 @@
 """Prefill rate with host-tier expert layers copied ahead of their turn, and without (a probe).
 
   python tools/prefill_rate.py [--model F] [--offload-gb B] [--device-gb G] [--prompt 512]
-                               [--max-context 1024] [--ahead-only]
+                               [--max-context 1024] [--ahead-only] [--pattern REGEX,...]
 
 Loads the model once at the budget, then times the prompt's prefill (compiled and warm) under
 the engine's own rule (Products.prefetch_per_expert on a GPU) and the same rule with prefetching off,
@@ -33,9 +33,12 @@ def main(argv: list[str]) -> int:
   ap.add_argument("--prompt", type=int, default=512)
   ap.add_argument("--max-context", type=int, default=1024, help="the sweep's: prompt + 136")
   ap.add_argument("--ahead-only", action="store_true")
+  ap.add_argument("--pattern", default="", help="offload patterns, e.g. exps (every routed expert)")
   a = ap.parse_args(argv)
   budget = a.offload_gb if a.offload_gb == "auto" else float(a.offload_gb)
-  with jaxvt.load(a.model, offload_gb=budget, device_gb=a.device_gb, max_context=a.max_context) as eng:
+  pattern = tuple(p for p in a.pattern.split(",") if p)
+  with jaxvt.load(a.model, offload_gb=budget, device_gb=a.device_gb, max_context=a.max_context,
+                  offload_pattern=pattern) as eng:
     ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, a.prompt).tolist()
     on = eng.ex
     off = dataclasses.replace(on, products=dataclasses.replace(on.products, prefetch_per_expert=0))
