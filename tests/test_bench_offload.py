@@ -5,6 +5,8 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
+import time
 import types
 
 import numpy as np
@@ -176,6 +178,55 @@ def test_live_llama_bench_json(tmp_path):
   p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
   _check_parse(p.stdout)
+
+
+FAKE_LLAMA = """#!{python}
+import json, sys
+args = sys.argv[1:]
+if "--help" in args:
+  print("--n-cpu-moe N")
+  sys.exit(0)
+with open({calls!r}, "a") as f:
+  f.write(" ".join(args) + "\\n")
+n = sum(1 for _ in open({calls!r}))
+rates = [200.0, 60.0, 130.0, 50.0, 100.0, 70.0, 120.0]  # tg tok/s of call 1, 2, ...
+recs = [dict(n_prompt=int(p), n_gen=0, avg_ts=1000.0)
+        for p in args[args.index("-p") + 1].split(",") if int(p)]
+recs.append(dict(n_prompt=0, n_gen=int(args[args.index("-n") + 1]), avg_ts=rates[n - 1],
+                 n_threads=4))
+print(json.dumps(recs))
+"""
+
+
+def test_llama_decode_with_cpu_experts_in_separate_calls(tmp_path):
+  """The configurations computing experts on the CPU time decode in DECODE_CALLS separate
+  llama-bench calls (decode alone, -p 0), taken in turns once every configuration has run; the
+  row's decode is the median of its calls, and the goal line shows their spread and the ratio's.
+  A fake llama-bench answers each call with the next rate of a list."""
+  calls = tmp_path / "calls"
+  fake = tmp_path / "bin" / "llama-bench"
+  fake.parent.mkdir()
+  fake.write_text(FAKE_LLAMA.format(python=sys.executable, calls=str(calls)))
+  fake.chmod(0o755)
+  meta = dict(expert_layer_bytes=0.45 * (1 << 30), n_layers=40, auto=3.5)
+  assert offload_llama.DECODE_CALLS == 3
+  runs = offload_llama.run_all(str(fake), "m.gguf", meta, 512, 128, time.time() + 600,
+                               lambda s: None)
+  by = {r.point: r for r in runs}
+  ngl, ot, ncm = (by["llama.cpp:-ngl 99"], by["llama.cpp:-ngl 99 -ot exps=CPU"],
+                  by["llama.cpp:-ngl 99 --n-cpu-moe 8"])
+  assert (ngl.decode_samples, ngl.decode_tok_s) == ([200.0], 200.0)  # all on the GPU: one call
+  assert (ot.decode_samples, ot.decode_tok_s) == ([60.0, 50.0, 70.0], 60.0)
+  assert (ncm.decode_samples, ncm.decode_tok_s) == ([130.0, 100.0, 120.0], 120.0)
+  assert ncm.prefill_tok_s == 1000.0  # from its first call, the only one with prompts
+  lines = calls.read_text().splitlines()
+  assert len(lines) == 7 and all("-p 0 " in c for c in lines[3:])
+  assert ["exps=CPU" in c for c in lines[3:]] == [True, False, True, False]  # in turns
+  auto = Run("jaxvt", 3.5, True, auto=True, decode_tok_s=156.0)
+  g = {goal: (v, n) for goal, v, n in offload_report.peer_goals([auto, ncm])}
+  v, n = g["#14 decode at auto >= 1.3x llama.cpp"]
+  assert v == "MET" and "156.0 vs 120.0 tok/s = 1.30x" in n
+  assert "median of 3 calls, 100.0-130.0 tok/s: 1.20-1.56x" in n
 
 
 def test_parse_failures_and_configs():

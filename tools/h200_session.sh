@@ -72,7 +72,7 @@
 #   bash tools/h200_session.sh sweep    # the offload sweep with the llama.cpp arm (same run;
 #                                       # OFFLOAD_S: its --time-limit, which must cover the
 #                                       # model's creation on a fresh machine and llama.cpp's
-#                                       # 110 s besides the jaxvt arms: 330 or more)
+#                                       # 160 s besides the jaxvt arms: 380 or more)
 # Logs come back under $OUT.
 set -uo pipefail
 what=${1:-checks}
