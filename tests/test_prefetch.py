@@ -58,6 +58,13 @@ def test_ring_bytes_and_schedule():
   assert first == 1 and after.tolist() == [-1, 2, 4, -1, -1]
   none_first, none_after = prefetch.schedule(QMeta(ROWS, COLS, E, (Q4_K,), 3))
   assert none_first == -1 and none_after.tolist() == [-1, -1, -1]
+  # two rings taking the host-tier layers in turns: 1, 4 and 2
+  six = QMeta(ROWS, COLS, E, (Q4_K,), 6, host_layers=(1, 2, 4, 5))
+  assert [(f, a.tolist()) for f, a in (prefetch.schedule(six, k, 2) for k in (0, 1))] == [
+      (1, [-1, 4, -1, -1, -1, -1]), (2, [-1, -1, 5, -1, -1, -1])]
+  from jaxvt.model import moe
+  assert [moe.ring_parts(m, 2), moe.ring_parts(six, 2), moe.ring_parts(six, 1)] == [2, 2, 1]
+  assert moe.ring_parts(QMeta(ROWS, COLS, E, (Q4_K,), 6, host_layers=(3,)), 2) == 1
 
 
 def test_take_redirects_only_the_fetched_layer(rng, device, tier):
@@ -104,20 +111,32 @@ def test_first_copies_go_in_the_order_their_layers_are_needed(rng, device, tier)
     assert nxt.invars[4] is prev.outvars[0]  # `after`: the ring the fetch before it returned
   rings = moe.start_rings(ws, moe.ROUTED)
   assert list(rings) == ["moe.w_up", "moe.w_gate", "moe.w_down"]
+  assert [len(r) for r in rings.values()] == [1, 1, 1]
   held = jax.jit(lambda ws: moe.start_rings(ws, moe.ROUTED))(ws)
   for n, layer in (("moe.w_up", 1), ("moe.w_gate", 4)):  # the bytes arrive as before
     raw = made[n].raws[layer].reshape(-1)
-    np.testing.assert_array_equal(np.asarray(held[n])[:raw.size], raw)
+    np.testing.assert_array_equal(np.asarray(held[n][0])[:raw.size], raw)
+  # two rings where host-tier layers are adjacent (up's 1 and 2): each receives its first
+  jaxpr = jax.make_jaxpr(lambda ws: moe.start_rings(ws, moe.ROUTED, 2))(ws).jaxpr
+  calls = [e for e in jaxpr.eqns if e.params.get("target_name") == "jaxvt_prefetch_fetch"]
+  assert [int(dict(e.params["attributes"])["first"]) for e in calls] == [1, 2, 4, -1]
+  held = jax.jit(lambda ws: moe.start_rings(ws, moe.ROUTED, 2))(ws)
+  assert {n: len(r) for n, r in held.items()} == {"moe.w_up": 2, "moe.w_gate": 1, "moe.w_down": 1}
+  for k, layer in enumerate((1, 2)):
+    raw = made["moe.w_up"].raws[layer].reshape(-1)
+    np.testing.assert_array_equal(np.asarray(held["moe.w_up"][k])[:raw.size], raw)
 
 
+@pytest.mark.parametrize("parts", [1, 2], ids=["one-ring", "two-rings"])
 @pytest.mark.parametrize("registered", [False, True], ids=["device-view", "registered"])
 @pytest.mark.parametrize("path", ["grouped", "matvec"])
-def test_scan_schedule_keeps_the_bits(path, registered, rng, device, tier):
-  """A lax.scan over the layers with a ring on prefetch.schedule (the model's pattern): every
-  host-tier layer is read from the ring, and the products equal, bit for bit, the same layers read
-  in place from the host tier and from device-tier copies (grouped and per-slot kernels). With
-  the table registered (HostTier.register_tables) a GPU copies by DMA, the host reckoning each
-  call's layer; without, by a kernel reading the table on the device."""
+def test_scan_schedule_keeps_the_bits(path, registered, parts, rng, device, tier):
+  """A lax.scan over the layers with a ring on prefetch.schedule (the model's pattern), or two
+  rings taking the host-tier layers in turns: every host-tier layer is read from a ring, and the
+  products equal, bit for bit, the same layers read in place from the host tier and from
+  device-tier copies (grouped and per-slot kernels). With the table registered
+  (HostTier.register_tables) a GPU copies by DMA, the host reckoning each call's layer from its
+  ring's schedule; without, by a kernel reading the table on the device."""
   host, dev = stacks(rng, tier)
   x = put(rng.standard_normal((T, COLS)).astype(np.float32), device)
   ids = put(routing(rng), device)
@@ -131,17 +150,26 @@ def test_scan_schedule_keeps_the_bits(path, registered, rng, device, tier):
 
   @jax.jit
   def ahead(w):
-    first, after = prefetch.schedule(w.meta)
+    plans = [prefetch.schedule(w.meta, k, parts) for k in range(parts)]
 
-    def body(ring, l):
-      ring, wl = prefetch.take(ring, w, l)
+    def body(rings, l):
+      wl, got = w, []
+      for r in rings:
+        r, wl = prefetch.take(r, wl, l)
+        got.append(r)
       y = mm(wl, l)
-      ring = prefetch.fetch(ring, w, jnp.asarray(after)[l], after=y)
-      return ring, (y, wl.table)
+      rings = tuple(prefetch.fetch(r, w, jnp.asarray(after)[l], after=y, part=k, parts=parts)
+                    for k, (r, (_, after)) in enumerate(zip(got, plans)))
+      return rings, (y, wl.table)
 
-    ring = prefetch.fetch(prefetch.new_ring(w.meta), w, first, first=True)
-    ring, (ys, tables) = jax.lax.scan(body, ring, layers)
-    return prefetch.join(ys, ring), tables
+    rings, after = [], None
+    for k, (first, _) in enumerate(plans):
+      rings.append(after := prefetch.fetch(prefetch.new_ring(w.meta), w, first, after,
+                                           first=True, part=k, parts=parts))
+    rings, (ys, tables) = jax.lax.scan(body, tuple(rings), layers)
+    for r in rings:
+      ys = prefetch.join(ys, r)
+    return ys, tables
 
   wh, wd = put(host.w, device), put(dev.w, device)
   if registered:
@@ -181,16 +209,18 @@ def routed_on_host(name: str, layer) -> str:
   return "host" if host else "device"
 
 
+@pytest.mark.parametrize("rings", [1, 2])
 @pytest.mark.parametrize("rule", ["grouped", "per-slot"])
-def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule):
+def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule, rings):
   """Routed experts of layers 1, 2, 5 (and layer 7's down only) in the host tier: a 32-token
-  prefill copying them ahead gives the logits and cache of the same program reading them in place,
-  bit for bit; the program holds the prefetch calls only where the rule asks, no copy of a ring,
-  and XLA's memory analysis counts the rings."""
+  prefill copying them ahead, with one ring a stack or two taking its layers in turns (1 and 2
+  are adjacent), gives the logits and cache of the same program reading them in place, bit for
+  bit; the program holds the prefetch calls only where the rule asks, no copy of a ring, and
+  XLA's memory analysis counts the rings."""
   import dataclasses
   import re
   from jaxvt import engine, loader
-  from jaxvt.model import decoder
+  from jaxvt.model import decoder, moe
   from jaxvt.model.layers import Products
   from jaxvt.model.sharding import one_device
   m = loader.open_model(moe8)
@@ -202,7 +232,8 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule):
   base = engine.exec_for(device.platform, True, par)
   grouped = T * m.cfg.n_experts_used if rule == "grouped" else 0
   off = dataclasses.replace(base, products=Products(grouped_slots=grouped))
-  on = dataclasses.replace(base, products=Products(grouped_slots=grouped, prefetch_per_expert=1))
+  on = dataclasses.replace(base, products=Products(grouped_slots=grouped, prefetch_per_expert=1,
+                                                    prefetch_rings=rings))
   toks = jnp.asarray(np.random.default_rng(3).integers(3, 300, (1, T)), jnp.int32)
   args = (toks, jnp.arange(T, dtype=jnp.int32)[None], jnp.ones((1, T), bool),
           jnp.asarray([T - 1], jnp.int32))
@@ -221,6 +252,10 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule):
   text_on, text_off = lower(on).as_text(), lower(off).as_text()
   for name in ("fetch", "take", "join"):
     assert f"jaxvt_prefetch_{name}" in text_on and f"jaxvt_prefetch_{name}" not in text_off
+  # each layer of the scanned period takes from every ring of every stack
+  parts = [moe.ring_parts(weights[n].meta, rings) for n in moe.ROUTED]
+  assert parts == [rings] * 3
+  assert text_on.count("@jaxvt_prefetch_take(") == len(decoder.layer_period(m.cfg)) * sum(parts)
   # no side-effecting call: a failed run of a program with JAX effects leaves its error in JAX's
   # runtime tokens, raised again by every later program (the 2026-12-02 sweep after an OOM)
   assert "has_side_effect = true" not in text_on
@@ -237,6 +272,6 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule):
     assert all(c.startswith("%broadcast") for c in copies), (n, copies)
   ma, ma_off = compiled.memory_analysis(), lower(off).compile().memory_analysis()
   if ma is not None and ma_off is not None:
-    rings = sum(prefetch.ring_bytes(weights[n].meta) for n in ("moe.w_gate", "moe.w_up",
-                                                              "moe.w_down"))
-    assert ma.temp_size_in_bytes >= ma_off.temp_size_in_bytes + rings
+    held = sum(prefetch.ring_bytes(weights[n].meta) * moe.ring_parts(weights[n].meta, rings)
+               for n in moe.ROUTED)
+    assert ma.temp_size_in_bytes >= ma_off.temp_size_in_bytes + held

@@ -15,9 +15,12 @@ read the ring, from HBM, with the same bytes (the same bits).
     ring = fetch(ring, w, after[l], after=y)     # after y: the ring's last reader is done
   x = join(x, ring)                              # no copy outlives the program
 
-The ring is a temporary of the program, so XLA's memory analysis (and the planner's check of it)
-counts it. Everything stays correct whatever the schedule: take only redirects a layer the ring
-holds (or is receiving); any other layer is read where it lives.
+A ring is free for its next layer only once its layer has run, so a host-tier layer right after
+another one gets no lead; two rings can take a stack's host-tier layers in turns
+(`schedule(meta, part, parts)`, Products.prefetch_rings), each copy then overlapping the layer
+before it. A ring is a temporary of the program, so XLA's memory analysis (and the planner's
+check of it) counts it. Everything stays correct whatever the schedule: take only redirects a
+layer the ring holds (or is receiving); any other layer is read where it lives.
 
 The reference is the identity: take's weight reads the same bytes as `w` (tests compare products
 and the ring's bytes against the file's).
@@ -60,24 +63,26 @@ def _i32(v) -> jax.Array:
   return jnp.asarray(v).astype(jnp.int32).reshape(())
 
 
-def fetch(ring: jax.Array, w: QWeight, target, after=None, *, first: bool = False) -> jax.Array:
+def fetch(ring: jax.Array, w: QWeight, target, after=None, *, first: bool = False,
+          part: int = 0, parts: int = 1) -> jax.Array:
   """Starts copying layer `target` (int32 scalar, may be traced) of `w` into `ring` if it is a
   host-tier layer; target < 0 leaves the ring as it is (its copy goes on), any other target
   marks it empty. Returns the ring. `after`: an array the program must have computed before the
   copy may overwrite the ring (the output of the ring's last reader).
 
   The GPU copies with a DMA where it can address the layer on the host (HostTier.register_tables)
-  and where the calls follow `schedule(w.meta)`: `first=True` (target then a Python int) for the
-  ring's first fetch in the program, then one call a layer in order with target
-  `schedule(w.meta)[1][l]`. Calls in any other pattern still give the same results (the device
-  checks the host's reckoning; a ring that does not hold a layer is never read for it)."""
+  and where the calls follow `schedule(w.meta, part, parts)` (the ring's share of the stack's
+  host-tier layers): `first=True` (target then a Python int) for the ring's first fetch in the
+  program, then one call a layer in order with target `schedule(w.meta, part, parts)[1][l]`.
+  Calls in any other pattern still give the same results (the device checks the host's
+  reckoning; a ring that does not hold a layer is never read for it)."""
   m = w.meta
   after = jnp.zeros((), jnp.int32) if after is None else after
   call = jax.ffi.ffi_call("jaxvt_prefetch_fetch", jax.ShapeDtypeStruct(ring.shape, jnp.uint8),
                           input_output_aliases={0: 0})
   return call(ring, w.table, w.fmts, _i32(target), after, rows=np.int64(m.rows),
               cols=np.int64(m.cols), experts=np.int64(m.experts),
-              first=np.int64(int(target) if first else -1), schedule=schedule(m)[1])
+              first=np.int64(int(target) if first else -1), schedule=schedule(m, part, parts)[1])
 
 
 def take(ring: jax.Array, w: QWeight, layer) -> tuple[jax.Array, QWeight]:
@@ -101,11 +106,12 @@ def join(x: jax.Array, ring: jax.Array) -> jax.Array:
   return call(x, ring)
 
 
-def schedule(meta: QMeta) -> tuple[int, np.ndarray]:
-  """(first, after): the host-tier layer a ring fetches before the layers run (-1: none), and
-  int32 [L] the layer it fetches once layer l is done: the next host-tier layer where l is one
-  (its ring just freed), else -1 (nothing: a copy under way goes on)."""
-  host = sorted(meta.host_layers)
+def schedule(meta: QMeta, part: int = 0, parts: int = 1) -> tuple[int, np.ndarray]:
+  """(first, after) of ring `part` of `parts` that take the stack's host-tier layers in turns
+  (ring k the k-th, (k + parts)-th, ... of them): the layer it fetches before the layers run
+  (-1: none), and int32 [L] the layer it fetches once layer l is done: its next layer where l is
+  one of its layers (the ring just freed), else -1 (nothing: a copy under way goes on)."""
+  host = sorted(meta.host_layers)[part::parts]
   after = np.full((meta.n_layers,), -1, np.int32)
   for a, b in zip(host, host[1:]):
     after[a] = b

@@ -90,7 +90,8 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   # two sets of expert rings alternate by layer where a period's layers are even (the parity of
   # a layer is then that of its place in the period, known when tracing)
   sets = 2 if P % 2 == 0 and ex.products.predict_sets == 2 else 1
-  rings = moe.Rings(moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t)),
+  rings = moe.Rings(moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t),
+                                    ex.products.prefetch_rings),
                     moe.start_expert_rings(w, moe.predicted(w, cfg, ex, b * t), sets))
   if rings.experts:
     w = moe.next_router(w, two=sets == 2 and ex.products.predict_two_ahead > 0)

@@ -87,7 +87,10 @@ class Products:
   each host-tier layer of the routed experts' stacks to the device ahead of its turn, while the
   layers before it compute (jaxvt.ffi.prefetch: a ring per stack in the program's workspace, the
   copy on a stream of jaxvt's own); the layer's kernels then read the copy, with the same bytes.
-  0 never (the CPU: its ops run one after another, nothing to overlap).
+  0 never (the CPU: its ops run one after another, nothing to overlap). prefetch_rings: rings a
+  stack whose host-tier layers include adjacent ones takes them in turns (moe.ring_parts: the
+  copy of the second then overlaps the first's compute instead of waiting for it), at the cost
+  of that many rings of workspace; 1: one ring a stack.
 
   predict_after_host / predict_after_device: at one token (decode), layer l + 1's router
   applied to layer l's MoE input names most of the experts layer l + 1 will use; where layer
@@ -114,6 +117,7 @@ class Products:
   gdn_fused: bool = False
   attn_fused: bool = False
   prefetch_per_expert: int = 0
+  prefetch_rings: int = 1
   predict_after_host: int = 0
   predict_after_device: int = 0
   predict_sets: int = 2

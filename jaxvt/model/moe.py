@@ -122,9 +122,9 @@ NEXT2_ROUTER = "moe.router@next2"  # and of layer l + 2's (Products.predict_two_
 
 class Rings(NamedTuple):
   """What a call carries through its layer scan for host-tier routed experts: `layers` (prefill:
-  start_rings, whole layers copied ahead) and `experts` (decode: start_expert_rings, the next
-  host-tier layer's predicted experts copied ahead; one set of rings, or two that alternate by
-  layer). Either may be empty."""
+  start_rings, whole layers copied ahead; a tuple of rings per stack) and `experts` (decode:
+  start_expert_rings, the next host-tier layer's predicted experts copied ahead; one set of
+  rings, or two that alternate by layer). Either may be empty."""
   layers: dict
   experts: tuple[dict, ...]
 
@@ -171,21 +171,33 @@ def next_router(w: dict, two: bool = False) -> dict:
   return dict(w, **{NEXT_ROUTER: on(1)}, **({NEXT2_ROUTER: on(2)} if two else {}))
 
 
-def start_rings(w: dict, names: tuple[str, ...]) -> dict:
-  """A ring per stack of `names`, each already receiving the stack's first host-tier layer: the
-  copies in the order their layers are needed (one fetch after another: one stream copies them
-  in the order it is asked)."""
-  first = {n: prefetch.schedule(w[n].meta)[0] for n in names}
+def ring_parts(meta, rings: int) -> int:
+  """The rings a stack's host-tier layers take turns in (Products.prefetch_rings): `rings`
+  where two of its host-tier layers are adjacent (one ring could not receive the second while
+  the first runs), else 1."""
+  h = sorted(meta.host_layers)
+  return max(1, min(rings, len(h))) if any(b - a == 1 for a, b in zip(h, h[1:])) else 1
+
+
+def start_rings(w: dict, names: tuple[str, ...], rings: int = 1) -> dict:
+  """name -> a tuple of rings (ring_parts of them) per stack of `names`, each already receiving
+  its first host-tier layer: the copies in the order their layers are needed (one fetch after
+  another: one stream copies them in the order it is asked)."""
+  parts = {n: ring_parts(w[n].meta, rings) for n in names}
+  first = {(n, k): prefetch.schedule(w[n].meta, k, parts[n])[0]
+           for n in names for k in range(parts[n])}
   out, after = {}, None
-  for n in sorted(names, key=lambda n: (first[n] < 0, first[n])):
-    out[n] = after = prefetch.fetch(prefetch.new_ring(w[n].meta), w[n], first[n], after,
-                                    first=True)
-  return out
+  for n, k in sorted(first, key=lambda nk: (first[nk] < 0, first[nk])):
+    out.setdefault(n, [None] * parts[n])[k] = after = prefetch.fetch(
+        prefetch.new_ring(w[n].meta), w[n], first[n, k], after, first=True, part=k,
+        parts=parts[n])
+  return {n: tuple(r) for n, r in out.items()}
 
 
 def join_rings(x: jax.Array, rings: Rings) -> jax.Array:
   """x once no copy into `rings` is still under way (prefetch.join on every ring)."""
-  for r in (*rings.layers.values(), *(r for s in rings.experts for r in s.values())):
+  for r in (*(r for rs in rings.layers.values() for r in rs),
+            *(r for s in rings.experts for r in s.values())):
     x = prefetch.join(x, r)
   return x
 
@@ -235,19 +247,24 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
     routed = _routed(ex, b * t, cfg.n_experts_used, cfg.n_experts)
     views = {n: w[n] for n in ROUTED}
     lr = {} if rings is None else dict(rings.layers)
-    for n in lr:  # waits (on the device) for layer li's copy where the ring has it
-      lr[n], views[n] = prefetch.take(lr[n], w[n], li)
+    for n in lr:  # waits (on the device) for layer li's copy where a ring has it
+      got = []
+      for r in lr[n]:
+        r, views[n] = prefetch.take(r, views[n], li)
+        got.append(r)
+      lr[n] = got
     (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
     read = {}  # the products' outputs: a ring's last reader is done once its output exists
     kw = {"on_read": read.__setitem__} if lr or xr else {}
     if xr:
       kw["rings"] = {STAGE[n]: r for n, r in xr.items()}
     y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
-    for n in lr:  # then the ring fetches the stack's next host-tier layer: gate's and up's as
-      # soon as their product is done, while down's runs
-      nxt_layer = jnp.asarray(prefetch.schedule(w[n].meta)[1])[li]
-      after = read["down" if n == "moe.w_down" else "gate_up"]
-      lr[n] = prefetch.fetch(lr[n], w[n], nxt_layer, after=after)
+    for n in lr:  # then the ring that held layer li fetches its next host-tier layer: gate's
+      # and up's as soon as their product is done, while down's runs
+      after, parts = read["down" if n == "moe.w_down" else "gate_up"], len(lr[n])
+      to = [jnp.asarray(prefetch.schedule(w[n].meta, k, parts)[1])[li] for k in range(parts)]
+      lr[n] = tuple(prefetch.fetch(r, w[n], to[k], after=after, part=k, parts=parts)
+                    for k, r in enumerate(lr[n]))
     if xr:  # after the down product (the last reader of this layer's rings)
       sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=read["down"],
                                           n_host=p.predict_after_host,
