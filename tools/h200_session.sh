@@ -59,6 +59,10 @@
 #   bash tools/h200_session.sh small    # the expert-ring GPU tests; the first token of a model of
 #                                       # the default model's size (tools/small_model.py), cold
 #                                       # and cached
+#   bash tools/h200_session.sh rings    # the prefetch GPU tests; prefill with one ring a stack
+#                                       # and two taking adjacent host-tier layers in turns
+#                                       # (tools/prefill_rate.py --rings 2): every routed expert in
+#                                       # the host tier, 12 GiB, auto's bytes as down stacks only
 #   bash tools/h200_session.sh predict  # llama-bench built in the background; the expert-ring
 #                                       # and prefetch GPU tests; decode with the next host-tier
 #                                       # layer's likeliest experts copied ahead, by how many
@@ -473,6 +477,19 @@ if [ "$what" = small ]; then
   python3 tools/small_model.py /tmp/small.gguf > /dev/null
   timeout 200 python3 tools/first_token.py --runs ${RUNS:-4} -- --model /tmp/small.gguf \
     --max-tokens 32 > "$OUT/first_token_small.txt" 2>&1; tail -16 "$OUT/first_token_small.txt"
+fi
+if [ "$what" = rings ]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_prefetch_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  model
+  PAT=$(python3 tools/down_pattern.py $M 4.0633 2> /dev/null)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
+    --offload-gb 17 --pattern exps --device-gb 16 --ahead-only --rings 2 2>&1 | grep "prefill\|rror"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
+    --offload-gb 12 --device-gb 16 --ahead-only --rings 2 2>&1 | grep "prefill\|rror"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
+    --offload-gb 4.0633 --pattern "$PAT" --device-gb 16 --ahead-only --rings 2 2>&1 |
+    grep "prefill\|rror"
 fi
 if [ "$what" = predict ]; then
   start_llama
