@@ -70,11 +70,19 @@ def test_default_order_and_fractions():
   p = base_plan("qwen36_35b")
   order = [p.units[i] for i in p.order]
   assert order[0].unit == ("embed", None)
-  # experts by spread layers (P.spread_order: the last layer, then 19, 29, 9, ...), gate/up/down
-  # of each layer together
-  assert [u.unit for u in order[1:4]] == [("moe.w_gate", 39), ("moe.w_up", 39), ("moe.w_down", 39)]
-  assert order[4].unit == ("moe.w_gate", 19) and order[7].unit == ("moe.w_gate", 29)
+  # the routed experts' down stacks by spread layers (P.spread_order: the last layer, then 19,
+  # 29, 9, ...), then their gate and up stacks by the same layers, each layer's pair together
+  spread = P.spread_order(40)
+  assert [u.unit for u in order[1:41]] == [("moe.w_down", l) for l in spread]
+  assert [u.unit for u in order[41:45]] == [("moe.w_gate", 39), ("moe.w_up", 39),
+                                            ("moe.w_gate", 19), ("moe.w_up", 19)]
   assert order[-1].unit == ("lm_head", None)
+  # LAYER_ORDER: gate, up and down of each layer together
+  lo = P.plan(*model("qwen36_35b"), 0, P.Policy(order=P.LAYER_ORDER))
+  lu = [lo.units[i].unit for i in lo.order]
+  assert lu[1:4] == [("moe.w_gate", 39), ("moe.w_up", 39), ("moe.w_down", 39)]
+  assert lu[4] == ("moe.w_gate", 19) and lu[7] == ("moe.w_gate", 29)
+  assert sorted(lu) == sorted(u.unit for u in order)
   roles = [u.role for u in order]
   assert roles.index(Role.ATTENTION) > max(i for i, r in enumerate(roles) if r is Role.DELTANET)
   # The default order never puts a unit that reads more per byte held before one that reads less.
@@ -86,17 +94,28 @@ def test_default_order_and_fractions():
 
 def test_layers_last_reverses_within_a_rank():
   cfg, decls, sizes = model("qwen36_35b")
-  p = P.plan(cfg, decls, sizes, 0, P.Policy(layers="last"))
+  p = P.plan(cfg, decls, sizes, 0, P.Policy(layers="last", order=P.LAYER_ORDER))
   order = [p.units[i].unit for i in p.order]
   assert order[1:4] == [("moe.w_gate", 39), ("moe.w_up", 39), ("moe.w_down", 39)]
+  p = P.plan(cfg, decls, sizes, 0, P.Policy(layers="last"))
+  order = [p.units[i].unit for i in p.order]
+  assert order[1:41] == [("moe.w_down", l) for l in range(39, -1, -1)]
+  assert order[41:43] == [("moe.w_gate", 39), ("moe.w_up", 39)]
 
 
 def test_layers_first_takes_layers_in_order():
   cfg, decls, sizes = model("qwen36_35b")
-  p = P.plan(cfg, decls, sizes, 6 * GiB, P.Policy(layers="first"))
+  p = P.plan(cfg, decls, sizes, 6 * GiB, P.Policy(layers="first", order=P.LAYER_ORDER))
   hosts = host_set(p)
   assert all((n, l) in hosts for l in range(13) for n in ("moe.w_gate", "moe.w_up", "moe.w_down"))
   assert ("moe.w_up", 13) not in hosts
+  # the default order: every layer's down stack (5.63 GiB), then gate and up from layer 0
+  downs = sizes[("embed", None)] + sum(sizes[("moe.w_down", l)] for l in range(40))
+  budget = downs + 3 * sizes[("moe.w_gate", 0)]
+  hosts = host_set(P.plan(cfg, decls, sizes, budget, P.Policy(layers="first")))
+  assert all(("moe.w_down", l) in hosts for l in range(40))
+  assert ("moe.w_gate", 0) in hosts and ("moe.w_up", 0) in hosts and ("moe.w_gate", 1) in hosts
+  assert ("moe.w_up", 1) not in hosts and ("moe.w_gate", 39) not in hosts
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 13, 40, 94])
@@ -112,7 +131,22 @@ def test_spread_order_spaces_every_prefix(n):
 
 
 def test_35b_6gib_plan():
+  """The default at 6 GiB: the embedding and every down stack (5.9 GiB); 0.5 GiB more adds the
+  gate and up of the two layers spread_order takes first."""
   p = base_plan("qwen36_35b").rebudget(6 * GiB)
+  hosts = host_set(p)
+  assert p.host_bytes <= 6 * GiB and ("embed", None) in hosts
+  assert all(("moe.w_down", l) in hosts for l in range(40))
+  assert not any(n in ("moe.w_gate", "moe.w_up") for n, _ in hosts)
+  hosts = host_set(p.rebudget(6.5 * GiB))
+  assert {(n, l) for n, l in hosts if n in ("moe.w_gate", "moe.w_up")} == {
+      (n, l) for n in ("moe.w_gate", "moe.w_up") for l in P.even_layers(40, 2)}
+  assert p.host_stacks() == 1 and p.rebudget(6.5 * GiB).host_stacks() == 3
+  assert base_plan("qwen36_35b").host_stacks() == 0
+
+
+def test_35b_6gib_plan_whole_layers():
+  p = P.plan(*model("qwen36_35b"), 6 * GiB, P.Policy(order=P.LAYER_ORDER))
   assert p.host_bytes <= 6 * GiB
   hosts = host_set(p)
   assert ("embed", None) in hosts
@@ -143,8 +177,8 @@ def test_even_layers(n):
 def test_spread_places_the_prefix_count_evenly():
   """40 equal expert layers: every count t of whole host-tier layers is even_layers(40, t), with
   the same bytes as the order's prefix (9 layers: 3, 7, ..., 39, where the prefix has 37 and 39)."""
-  p0 = base_plan("qwen36_35b")
-  prefix = P.plan(*model("qwen36_35b"), 0, P.Policy(layers="spread"))
+  p0 = P.plan(*model("qwen36_35b"), 0, P.Policy(order=P.LAYER_ORDER))
+  prefix = P.plan(*model("qwen36_35b"), 0, P.Policy(layers="spread", order=P.LAYER_ORDER))
   emb = next(u.nbytes for u in p0.units if u.name == "embed")
   layer = sum(u.nbytes for u in p0.units if u.layer == 0 and u.name.startswith("moe.w_"))
   for t in (1, 8, 9, 13, 39):
@@ -157,6 +191,24 @@ def test_spread_places_the_prefix_count_evenly():
     assert p.host_bytes == sum(prefix.units[i].nbytes for i in prefix.order[:k])
   assert sorted(P.spread_order(40)[:9]) == [4, 9, 14, 19, 24, 29, 34, 37, 39]
   assert P.even_layers(40, 9) == (3, 7, 12, 16, 21, 25, 30, 34, 39)
+
+
+def test_spread_places_down_stacks_evenly():
+  """The default order: t down stacks go on even_layers(40, t), and no gate or up moves until
+  every down stack has; past them, t whole layers' gate and up go evenly too."""
+  p0 = base_plan("qwen36_35b")
+  emb = next(u.nbytes for u in p0.units if u.name == "embed")
+  down = next(u.nbytes for u in p0.units if u.unit == ("moe.w_down", 0))
+  pair = 2 * next(u.nbytes for u in p0.units if u.unit == ("moe.w_gate", 0))
+  for t in (1, 9, 27, 39, 40):
+    p = p0.rebudget(emb + t * down)
+    hosts = host_set(p)
+    assert sorted(l for n, l in hosts if n == "moe.w_down") == list(P.even_layers(40, t)), t
+    assert not any(n in ("moe.w_gate", "moe.w_up") for n, _ in hosts), t
+    assert p.host_stacks() == 1
+  for t in (1, 9, 13):
+    hosts = host_set(p0.rebudget(emb + 40 * down + t * pair))
+    assert sorted(l for n, l in hosts if n == "moe.w_up") == list(P.even_layers(40, t)), t
 
 
 def test_spread_with_layers_of_unequal_size():
@@ -228,7 +280,7 @@ def check_rank_prefix(p: P.Plan, budget: int):
   if k == len(p.order):
     assert all(p.kinds[i] == HOST for i in p.order)
     return
-  rank = lambda i: p.policy.rank(p.units[i].rank_role)
+  rank = lambda i: p.policy.rank_of(p.units[i])
   last = rank(p.order[k])
   for i in p.order:
     assert p.kinds[i] == (HOST if rank(i) < last else DEVICE if rank(i) > last else p.kinds[i])
@@ -261,7 +313,7 @@ def test_monotone_in_budget(name, f1, f2, seed, layers):
   if layers != "spread":
     assert host_set(p_lo) <= host_set(p_hi)
     return
-  rank = lambda i: pol.rank(p_lo.units[i].rank_role)
+  rank = lambda i: pol.rank_of(p_lo.units[i])
   k = prefix_len(p_lo, lo)
   if k < len(p_lo.order):
     last = rank(p_lo.order[k])

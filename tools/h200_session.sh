@@ -55,7 +55,8 @@
 #   bash tools/h200_session.sh check    # the prefetch GPU tests; prefill all in HBM and at auto on
 #                                       # the 16 GiB card with this build and .dev/prev's (carry
 #                                       # both); an 8192-token prompt at auto on the 16 GiB card
-#   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it)
+#   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it;
+#                                       # TESTS: GPU test files run before it)
 #   bash tools/h200_session.sh small    # the expert-ring GPU tests; the first token of a model of
 #                                       # the default model's size (tools/small_model.py), cold
 #                                       # and cached
@@ -467,6 +468,8 @@ if [ "$what" = check ]; then  # take in XLA's command buffers (this build) or no
 fi
 if [ "$what" = det ]; then  # #16: two processes, every budget (auto's layers evenly spaced now)
   start_llama
+  [ -n "${TESTS:-}" ] && { timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    --tb=short $TESTS > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"; }
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
@@ -485,11 +488,17 @@ if [ "$what" = rings ]; then
   PAT=$(python3 tools/down_pattern.py $M 4.0633 2> /dev/null)
   XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
     --offload-gb 17 --pattern exps --device-gb 16 --ahead-only --rings 2 2>&1 | grep "prefill\|rror"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
-    --offload-gb 12 --device-gb 16 --ahead-only --rings 2 2>&1 | grep "prefill\|rror"
+  [ "${AT12:-1}" = 1 ] && XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py \
+    --model $M --offload-gb 12 --device-gb 16 --ahead-only --rings 2 2>&1 | grep "prefill\|rror"
   XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 120 python3 tools/prefill_rate.py --model $M \
     --offload-gb 4.0633 --pattern "$PAT" --device-gb 16 --ahead-only --rings 2 2>&1 |
     grep "prefill\|rror"
+  if [ -n "${DOWN_V:-}" ]; then  # decode variants with auto's bytes as down stacks only
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout ${DOWN_S:-200} python3 tools/predict_rate.py \
+      --model $M --offload-gb 4.0633 --pattern "$PAT" --device-gb 16 --rounds 2 \
+      --variants $DOWN_V > "$OUT/predict_down.txt" 2>&1
+    grep "predict \|budget\|Error" "$OUT/predict_down.txt" | tail -12
+  fi
 fi
 if [ "$what" = predict ]; then
   start_llama

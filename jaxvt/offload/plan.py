@@ -32,10 +32,11 @@ per step times (1/host rate - 1/device rate); every unit pays the same rates, so
 byte of device memory freed is the unit's *read fraction* (bytes read per step / bytes held).
 At batch B: the token embedding reads B rows (B/vocab, ~4e-6 at batch 1); routed experts read
 the experts the tokens chose (1 - (1 - k/E)^B, 1/32 for 8 of 256 at batch 1); everything else is
-read whole (1). So the embedding goes first, then routed experts; the rest all read fraction 1,
-and are ranked by how well their reads hide: large dense-FFN matrices stream best; shared-expert
-and DeltaNet matrices are mid-sized; attention matrices are small (per-call overhead dominates);
-the output head is last, a single large read at the end of the step that nothing overlaps.
+read whole (1). So the embedding goes first, then routed experts (their down stacks first, see
+below); the rest all read fraction 1, and are ranked by how well their reads hide: large
+dense-FFN matrices stream best; shared-expert and DeltaNet matrices are mid-sized; attention
+matrices are small (per-call overhead dominates); the output head is last, a single large read
+at the end of the step that nothing overlaps.
 A tied embedding is also the output head (read whole every step), so it ranks as OUTPUT.
 Within a rank: by layer, spread ("spread", the default): the order is spread_order's (the last
 layer, then the middle of the widest gap left between the layers already taken and the step's
@@ -43,13 +44,21 @@ start), then rule 3 spaces the last rank's t whole layers evenly: t of n layers 
 (i + 1) * n // t - 1 for i < t (40 layers, 8: 4, 9, ..., 39; 9: 3, 7, 12, 16, 21, 25, 30, 34, 39),
 where a prefix of spread_order alone must split one gap unevenly (9: 4, 9, ..., 34, 37, 39);
 8 whole layers and the gate and up of a ninth: the gate and up on 3, the whole ones on 7, ..., 39.
+The routed experts' down stacks (ROUTED_DOWN) rank before their gate and up stacks: a budget
+first takes down stacks of about three times as many layers as it could take whole layers of,
+each a third of the bytes, so a host-tier layer's likeliest experts are fewer bytes for decode to
+copy ahead (Products.predict_for sizes that copy by the stacks a layer holds: H200, 35B-shaped
+file, auto's 4.06 GiB: 171 tok/s as 27 layers' down stacks with 6 experts predicted, 160 as 9
+whole layers with 2). Prefill's copies of adjacent host-tier layers take two rings in turns
+(Products.prefetch_rings) and keep their lead (5139 against 5068 tok/s at 512 tokens, the same
+bytes). LAYER_ORDER keeps each layer's routed experts together (llama.cpp's unit).
 Prefill copies each host-tier expert layer to the device while the layers before it compute
 (Products.prefetch_per_expert): a copy takes about three layers' compute on the H200, so the
 copy of a host-tier layer with one device-tier layer before it waits. Within a layer,
-declaration order, so each layer's gate/up/down move together. Decode's per-step cost does
-not depend on which layers: the scan runs every layer through one body and a layer's tier is
-data. `Policy.layers="first"` takes layers 0..N-1 (llama.cpp's `--n-cpu-moe N` moves those),
-"last" the last first.
+declaration order, so each layer's gate and up (LAYER_ORDER: gate, up and down) move together.
+Decode's per-step cost does not depend on which layers: the scan runs every layer through one
+body and a layer's tier is data. `Policy.layers="first"` takes layers 0..N-1 (llama.cpp's
+`--n-cpu-moe N` moves those, with LAYER_ORDER), "last" the last first.
 """
 
 from __future__ import annotations
@@ -74,10 +83,14 @@ GiB = 1 << 30
 Unit = tuple[str, "int | None"]  # (canonical name, layer); layer None for a global tensor
 TensorBytes = Mapping[Unit, int]  # unit -> bytes of that unit in its GGUF format
 
-# Ranks of the default policy; equal ranks interleave by layer (see the module docstring).
-DEFAULT_ORDER: tuple[tuple[Role, ...], ...] = (
-    (Role.EMBEDDING,), (Role.ROUTED_EXPERTS,), (Role.DENSE_FFN,),
+# Ranks of the default policy; equal ranks interleave by layer (see the module docstring). A rank
+# names roles, or canonical names that rank apart from (before) the rest of their role.
+ROUTED_DOWN = "moe.w_down"  # the routed experts' down stacks (jaxvt.model.declare)
+DEFAULT_ORDER: tuple[tuple[Role | str, ...], ...] = (
+    (Role.EMBEDDING,), (ROUTED_DOWN,), (Role.ROUTED_EXPERTS,), (Role.DENSE_FFN,),
     (Role.SHARED_EXPERT, Role.DELTANET), (Role.ATTENTION,), (Role.OUTPUT,))
+# The order before 2026-12-03 (and llama.cpp's unit): each layer's routed experts move together.
+LAYER_ORDER = tuple(r for r in DEFAULT_ORDER if r != (ROUTED_DOWN,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +200,7 @@ def parse_overrides(specs: Iterable[str]) -> tuple[Override, ...]:
 @dataclasses.dataclass(frozen=True)
 class Policy:
   batch: int = 1  # sequences decoded per step (read fractions depend on it)
-  order: tuple[tuple[Role, ...], ...] = DEFAULT_ORDER  # offload ranks, first offloaded first
+  order: tuple[tuple[Role | str, ...], ...] = DEFAULT_ORDER  # offload ranks, first first
   layers: str = "spread"  # within a rank: "spread" (rule 3), "first" (layer 0 first), "last"
   overrides: tuple[Override, ...] = ()
 
@@ -196,15 +209,25 @@ class Policy:
       raise JaxvtError(f"batch {self.batch} must be at least 1")
     if self.layers not in ("spread", "first", "last"):
       raise ValueError(f"Policy.layers must be 'spread', 'first' or 'last', not {self.layers!r}")
-    ranked = [r for group in self.order for r in group]
+    ranked = [r for group in self.order for r in group if isinstance(r, Role)]
     if sorted(ranked) != sorted(OFFLOADABLE) or len(set(ranked)) != len(ranked):
       raise ValueError("Policy.order must rank every offloadable role exactly once")
+    names = [r for group in self.order for r in group if not isinstance(r, Role)]
+    if not all(isinstance(r, str) for r in names) or len(set(names)) != len(names):
+      raise ValueError("Policy.order's other entries must be distinct canonical names")
 
   def rank(self, role: Role) -> int:
     for i, group in enumerate(self.order):
       if role in group:
         return i
     raise KeyError(role)
+
+  def rank_of(self, u: "UnitInfo") -> int:
+    """The unit's rank: its canonical name's where the order names it, else its role's."""
+    for i, group in enumerate(self.order):
+      if u.name in group:
+        return i
+    return self.rank(u.rank_role)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,7 +353,7 @@ def offload_order(infos: Sequence[UnitInfo], policy: Policy,
 
   def key(i: int):
     u = infos[i]
-    return (policy.rank(u.rank_role), -1 - n if u.layer is None else pos[u.layer], i)
+    return (policy.rank_of(u), -1 - n if u.layer is None else pos[u.layer], i)
 
   return tuple(sorted((i for i, u in enumerate(infos) if u.offloadable and forced[i] is None),
                       key=key))
@@ -390,6 +413,14 @@ class Plan:
   @property
   def forced_host_bytes(self) -> int:
     return sum(u.nbytes for u, f in zip(self.units, self.forced) if f == HOST)
+
+  def host_stacks(self, role: Role = Role.ROUTED_EXPERTS) -> int:
+    """The most stacks of `role` one layer holds in the host tier (0: none there)."""
+    per: dict[int, int] = {}
+    for u, k in zip(self.units, self.kinds):
+      if k == HOST and u.role is role and u.layer is not None:
+        per[u.layer] = per.get(u.layer, 0) + 1
+    return max(per.values(), default=0)
 
   @property
   def max_useful_budget(self) -> int:
@@ -465,8 +496,8 @@ def _spread_last_rank(units: tuple[UnitInfo, ...], policy: Policy, order: tuple[
   only where it holds exactly the prefix's bytes, trying the part on the grid's later layers and
   other even grids (even_grids) where it does not (layers of unequal size: a Q4_K_S file's down
   stacks); else the prefix."""
-  rank = policy.rank(units[order[len(taken)]].rank_role)
-  ranked = [i for i in order if policy.rank(units[i].rank_role) == rank]
+  rank = policy.rank_of(units[order[len(taken)]])
+  ranked = [i for i in order if policy.rank_of(units[i]) == rank]
   if any(units[i].layer is None for i in ranked):
     return taken
   mine = set(taken) & set(ranked)
