@@ -272,11 +272,11 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
       out.append(np.asarray(logits))
     return out, {k: np.asarray(v) for k, v in cache.items()}
 
-  # and two layers ahead where a device-tier layer comes between (two sets: qwen35moe only)
-  two = dataclasses.replace(inline, products=dataclasses.replace(inline.products,
-                                                                 predict_two_ahead=3))
+  # and the GPU's rule for down stacks alone (GPU_PRODUCTS.predict_for(1): 6 experts, 4 blocks)
+  six = dataclasses.replace(inline, products=dataclasses.replace(
+      inline.products, predict_after_host=6, predict_after_device=6, predict_blocks=4))
   l_off, c_off = run(off)
-  for ex in (on, inline, two):
+  for ex in (on, inline, six):
     l_ex, c_ex = run(ex)
     for a, b in zip(l_ex, l_off):
       np.testing.assert_array_equal(a, b)
@@ -289,8 +289,7 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
   assert "jaxvt_prefetch_experts" in text(on) and "jaxvt_prefetch_experts" not in text(off)
   assert "jaxvt_prefetch_experts_inline" in text(inline)
   assert "jaxvt_prefetch_experts_inline" not in text(on)
-  # two layers ahead changes the program only where there are two ring sets (qwen35moe)
-  assert (text(two) != text(inline)) == (m.cfg.arch == "qwen35moe")
+  assert text(six) != text(inline)
   assert "has_side_effect = true" not in text(on)
   # a prefill (many tokens) predicts nothing
   pre = engine.prefill_fn.lower(weights, cache, toks, jnp.arange(prompt, dtype=jnp.int32)[None],

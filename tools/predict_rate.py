@@ -5,8 +5,8 @@
                                [--max-context 1024] [--pattern exps]
 
 Loads the model once at the budget (max context 1024 by default, the sweep's), then generates
---tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S[:T]][@B][+c] of
-Products.predict_after_host : predict_after_device [: predict_sets [: predict_two_ahead]]
+--tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S][@B][+c] of
+Products.predict_after_host : predict_after_device [: predict_sets]
 ("off": 0:0; @B the inline fetch with B blocks an expert; +c XLA's concurrent command-buffer
 scheduling: jaxvt.bench.profile.predict_exec), in rounds (each variant once a round, the first round
 compiles), and prints each variant's decode tok/s (the best round, and every round), its first

@@ -114,13 +114,15 @@ def _prefill(eng, ids, args, mesh) -> str:
 
 
 def predict_products(products, spec: str):
-  """products with predict_after_host, predict_after_device (and predict_sets,
-  predict_two_ahead) from "H:D[:S[:T]]" ("off": 0:0); "...@B": the inline fetch (predict_inline)
-  with B blocks an expert (0: the default). Exec.concurrent is set apart (predict_exec)."""
+  """products with predict_after_host, predict_after_device (and predict_sets) from "H:D[:S]"
+  ("off": 0:0); "...@B": the inline fetch (predict_inline) with B blocks an expert (0: the
+  default). Exec.concurrent is set apart (predict_exec)."""
   spec, _, blocks = spec.partition("@")
   v = [0, 0] if spec == "off" else [int(a) for a in spec.split(":")]
+  if len(v) not in (2, 3):
+    raise ValueError(f"predict variant {spec!r}: H:D or H:D:S")
   kw = dict(predict_after_host=v[0], predict_after_device=v[1], predict_inline=bool(blocks),
-            predict_blocks=int(blocks or 0), predict_two_ahead=v[3] if len(v) > 3 else 0)
+            predict_blocks=int(blocks or 0))
   if len(v) > 2:
     kw["predict_sets"] = v[2]
   return dataclasses.replace(products, **kw)

@@ -94,7 +94,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
                                     ex.products.prefetch_rings),
                     moe.start_expert_rings(w, moe.predicted(w, cfg, ex, b * t), sets))
   if rings.experts:
-    w = moe.next_router(w, two=sets == 2 and ex.products.predict_two_ahead > 0)
+    w = moe.next_router(w)
 
   def body(carry, p):
     x, cache, rings = carry

@@ -114,10 +114,7 @@ class Products:
   runs on XLA's stream as a kernel XLA may capture in its command buffers (no break a layer;
   under the concurrent scheduling mode it runs beside the work that does not touch the rings)
   with predict_blocks blocks an expert (0: the extension's default), instead of on a stream of
-  jaxvt's own. predict_two_ahead: with two ring sets, a host-tier layer l + 2 that follows a
-  device-tier layer l + 1 gets that many of its likeliest experts (its router applied to layer
-  l's MoE input) copied after layer l's down product, with two layers of compute to hide
-  behind, instead of the predict_after_device ones after layer l + 1's router; 0: never.
+  jaxvt's own.
   """
 
   tiled_rows: int = 0
@@ -132,7 +129,6 @@ class Products:
   predict_after_host: int = 0
   predict_after_device: int = 0
   predict_sets: int = 2
-  predict_two_ahead: int = 0
   predict_inline: bool = False
   predict_blocks: int = 0
 

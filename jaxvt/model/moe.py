@@ -117,7 +117,6 @@ def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Arr
 ROUTED = ("moe.w_gate", "moe.w_up", "moe.w_down")
 STAGE = {"moe.w_gate": "gate", "moe.w_up": "up", "moe.w_down": "down"}
 NEXT_ROUTER = "moe.router@next"  # decode's view of layer l + 1's router at index l (next_router)
-NEXT2_ROUTER = "moe.router@next2"  # and of layer l + 2's (Products.predict_two_ahead)
 
 
 class Rings(NamedTuple):
@@ -146,7 +145,7 @@ def predicted(w: dict, cfg: ModelConfig, ex: Exec, n_tokens: int) -> tuple[str, 
   the per-slot experts kernels)."""
   p = ex.products
   if (not cfg.is_moe or not ex.kernels or n_tokens != 1
-      or not (p.predict_after_host or p.predict_after_device or p.predict_two_ahead)
+      or not (p.predict_after_host or p.predict_after_device)
       or p.experts(cfg.n_experts_used) != "matvec" or (ex.par is not None and ex.par.size > 1)):
     return ()
   return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
@@ -160,15 +159,13 @@ def start_expert_rings(w: dict, names: tuple[str, ...], sets: int) -> tuple[dict
   return tuple({n: prefetch.new_expert_ring(w[n].meta) for n in names} for _ in range(sets))
 
 
-def next_router(w: dict, two: bool = False) -> dict:
+def next_router(w: dict) -> dict:
   """w with NEXT_ROUTER: the router stack seen one layer on (index l reads layer l + 1's router;
-  the last index wraps to layer 0, whose prediction targets no layer), and with `two`
-  NEXT2_ROUTER, seen two layers on. Built once, outside the layer scan: the same data, its table
-  and formats rolled."""
+  the last index wraps to layer 0, whose prediction targets no layer). Built once, outside the
+  layer scan: the same data, its table and formats rolled."""
   r = w["moe.router"]
-  on = lambda k: dataclasses.replace(r, table=jnp.roll(r.table, -k, axis=0),
-                                     fmts=jnp.roll(r.fmts, -k))
-  return dict(w, **{NEXT_ROUTER: on(1)}, **({NEXT2_ROUTER: on(2)} if two else {}))
+  return dict(w, **{NEXT_ROUTER: dataclasses.replace(r, table=jnp.roll(r.table, -1, axis=0),
+                                                     fmts=jnp.roll(r.fmts, -1))})
 
 
 def ring_parts(meta, rings: int) -> int:
@@ -212,9 +209,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
   (its router applied to this layer's input) are fetched where li + 1 is a host-tier layer: into
   the same set after the down product, or with two sets into the other one, right after the
   router when this layer is device-tier (the bus idle), after the down product when it is
-  host-tier (its own experts fill the bus until then); with NEXT2_ROUTER in w (two sets,
-  Products.predict_two_ahead) layer li + 2's likeliest instead where li + 1 is device-tier, into
-  this layer's set after its down product."""
+  host-tier (its own experts fill the bus until then)."""
   b, t, d = h.shape
   x = h.reshape(b * t, d).astype(jnp.float32)
   sets = () if rings is None else list(rings.experts)
@@ -225,8 +220,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
     # the same x: one launch where they can.
     shared = ["shexp.w_gate", "shexp.w_up"] if cfg.shared_ffn_dim else []
     p = ex.products
-    two = bool(xr) and NEXT2_ROUTER in w  # layer li + 2's likeliest too (predict_two_ahead)
-    nxt = [NEXT_ROUTER, *([NEXT2_ROUTER] if two else [])] if xr else []
+    nxt = [NEXT_ROUTER] if xr else []
     logits, *more = layers.linear_many(x, [w[n] for n in ["moe.router", *nxt, *shared]], li, ex)
     gu = more[len(nxt):]
     # Whole [T, E] logits on every device (the router is replicated), routed before the split.
@@ -234,9 +228,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
     ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob, fused=fused)
     if xr:  # layer li + 1's likeliest experts, most likely first
       pred, _ = route(more[0], max(p.predict_after_host, p.predict_after_device), False, fused)
-      if two:
-        pred2, _ = route(more[1], p.predict_two_ahead, False, fused)
-      elif len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
+      if len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
         sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=pred,
                                             n_host=p.predict_after_host,
                                             n_device=p.predict_after_device, when="after_device",
@@ -271,11 +263,6 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
                                           n_device=p.predict_after_device,
                                           when="after_host" if len(sets) == 2 else "any",
                                           inline=p.predict_inline, blocks=p.predict_blocks)
-    if two:  # this set's next reader is layer li + 2: where li + 1 is device-tier, its experts
-      sets[ring_set] = prefetch.fetch_experts(sets[ring_set], w, li + 2, pred2[0],
-                                              after=read["down"], n_host=0,
-                                              n_device=p.predict_two_ahead, when="after_device",
-                                              inline=p.predict_inline, blocks=p.predict_blocks)
     rings = None if rings is None else Rings(lr, tuple(sets))
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
