@@ -90,7 +90,10 @@ start_llama() {  # llama-bench built in the background; setsid: the build outliv
   if [ ! -x /tmp/llama-build/bin/llama-bench ] && [ ! -e /tmp/llama-build/.building ] &&
      [ -d .llama/llama.cpp ]; then
     mkdir -p /tmp/llama-build && touch /tmp/llama-build/.building
-    setsid nohup bash -c "LLAMA_JOBS=10 nice -n 10 bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1;
+    # from a copy: the next call's carry replaces .llama under a running build (2026-12-03, 17:20:
+    # ggml-common.h vanished mid-build and llama-bench never built)
+    rm -rf /tmp/llama-src && cp -a .llama/llama.cpp /tmp/llama-src
+    setsid nohup bash -c "LLAMA_SRC=/tmp/llama-src LLAMA_JOBS=10 nice -n 10 bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1;
       rm -f /tmp/llama-build/.building" > /dev/null 2>&1 < /dev/null &
     echo "llama-bench: building in the background"
   fi
