@@ -425,13 +425,10 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
   kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic` fixes XLA's
   algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's concurrent
-  command-buffer scheduling (Exec.concurrent; meshes keep XLA's default). `plan` (the placement
-  the engine runs): decode's predicted copies sized by the routed stacks its host-tier layers
-  hold (Products.predict_for); prefill's programs do not depend on it."""
+  command-buffer scheduling (Exec.concurrent; meshes keep XLA's default). `plan`: decode's
+  predicted copies sized by the routed stacks its host-tier layers hold (Products.predict_for)."""
   gpu = platform != "cpu" and kernels
-  products = GPU_PRODUCTS if gpu else Products()
-  if plan is not None:
-    products = products.predict_for(plan.host_stacks())
+  products = (GPU_PRODUCTS if gpu else Products()).predict_for(plan.host_stacks() if plan else 0)
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
               products=products, deterministic=deterministic,
               concurrent=gpu and getattr(par, "size", 1) == 1)

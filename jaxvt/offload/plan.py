@@ -43,8 +43,8 @@ layer, then the middle of the widest gap left between the layers already taken a
 start), then rule 3 spaces the last rank's t whole layers evenly: t of n layers are
 (i + 1) * n // t - 1 for i < t (40 layers, 8: 4, 9, ..., 39; 9: 3, 7, 12, 16, 21, 25, 30, 34, 39),
 where a prefix of spread_order alone must split one gap unevenly (9: 4, 9, ..., 34, 37, 39);
-8 whole layers and the gate and up of a ninth: the gate and up on 3, the whole ones on 7, ..., 39.
-The routed experts' down stacks (ROUTED_DOWN) rank before their gate and up stacks: a budget
+8 whole layers and the gate and up of a ninth (LAYER_ORDER): the gate and up on 3, the whole ones
+on 7, ..., 39. The routed experts' down stacks (ROUTED_DOWN) rank before their gate and up stacks: a budget
 first takes down stacks of about three times as many layers as it could take whole layers of,
 each a third of the bytes, so a host-tier layer's likeliest experts are fewer bytes for decode to
 copy ahead (Products.predict_for sizes that copy by the stacks a layer holds: H200, 35B-shaped
