@@ -44,14 +44,17 @@ start), then rule 3 spaces the last rank's t whole layers evenly: t of n layers 
 (i + 1) * n // t - 1 for i < t (40 layers, 8: 4, 9, ..., 39; 9: 3, 7, 12, 16, 21, 25, 30, 34, 39),
 where a prefix of spread_order alone must split one gap unevenly (9: 4, 9, ..., 34, 37, 39);
 8 whole layers and the gate and up of a ninth (LAYER_ORDER): the gate and up on 3, the whole ones
-on 7, ..., 39. The routed experts' down stacks (ROUTED_DOWN) rank before their gate and up stacks: a budget
+on 7, ..., 39.
+The routed experts' down stacks (ROUTED_DOWN) rank before their gate and up stacks: a budget
 first takes down stacks of about three times as many layers as it could take whole layers of,
 each a third of the bytes, so a host-tier layer's likeliest experts are fewer bytes for decode to
 copy ahead (Products.predict_for sizes that copy by the stacks a layer holds: H200, 35B-shaped
 file, auto's 4.06 GiB: 171 tok/s as 27 layers' down stacks with 6 experts predicted, 160 as 9
 whole layers with 2). Prefill's copies of adjacent host-tier layers take two rings in turns
 (Products.prefetch_rings) and keep their lead (5139 against 5068 tok/s at 512 tokens, the same
-bytes). LAYER_ORDER keeps each layer's routed experts together (llama.cpp's unit).
+bytes). Past the down stacks whole layers join them and the count falls back to 2 for every
+layer (1.5-6% slower decode than whole layers alone at 7-15 GiB on that file). LAYER_ORDER keeps
+each layer's routed experts together (llama.cpp's unit).
 Prefill copies each host-tier expert layer to the device while the layers before it compute
 (Products.prefetch_per_expert): a copy takes about three layers' compute on the H200, so the
 copy of a host-tier layer with one device-tier layer before it waits. Within a layer,
