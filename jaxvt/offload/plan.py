@@ -227,8 +227,8 @@ class Policy:
 
   def rank_of(self, u: "UnitInfo") -> int:
     """The unit's rank: its canonical name's where the order names it, else its role's."""
-    for i, group in enumerate(self.order):
-      if u.name in group:
+    for i, group in enumerate(self.order):  # names only: Role is a str enum, equal to its value
+      if any(u.name == r for r in group if not isinstance(r, Role)):
         return i
     return self.rank(u.rank_role)
 
