@@ -10,8 +10,7 @@
     par = layout(model.cfg)                     # the 1 x 1 mesh on one device, or a mesh
     placed = plan(model, offload_gb=4, mesh=par)   # jaxvt.offload: where each weight goes
     weights = place(model, placed, par, host=HostTier())   # jaxvt.loader: the weights pytree
-    ex = exec_for(platform, kernels, par, plan=placed.plan)   # how to run (placed: predictions)
-    engine = Engine(model.cfg, ex, weights, tokenizer, max_context)
+    engine = Engine(model.cfg, exec_for(platform, kernels, par), weights, tokenizer, max_context)
 
 `prefill_fn` and `decode_fn` (jaxvt.model_fns) are pure jitted functions of (weights, cache,
 tokens, ...); the Engine holds what they need and keeps the books (buckets, positions, keys).
@@ -46,7 +45,7 @@ from jaxvt.offload import placement as placement_mod
 from jaxvt.offload import host_tier
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
-from jaxvt.offload.plan import Plan as PlanT, Policy, parse_overrides
+from jaxvt.offload.plan import Policy, parse_overrides
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
@@ -418,19 +417,16 @@ def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: in
   return workspace_of
 
 
-def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
-             plan: PlanT | None = None) -> Exec:
+def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
   it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
   kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic` fixes XLA's
   algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's concurrent
-  command-buffer scheduling (Exec.concurrent; meshes keep XLA's default). `plan`: decode's
-  predicted copies sized by the routed stacks its host-tier layers hold (Products.predict_for)."""
+  command-buffer scheduling (Exec.concurrent; meshes keep XLA's default)."""
   gpu = platform != "cpu" and kernels
-  products = (GPU_PRODUCTS if gpu else Products()).predict_for(plan.host_stacks() if plan else 0)
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              products=products, deterministic=deterministic,
+              products=GPU_PRODUCTS if gpu else Products(), deterministic=deterministic,
               concurrent=gpu and getattr(par, "size", 1) == 1)
 
 
@@ -548,7 +544,6 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                   workspace_of=workspace_of if par.size == 1 else None)
     if on_plan:
       on_plan(placed)
-    ex = exec_for(device.platform, kernels, par, deterministic, placed.plan)
     host_tier = HostTier() if placed.host_bytes else None
     times = loader.LoadTimes()
     early, warm_seconds = None, 0.0

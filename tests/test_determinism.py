@@ -122,26 +122,16 @@ def test_exec_for_schedules_decode_concurrently_on_one_gpu():
   assert model_fns.prefill_fn._mode({"ex": one}) == (True, False)
 
 
-def test_predictions_sized_by_the_plans_host_stacks():
-  """Decode's predicted copies scale with the routed stacks a host-tier layer holds
-  (Products.predict_for): GPU_PRODUCTS' 2 experts at 8 blocks for whole layers, 6 at 4 for down
-  stacks alone (the default plan's first 5.9 GiB), at most 8; nothing where nothing predicts or
-  nothing is offloaded; exec_for applies it to the plan it is given."""
+def test_gpu_products_scale_the_prediction_per_layer():
+  """GPU_PRODUCTS predicts 2 experts at 8 blocks for a layer holding all three routed stacks in
+  the host tier and scales per layer (predict_scale 3: down stacks alone get 6); a decode fetch
+  is given as many ids as any layer can copy (at most 8); the CPU predicts nothing."""
   from jaxvt import engine
   from jaxvt.model.layers import GPU_PRODUCTS, Products
-  from test_plan_fixtures import base_plan
   g = GPU_PRODUCTS
-  got = lambda p: (p.predict_after_host, p.predict_after_device, p.predict_blocks)
-  assert got(g) == (2, 2, 8) and g.prefetch_rings == 2
-  assert g.predict_for(0) == g and g.predict_for(3) == g and g.predict_for(4) == g
-  assert got(g.predict_for(1)) == (6, 6, 4) and got(g.predict_for(2)) == (3, 3, 5)
-  assert got(dataclasses.replace(g, predict_after_device=3).predict_for(1)) == (6, 8, 4)
-  assert got(dataclasses.replace(g, predict_blocks=0).predict_for(1)) == (6, 6, 0)
-  assert Products().predict_for(1) == Products()
-  p0 = base_plan("qwen36_35b")
-  for gib, stacks in ((0, 0), (2, 1), (6.5, 3)):
-    plan = p0.rebudget(int(gib * 2**30))
-    assert plan.host_stacks() == stacks
-    ex = engine.exec_for("cuda", True, None, plan=plan)
-    assert ex.products == g.predict_for(stacks)
-    assert engine.exec_for("cpu", True, None, plan=plan).products == Products()
+  assert (g.predict_after_host, g.predict_after_device, g.predict_blocks) == (2, 2, 8)
+  assert g.predict_scale == 3 and g.predicted_ids() == 6 and g.prefetch_rings == 2
+  assert dataclasses.replace(g, predict_after_device=3).predicted_ids() == 8
+  assert dataclasses.replace(g, predict_scale=0).predicted_ids() == 2
+  assert engine.exec_for("cuda", True, None).products == g
+  assert engine.exec_for("cpu", True, None).products == Products()

@@ -141,8 +141,6 @@ def test_35b_6gib_plan():
   hosts = host_set(p.rebudget(6.5 * GiB))
   assert {(n, l) for n, l in hosts if n in ("moe.w_gate", "moe.w_up")} == {
       (n, l) for n in ("moe.w_gate", "moe.w_up") for l in P.even_layers(40, 2)}
-  assert p.host_stacks() == 1 and p.rebudget(6.5 * GiB).host_stacks() == 3
-  assert base_plan("qwen36_35b").host_stacks() == 0
 
 
 def test_35b_6gib_plan_whole_layers():
@@ -205,7 +203,6 @@ def test_spread_places_down_stacks_evenly():
     hosts = host_set(p)
     assert sorted(l for n, l in hosts if n == "moe.w_down") == list(P.even_layers(40, t)), t
     assert not any(n in ("moe.w_gate", "moe.w_up") for n, _ in hosts), t
-    assert p.host_stacks() == 1
   for t in (1, 9, 13):
     hosts = host_set(p0.rebudget(emb + 40 * down + t * pair))
     assert sorted(l for n, l in hosts if n == "moe.w_up") == list(P.even_layers(40, t)), t

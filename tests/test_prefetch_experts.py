@@ -146,6 +146,46 @@ def test_fetch_skips_experts_out_of_range(stack, device):
   assert h["n"] == 4 and h["ids"][:4] == [3, -2, -2, 6]
 
 
+# Three stacks host-tier at different layers: 1, 2 and 4 for all three; 0 and 3 for "down" alone
+# (its own layers 0-4 hold 4 experts' rows each: the byte counts differ, the rule does not)
+SCALED_HOST = {"gate": (1, 2, 4), "up": (1, 2, 4), "down": (0, 1, 2, 3, 4)}
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "inline"))
+def fetched_scaled(ws, target, ids, scale, inline=False):
+  rings = {n: prefetch.new_expert_ring(w.meta) for n, w in ws.items()}
+  rings = prefetch.fetch_experts(rings, ws, target, ids, n_host=2, n_device=3, inline=inline,
+                                 blocks=8 if inline else 0, scale=scale)
+  return rings, prefetch.join(jnp.zeros((), jnp.float32), rings["down"])
+
+
+@pytest.mark.parametrize("scale", [0, 3, 2])
+def test_fetch_scales_the_count_by_the_targets_host_stacks(rng, tier, device, scale, inline):
+  """scale > 0: the counts are for a target with `scale` host-tier stacks; a target where k of
+  the call's stacks are host-tier gets n * scale // k experts of each (at most 8), so a layer
+  holding only its down stack in the host tier copies three times the experts of one holding all
+  three (scale 3); every slot the file's bytes of its expert. scale 0: the counts as given."""
+  ws, stacks = {}, {}
+  for n, host in SCALED_HOST.items():
+    stacks[n] = make_stack(rng, FMTS, ROWS, COLS, experts=E, host=host, tier=tier)
+    ws[n] = put(stacks[n].w, device)
+  for target in range(len(FMTS)):
+    rings, _ = fetched_scaled(ws, jnp.int32(target), jnp.asarray(PRED), scale, inline=inline)
+    k = sum(target in h for h in SCALED_HOST.values())
+    for n, host in SCALED_HOST.items():
+      h = header(rings[n])
+      if target not in host:
+        assert h["n"] == 0 and h["layer"] == -1, (n, target)
+        continue
+      base = 2 if target - 1 in host else 3  # n_host after a host-tier layer, else n_device
+      want = min(8, base * scale // k) if scale else base
+      assert h["n"] == want and h["layer"] == target, (n, target, h["n"], want)
+      assert h["ids"][:want] == PRED[:want].tolist() and h["tag"][:want] == [h["seq"]] * want
+      for j in range(want):
+        raw = expert_raw(stacks[n], target, int(PRED[j]))
+        np.testing.assert_array_equal(slot_bytes(rings[n], j, raw.size), raw)
+
+
 def _routing(rng):
   # slots routed to the predicted experts 7 and 2, to others, and nowhere; none to 4
   ids = np.array([[7, 3, 2, 10], [2, 7, 8, -1], [5, 6, 7, 1]], np.int32)
@@ -272,9 +312,11 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
       out.append(np.asarray(logits))
     return out, {k: np.asarray(v) for k, v in cache.items()}
 
-  # and the GPU's rule for down stacks alone (GPU_PRODUCTS.predict_for(1): 6 experts, 4 blocks)
+  # and the GPU's rule: 2 experts at 8 blocks for layers 1, 2 and 5, whose three stacks are in
+  # the host tier, 6 at 4 for layer 7's down stack alone (predict_scale)
   six = dataclasses.replace(inline, products=dataclasses.replace(
-      inline.products, predict_after_host=6, predict_after_device=6, predict_blocks=4))
+      inline.products, predict_after_host=2, predict_after_device=2, predict_blocks=8,
+      predict_scale=3))
   l_off, c_off = run(off)
   for ex in (on, inline, six):
     l_ex, c_ex = run(ex)

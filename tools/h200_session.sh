@@ -57,6 +57,10 @@
 #                                       # both); an 8192-token prompt at auto on the 16 GiB card
 #   bash tools/h200_session.sh det      # the determinism GPU test (llama-bench built beside it;
 #                                       # TESTS: GPU test files run before it)
+#   bash tools/h200_session.sh scale    # llama-bench built beside it; the expert-ring and prefetch
+#                                       # GPU tests; decode at SCALE_GB (7) with the predicted
+#                                       # count as given and scaled per layer (SCALE_V); the
+#                                       # determinism GPU test
 #   bash tools/h200_session.sh small    # the expert-ring GPU tests; the first token of a model of
 #                                       # the default model's size (tools/small_model.py), cold
 #                                       # and cached
@@ -474,6 +478,21 @@ if [ "$what" = det ]; then  # #16: two processes, every budget (auto's layers ev
   [ -n "${TESTS:-}" ] && { timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
     --tb=short $TESTS > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"; }
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
+  echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = scale ]; then  # the predicted count scaled per layer (Products.predict_scale)
+  start_llama
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    tests/test_prefetch_experts_gpu.py tests/test_prefetch_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_tests.txt"; model; echo "model $(( $(date +%s) - t0 )) s"
+  for b in ${SCALE_GB:-7}; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 tools/predict_rate.py --model $M \
+      --offload-gb $b --device-gb 16 --rounds 2 --variants ${SCALE_V:-2:2@8+c,2:2@8/3+c} \
+      > "$OUT/predict_$b.txt" 2>&1
+    grep "predict \|budget\|Error" "$OUT/predict_$b.txt" | tail -6
+  done
+  timeout ${DET_S:-250} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
 fi

@@ -5,10 +5,11 @@
                                [--max-context 1024] [--pattern exps]
 
 Loads the model once at the budget (max context 1024 by default, the sweep's), then generates
---tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S][@B][+c] of
+--tokens greedy tokens after a --prompt-token prompt under each variant H:D[:S][@B][/K][+c] of
 Products.predict_after_host : predict_after_device [: predict_sets]
-("off": 0:0; @B the inline fetch with B blocks an expert; +c XLA's concurrent command-buffer
-scheduling: jaxvt.bench.profile.predict_exec), in rounds (each variant once a round, the first round
+("off": 0:0; @B the inline fetch with B blocks an expert; /K the counts scaled per layer for K
+host-tier routed stacks, predict_scale; +c XLA's concurrent command-buffer scheduling:
+jaxvt.bench.profile.predict_exec), in rounds (each variant once a round, the first round
 compiles), and prints each variant's decode tok/s (the best round, and every round), its first
 round's seconds (the programs' compile with it), the routed experts' host-tier layers, and
 whether its tokens equal the first variant's.

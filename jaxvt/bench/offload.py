@@ -145,8 +145,7 @@ class Session:
     weights = self.weights(placed, pinned=host_kind == "jax_pinned")
     jax.block_until_ready(weights)
     dev = self.par.devices[0]
-    ex = engine.exec_for(dev.platform, ffi.available(dev.platform), self.par,
-                         plan=placed.plan)
+    ex = engine.exec_for(dev.platform, ffi.available(dev.platform), self.par)
     return engine.Engine(cfg=self.cfg, ex=ex, weights=weights, tokenizer=self.tokenizer,
                          max_context=self.max_context, path=self.path,
                          load_seconds=time.perf_counter() - t, plan=placed)

@@ -116,13 +116,15 @@ def _prefill(eng, ids, args, mesh) -> str:
 def predict_products(products, spec: str):
   """products with predict_after_host, predict_after_device (and predict_sets) from "H:D[:S]"
   ("off": 0:0); "...@B": the inline fetch (predict_inline) with B blocks an expert (0: the
-  default). Exec.concurrent is set apart (predict_exec)."""
+  default); "/K": the counts for a layer with K host-tier routed stacks, scaled per layer
+  (predict_scale; without it the counts as given). Exec.concurrent is set apart (predict_exec)."""
+  spec, _, scale = spec.partition("/")
   spec, _, blocks = spec.partition("@")
   v = [0, 0] if spec == "off" else [int(a) for a in spec.split(":")]
   if len(v) not in (2, 3):
     raise ValueError(f"predict variant {spec!r}: H:D or H:D:S")
   kw = dict(predict_after_host=v[0], predict_after_device=v[1], predict_inline=bool(blocks),
-            predict_blocks=int(blocks or 0))
+            predict_blocks=int(blocks or 0), predict_scale=int(scale or 0))
   if len(v) > 2:
     kw["predict_sets"] = v[2]
   return dataclasses.replace(products, **kw)
@@ -130,7 +132,7 @@ def predict_products(products, spec: str):
 
 def predict_exec(ex, spec: str):
   """ex with predict_products(spec), and concurrent scheduling where spec ends in "+c" (e.g.
-  "off+c", "2:2:1@16+c")."""
+  "off+c", "2:2:1@16+c", "2:2@8/3+c": GPU_PRODUCTS' rule)."""
   spec, c = (spec[:-2], True) if spec.endswith("+c") else (spec, False)
   return dataclasses.replace(ex, products=predict_products(ex.products, spec), concurrent=c)
 

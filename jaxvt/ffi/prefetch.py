@@ -155,11 +155,13 @@ WHEN = {"any": 0, "after_host": 1, "after_device": 2}  # prefetch.h expert_count
 
 def fetch_experts(rings: dict, ws: dict, target, ids, after=None, *, n_host: int,
                   n_device: int, when: str = "any", inline: bool = False,
-                  blocks: int = 0) -> dict:
+                  blocks: int = 0, scale: int = 0) -> dict:
   """Starts copying, into each stack's ring, the first n of `ids` (int32 [m], most likely first)
   of layer `target` (int32 scalar, may be traced) of that stack, where it is a host-tier layer:
-  n = n_host when layer target - 1 of the stack is host-tier too, else n_device (at most 8, at
-  most m); any other target empties the ring. when="after_host" / "after_device": only targets
+  n = n_host when layer target - 1 of the stack is host-tier too, else n_device; scale > 0: n
+  is for a target with `scale` of the call's stacks host-tier, one with k gets n * scale / k,
+  copied by blocks * n / (n * scale / k) blocks (at least 4) (at most 8 experts, at most m); any
+  other target empties the ring. when="after_host" / "after_device": only targets
   of that kind are fetched, any other leaves the ring as it is. `after`: what the program must
   have computed before the rings may be overwritten (their last reader's output). inline: on a
   GPU the copy is a kernel on XLA's stream that XLA may capture in a command buffer (else on a
@@ -179,5 +181,6 @@ def fetch_experts(rings: dict, ws: dict, target, ids, after=None, *, n_host: int
              cols=np.array([m.cols for m in metas], np.int64),
              slot=np.array([expert_slot_bytes(m) for m in metas], np.int64),
              experts=np.int64(metas[0].experts), n_host=np.int64(n_host),
-             n_device=np.int64(n_device), when=np.int64(WHEN[when]), blocks=np.int64(blocks))
+             n_device=np.int64(n_device), when=np.int64(WHEN[when]), blocks=np.int64(blocks),
+             scale=np.int64(scale))
   return dict(zip(names, out))

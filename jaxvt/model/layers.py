@@ -52,16 +52,16 @@ PREFETCH_PER_EXPERT = 4
 # of jaxvt's own was slower than none (60.7-63.3 / 123.7-137.6: each fetch broke XLA's command
 # buffers); more blocks or more experts were slower too (docs/BENCHMARKS.md "Decode: the next
 # layer's experts copied ahead, inline").
-# Those counts are for host-tier layers holding all 3 routed stacks (gate, up, down); where each
-# holds fewer (the planner takes down stacks first), Products.predict_for copies proportionally
-# more experts of each, with fewer blocks: auto's 4.06 GiB as 27 layers' down stacks, 6 experts
-# at 4 blocks 170.2-171.8 tok/s (8 blocks 167.3; 4, 5, 7 and 8 experts 164.2-171.3), against
-# 160.5 as 9 whole layers (H200, 2026-12-03).
+# Those counts are for a host-tier layer holding all 3 routed stacks (gate, up, down); a layer
+# holding fewer (the planner takes down stacks first) gets proportionally more experts of each,
+# copied by fewer blocks (Products.predict_scale: the extension's per-layer rule, prefetch.h
+# expert_count): auto's 4.06 GiB as 27 layers' down stacks, 6 experts at 4 blocks 170.2-171.8
+# tok/s (8 blocks 167.3; 4, 5, 7 and 8 experts 164.2-171.3), against 160.5 as 9 whole layers
+# with 2 (H200, 2026-12-03).
 PREDICT_AFTER_HOST = 2
 PREDICT_AFTER_DEVICE = 2
 PREDICT_BLOCKS = 8
-PREDICT_STACKS = 3
-PREDICT_MIN_BLOCKS = 4
+PREDICT_SCALE = 3
 # prefill: two rings a stack whose host-tier layers include adjacent ones (Products.prefetch_rings):
 # H200, 512 tokens, 16 GiB card: every routed expert in the host tier 1227 -> 1477 tok/s (3 rings
 # 1429); auto's bytes as down stacks 3728 -> 5139 (whole layers, not adjacent: 5068).
@@ -114,7 +114,10 @@ class Products:
   runs on XLA's stream as a kernel XLA may capture in its command buffers (no break a layer;
   under the concurrent scheduling mode it runs beside the work that does not touch the rings)
   with predict_blocks blocks an expert (0: the extension's default), instead of on a stream of
-  jaxvt's own.
+  jaxvt's own. predict_scale > 0: the counts are for a target layer with that many of the
+  routed stacks in the host tier, and one with k of them gets count * predict_scale / k (at
+  most 8), each copied by proportionally fewer blocks (at least 4): about the same bytes a
+  layer, decided per layer on the device (prefetch.h expert_count); 0: the counts as given.
   """
 
   tiled_rows: int = 0
@@ -131,22 +134,13 @@ class Products:
   predict_sets: int = 2
   predict_inline: bool = False
   predict_blocks: int = 0
+  predict_scale: int = 0
 
-  def predict_for(self, stacks: int) -> "Products":
-    """This rule with decode's prediction sized for host-tier layers holding at most `stacks`
-    routed stacks each (offload.plan.Plan.host_stacks): the predicted experts scaled by
-    PREDICT_STACKS / stacks (at most 8), their blocks an expert down in proportion (at least
-    PREDICT_MIN_BLOCKS): 2:2 with 8 blocks for whole layers, 6:6 with 4 for down stacks alone.
-    Unchanged where nothing is predicted or no layer is in the host tier."""
-    h, d = self.predict_after_host, self.predict_after_device
-    if stacks < 1 or stacks >= PREDICT_STACKS or not (h or d):
-      return self
-    scale = lambda n: min(8, n * PREDICT_STACKS // stacks)
-    blocks = self.predict_blocks
-    if blocks:
-      blocks = max(PREDICT_MIN_BLOCKS, blocks * max(h, d) // scale(max(h, d)))
-    return dataclasses.replace(self, predict_after_host=scale(h), predict_after_device=scale(d),
-                               predict_blocks=blocks)
+  def predicted_ids(self) -> int:
+    """How many of the next layer's likeliest experts a decode fetch is given: the most any
+    target layer can copy."""
+    n = max(self.predict_after_host, self.predict_after_device)
+    return min(8, n * max(1, self.predict_scale))
 
   def dense(self, n: int, meta: QMeta) -> str:
     """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
@@ -167,8 +161,8 @@ class Products:
 # on the tile kernel from 32 rows where a layer's bf16 copy is too large; routed experts of 256
 # slots or more on the grouped kernel, fewer on the per-slot kernel; the MoE router as one custom
 # call, DeltaNet and attention decode steps fused (gdn_fused, attn_fused), prefill's host-tier
-# copies in two rings where layers are adjacent, decode's predicted copies sized by the plan
-# (engine.exec_for: Products.predict_for). (Their GPU tests first
+# copies in two rings where layers are adjacent, decode's predicted copies sized by the stacks
+# each host-tier layer holds (predict_scale). (Their GPU tests first
 # failed on the H200 on 2026-12-01 because the jnp references lost their bf16 rounding to
 # XLA:GPU's excess precision, not the kernels: numerics.round_to.)
 GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_bytes=STAGE_MAX_BYTES,
@@ -177,7 +171,7 @@ GPU_PRODUCTS = Products(tiled_rows=TILED_ROWS, stage_rows=STAGE_ROWS, stage_max_
                         prefetch_rings=PREFETCH_RINGS,
                         predict_after_host=PREDICT_AFTER_HOST,
                         predict_after_device=PREDICT_AFTER_DEVICE, predict_inline=True,
-                        predict_blocks=PREDICT_BLOCKS)
+                        predict_blocks=PREDICT_BLOCKS, predict_scale=PREDICT_SCALE)
 
 
 @dataclasses.dataclass(frozen=True)

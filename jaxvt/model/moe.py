@@ -227,12 +227,13 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
     fused = ex.kernels and ex.products.fused_route
     ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob, fused=fused)
     if xr:  # layer li + 1's likeliest experts, most likely first
-      pred, _ = route(more[0], max(p.predict_after_host, p.predict_after_device), False, fused)
+      pred, _ = route(more[0], p.predicted_ids(), False, fused)
       if len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
         sets[into] = prefetch.fetch_experts(sets[into], w, li + 1, pred[0], after=pred,
                                             n_host=p.predict_after_host,
                                             n_device=p.predict_after_device, when="after_device",
-                                            inline=p.predict_inline, blocks=p.predict_blocks)
+                                            inline=p.predict_inline, blocks=p.predict_blocks,
+                                            scale=p.predict_scale)
     if ex.par is not None and ex.par.size > 1:  # the experts are split over the whole mesh
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
@@ -262,7 +263,8 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: Ring
                                           n_host=p.predict_after_host,
                                           n_device=p.predict_after_device,
                                           when="after_host" if len(sets) == 2 else "any",
-                                          inline=p.predict_inline, blocks=p.predict_blocks)
+                                          inline=p.predict_inline, blocks=p.predict_blocks,
+                                          scale=p.predict_scale)
     rings = None if rings is None else Rings(lr, tuple(sets))
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):

@@ -48,13 +48,12 @@ on 7, ..., 39.
 The routed experts' down stacks (ROUTED_DOWN) rank before their gate and up stacks: a budget
 first takes down stacks of about three times as many layers as it could take whole layers of,
 each a third of the bytes, so a host-tier layer's likeliest experts are fewer bytes for decode to
-copy ahead (Products.predict_for sizes that copy by the stacks a layer holds: H200, 35B-shaped
-file, auto's 4.06 GiB: 171 tok/s as 27 layers' down stacks with 6 experts predicted, 160 as 9
-whole layers with 2). Prefill's copies of adjacent host-tier layers take two rings in turns
-(Products.prefetch_rings) and keep their lead (5139 against 5068 tok/s at 512 tokens, the same
-bytes). Past the down stacks whole layers join them and the count falls back to 2 for every
-layer (1.5-6% slower decode than whole layers alone at 7-15 GiB on that file). LAYER_ORDER keeps
-each layer's routed experts together (llama.cpp's unit).
+copy ahead (Products.predict_scale sizes that copy by the stacks each layer holds: H200,
+35B-shaped file, auto's 4.06 GiB: 171 tok/s as 27 layers' down stacks with 6 experts predicted,
+160 as 9 whole layers with 2). Prefill's copies of adjacent host-tier layers take two rings in
+turns (Products.prefetch_rings) and keep their lead (5139 against 5068 tok/s at 512 tokens, the
+same bytes). Past the down stacks whole layers join them, and those get 2 predicted experts
+again. LAYER_ORDER keeps each layer's routed experts together (llama.cpp's unit).
 Prefill copies each host-tier expert layer to the device while the layers before it compute
 (Products.prefetch_per_expert): a copy takes about three layers' compute on the H200, so the
 copy of a host-tier layer with one device-tier layer before it waits. Within a layer,
@@ -416,14 +415,6 @@ class Plan:
   @property
   def forced_host_bytes(self) -> int:
     return sum(u.nbytes for u, f in zip(self.units, self.forced) if f == HOST)
-
-  def host_stacks(self, role: Role = Role.ROUTED_EXPERTS) -> int:
-    """The most stacks of `role` one layer holds in the host tier (0: none there)."""
-    per: dict[int, int] = {}
-    for u, k in zip(self.units, self.kinds):
-      if k == HOST and u.role is role and u.layer is not None:
-        per[u.layer] = per.get(u.layer, 0) + 1
-    return max(per.values(), default=0)
 
   @property
   def max_useful_budget(self) -> int:

@@ -97,7 +97,8 @@ inline const char* check(int64_t ring_bytes, int64_t table_elems, int64_t n_laye
 // fetch(target, ids, after, (ring, table, fmts) per stack) -> rings (aliased): when `target` is a
 //   host-tier layer of a stack, the first n of `ids` (int32, the predicted experts, most likely
 //   first) of that layer are copied into the stack's ring, n = n_host when layer target - 1 of
-//   the stack is host-tier too (the bus is busy then: few), else n_device; the copy runs after
+//   the stack is host-tier too (the bus is busy then: few), else n_device, scaled by the
+//   target's host-tier stacks where `scale` > 0 (scaled_count); the copy runs after
 //   everything XLA's stream had before it (the rings' last readers), on a GPU on jaxvt's stream
 //   while XLA's goes on. Otherwise the ring is marked empty, or left as it is (expert_count's
 //   `when`: a model with two rings a stack asks twice a layer, each call for one kind of target).
@@ -109,6 +110,10 @@ inline const char* check(int64_t ring_bytes, int64_t table_elems, int64_t n_laye
 constexpr int64_t kXHeader = 4096;
 constexpr int kXSlotsMax = 8;
 constexpr int kXRequests = 32;
+// The fewest blocks a slot's copy is cut to when more experts share a call's grid (copy_blocks):
+// on the H200 (2026-12-03) six down experts copied at 4 blocks each decoded at 171.8 tok/s, at 2
+// at 170.7, at 8 at 167.3.
+constexpr int kXMinBlocks = 4;
 
 // What one fetch call asked of its copy (written on XLA's stream, read on jaxvt's; call c uses
 // req[c % kXRequests], so a late copy never reads a later call's request).
@@ -116,7 +121,7 @@ struct XRequest {
   uint32_t seq;
   int32_t layer;
   int32_t n;
-  uint32_t pad;
+  uint32_t blocks;  // blocks copying each slot (copy_blocks): the rest of the grid has no work
   int32_t ids[kXSlotsMax];
   uint32_t count[kXSlotsMax];  // blocks of the copy of slot j done
 };
@@ -154,13 +159,38 @@ JV_HD Source expert_source(const uint32_t* table, const int32_t* fmts, int64_t n
 // (whose own experts fill the bus until its down product: that fetch comes after it); 2 only a
 // target after a device-tier layer (the bus idle: that fetch comes right after the router). A
 // target that is not a host-tier layer empties the ring under `when` 0 and leaves it otherwise.
+// `scale` and `stacks`: see scaled_count (scale 0: the count as given).
 JV_HD int expert_count(const int32_t* fmts, int64_t n_layers, int32_t target, int64_t n_host,
-                       int64_t n_device, int64_t when) {
+                       int64_t n_device, int64_t when, int64_t scale = 0, int stacks = 0) {
   if (target < 0 || target >= n_layers || !(fmts[target] & kHostBit)) return when ? -1 : 0;
   const bool after_host = target > 0 && (fmts[target - 1] & kHostBit);
   if ((when == 1 && !after_host) || (when == 2 && after_host)) return -1;
-  const int64_t n = after_host ? n_host : n_device;
+  int64_t n = after_host ? n_host : n_device;
+  if (scale > 0 && stacks > 0) n = n * scale / stacks;
   return static_cast<int>(n < 0 ? 0 : (n > kXSlotsMax ? kXSlotsMax : n));
+}
+
+// The host-tier stacks of a call's `n` stacks (s[i].fmts, s[i].n_layers) at layer `target`.
+// expert_count's `scale` > 0 gives n_host / n_device for a target with `scale` host-tier stacks,
+// and a target with `stacks` of them gets n * scale / stacks (at most kXSlotsMax): each target's
+// copy then moves about the same bytes, so a layer holding only its down stack in the host tier
+// gets three times the experts of one holding all three (the planner takes down stacks first:
+// offload.plan.DEFAULT_ORDER).
+template <typename S>
+JV_HD int host_stacks_at(const S* s, int64_t n, int32_t target) {
+  int k = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (target >= 0 && target < s[i].n_layers && (s[i].fmts[target] & kHostBit)) ++k;
+  return k;
+}
+
+// Blocks copying each slot when a call's grid has `per` blocks a slot for `base` experts and the
+// target gets n >= base of them: the blocks of a stack's copy kept about the same, at least
+// kXMinBlocks (or per, if fewer).
+JV_HD int copy_blocks(int per, int base, int n) {
+  const int lo = per < kXMinBlocks ? per : kXMinBlocks;
+  const int b = n > base && base > 0 ? per * base / n : per;
+  return b < lo ? lo : b;
 }
 
 // The slot of the ring holding expert e of layer l, or -1 (whether or not its copy is complete).

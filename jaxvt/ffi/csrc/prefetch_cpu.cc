@@ -84,7 +84,7 @@ ffi::Error XFetchCpu(ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids, ff
                      ffi::RemainingArgs args, ffi::RemainingRets rets,
                      ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
                      ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
-                     int64_t n_device, int64_t when, int64_t blocks) {
+                     int64_t n_device, int64_t when, int64_t blocks, int64_t scale) {
   (void)after;
   (void)blocks;  // the GPU's copy grid
   static std::atomic<uint32_t> counter{0};  // numbers the copies (any nonzero, distinct value)
@@ -96,12 +96,13 @@ ffi::Error XFetchCpu(ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids, ff
   const int64_t n_ids = static_cast<int64_t>(ids.element_count());
   uint32_t calls = ++counter;
   if (calls == 0) calls = ++counter;
+  const int k = prefetch::host_stacks_at(ops, n, t);
   for (int64_t i = 0; i < n; ++i) {
     const prefetch::XOperand& o = ops[i];
     if (o.out != o.in) std::memcpy(o.out, o.in, static_cast<size_t>(o.bytes));
     uint8_t* r = o.out;
     auto* h = reinterpret_cast<prefetch::XHeader*>(r);
-    int m = prefetch::expert_count(o.fmts, o.n_layers, t, n_host, n_device, when);
+    int m = prefetch::expert_count(o.fmts, o.n_layers, t, n_host, n_device, when, scale, k);
     if (m < 0) continue;  // not this call's kind of target: the ring as it is
     if (m > n_ids) m = static_cast<int>(n_ids);
     h->seq = calls;
@@ -167,4 +168,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsCpu, jaxvt::XFetchCpu,
                                   .Attr<int64_t>("n_host")
                                   .Attr<int64_t>("n_device")
                                   .Attr<int64_t>("when")
-                                  .Attr<int64_t>("blocks"));
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("scale"));

@@ -64,13 +64,15 @@ constexpr int64_t kSpinLimit = int64_t{1} << 22;  // gpuSleep()s before take giv
 // blocks along x takes the 16-byte words t, t + stride, ..., kInFlight loads in flight before
 // their stores; block 0 also copies the bytes after the last whole 16 (all of them if src is
 // unaligned).
-__device__ __forceinline__ void copy_bytes(uint8_t* dst8, const uint8_t* src8, int64_t nbytes) {
+// Block `part` of `parts` copying its share (the grid's x: blockIdx.x of gridDim.x).
+__device__ __forceinline__ void copy_bytes(uint8_t* dst8, const uint8_t* src8, int64_t nbytes,
+                                           int part, int parts) {
   const bool aligned = (reinterpret_cast<uintptr_t>(src8) & 15) == 0;
   const int64_t n16 = aligned ? nbytes / 16 : 0;
   const uint4* src = reinterpret_cast<const uint4*>(src8);
   uint4* dst = reinterpret_cast<uint4*>(dst8);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < n16;
+  const int64_t stride = static_cast<int64_t>(parts) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(part) * blockDim.x + threadIdx.x; base < n16;
        base += stride * kInFlight) {
     uint4 v[kInFlight];
 #pragma unroll
@@ -80,7 +82,7 @@ __device__ __forceinline__ void copy_bytes(uint8_t* dst8, const uint8_t* src8, i
     for (int j = 0; j < kInFlight; ++j)
       if (base + j * stride < n16) dst[base + j * stride] = v[j];
   }
-  if (blockIdx.x == 0)
+  if (part == 0)
     for (int64_t i = n16 * 16 + threadIdx.x; i < nbytes; i += blockDim.x) dst8[i] = src8[i];
 }
 
@@ -129,7 +131,7 @@ copy_kernel(uint8_t* ring, prefetch::Header* h, const uint32_t* table, const int
   const prefetch::Source s = prefetch::source(table, fmts, n_layers,
                                               static_cast<int32_t>(intent - 1), rows, cols,
                                               experts, capacity);
-  copy_bytes(ring, s.src, s.nbytes);
+  copy_bytes(ring, s.src, s.nbytes, blockIdx.x, gridDim.x);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -175,18 +177,22 @@ struct XStacks {
   int n;
 };
 
-// One thread per stack, on XLA's stream: the call's request and the ring's new header.
+// One thread per stack, on XLA's stream: the call's request and the ring's new header. `per`:
+// the copy grid's blocks a slot.
 __global__ void xintent_kernel(XStacks st, const int32_t* target, const int32_t* ids,
                                int64_t n_ids, int64_t experts, int64_t n_host, int64_t n_device,
-                               int64_t when, uint32_t seq, int rslot) {
+                               int64_t when, int64_t scale, int per, uint32_t seq, int rslot) {
   const int i = threadIdx.x;
   if (i >= st.n) return;
   const XStack& x = st.s[i];
   prefetch::XHeader* h = reinterpret_cast<prefetch::XHeader*>(x.ring);
   const int32_t t = *target;
-  int n = prefetch::expert_count(x.fmts, x.n_layers, t, n_host, n_device, when);
+  const int k = prefetch::host_stacks_at(st.s, st.n, t);
+  int n = prefetch::expert_count(x.fmts, x.n_layers, t, n_host, n_device, when, scale, k);
   if (n > n_ids) n = static_cast<int>(n_ids);
+  const int base = prefetch::expert_count(x.fmts, x.n_layers, t, n_host, n_device, when);
   prefetch::XRequest& r = h->req[rslot];
+  r.blocks = static_cast<uint32_t>(prefetch::copy_blocks(per, base, n));
   if (seq == 0) seq = h->seq + 1u == 0u ? 1u : h->seq + 1u;  // counted on the device (graphs)
   r.seq = seq;
   if (n < 0) {  // not this call's kind of target: the ring (and any copy into it) as it is
@@ -213,7 +219,8 @@ __global__ void xintent_kernel(XStacks st, const int32_t* target, const int32_t*
 }
 
 // On jaxvt's stream (on XLA's for the inline fetch): block (b, j, i) copies its share of slot j
-// of stack i; the slot's last block sets the slot's tag (after a fence).
+// of stack i (b < the request's blocks; the others have no work); the slot's last block sets the
+// slot's tag (after a fence).
 __global__ void __launch_bounds__(kCopyThreads)
 xcopy_kernel(XStacks st, int64_t experts, int rslot) {
   const int j = blockIdx.y, i = blockIdx.z;
@@ -223,14 +230,16 @@ xcopy_kernel(XStacks st, int64_t experts, int rslot) {
   prefetch::XRequest& r = h->req[rslot];
   const volatile prefetch::XRequest* vr = &r;
   const int32_t e = vr->ids[j];
-  if (j >= vr->n || e < 0) return;
+  const uint32_t parts = vr->blocks;
+  if (j >= vr->n || e < 0 || blockIdx.x >= parts) return;
   const prefetch::Source s = prefetch::expert_source(x.table, x.fmts, x.n_layers, vr->layer, e,
                                                      x.rows, x.cols, experts, x.slot);
-  copy_bytes(x.ring + prefetch::kXHeader + j * x.slot, s.src, s.nbytes);
+  copy_bytes(x.ring + prefetch::kXHeader + j * x.slot, s.src, s.nbytes, blockIdx.x,
+             static_cast<int>(parts));
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(&r.count[j], 1u) == gridDim.x - 1) {
+    if (atomicAdd(&r.count[j], 1u) == parts - 1) {
       __threadfence();
       atomicExch(&h->tag[j], vr->seq);
     }
@@ -393,7 +402,7 @@ ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<f
                      ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets,
                      ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
                      ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
-                     int64_t n_device, int64_t when, int64_t blocks) {
+                     int64_t n_device, int64_t when, int64_t blocks, int64_t scale) {
   (void)after;
   prefetch::XOperand ops[prefetch::kXStacks];
   int64_t n = 0;
@@ -409,11 +418,11 @@ ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<f
     xs.s[i] = XStack{o.out, o.table, o.fmts, o.n_layers, o.rows, o.cols, o.slot};
   }
   if (kInline) {  // one request slot: the copy follows its request on the same stream
+    const int per = static_cast<int>(blocks > 0 ? (blocks > 1024 ? 1024 : blocks) : kInlineBlocks);
     xintent_kernel<<<1, 32, 0, st>>>(xs, target.typed_data(), ids.typed_data(),
                                      static_cast<int64_t>(ids.element_count()), experts, n_host,
-                                     n_device, when, 0u, 0);
+                                     n_device, when, scale, per, 0u, 0);
     if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts");
-    const int per = static_cast<int>(blocks > 0 ? (blocks > 1024 ? 1024 : blocks) : kInlineBlocks);
     xcopy_kernel<<<dim3(per, prefetch::kXSlotsMax, xs.n), kCopyThreads, 0, st>>>(xs, experts, 0);
     return Status(gpuGetLastError(), "prefetch_experts (copy)");
   }
@@ -425,22 +434,22 @@ ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<f
   const uint64_t c = g_xcalls++;
   const uint32_t seq = static_cast<uint32_t>(c % 0xFFFFFFFFull) + 1u;
   const int rslot = static_cast<int>(c % prefetch::kXRequests);
-  xintent_kernel<<<1, 32, 0, st>>>(xs, target.typed_data(), ids.typed_data(),
-                                   static_cast<int64_t>(ids.element_count()), experts, n_host,
-                                   n_device, when, seq, rslot);
-  if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts");
-  if (gpuError_t e = gpuEventRecord(s->fork, st)) return Status(e, "prefetch_experts");
-  if (gpuError_t e = gpuStreamWaitEvent(s->stream, s->fork, 0))
-    return Status(e, "prefetch_experts");
   // A slot of a stack gets a share of four blocks a multiprocessor sized for two slots a stack:
   // each thread then has about one round of loads of its expert in flight. Reads of mapped host
   // memory are latency-bound: with a quarter of the multiprocessors' blocks spread over every
   // slot the copy of two experts a stack ran at 21.6 GB/s on the H200 (2026-12-03, the profile
   // in docs/BENCHMARKS.md), too slow to finish while the next layer's other work runs. The blocks
-  // of slots beyond the request's count exit at once.
+  // of slots beyond the request's count, and beyond its blocks a slot, exit at once.
   int per = blocks > 0 ? static_cast<int>(blocks > 1024 ? 1024 : blocks)
                        : 4 * gpu::sm_count() / (2 * xs.n);
   if (per < 1) per = 1;
+  xintent_kernel<<<1, 32, 0, st>>>(xs, target.typed_data(), ids.typed_data(),
+                                   static_cast<int64_t>(ids.element_count()), experts, n_host,
+                                   n_device, when, scale, per, seq, rslot);
+  if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts");
+  if (gpuError_t e = gpuEventRecord(s->fork, st)) return Status(e, "prefetch_experts");
+  if (gpuError_t e = gpuStreamWaitEvent(s->stream, s->fork, 0))
+    return Status(e, "prefetch_experts");
   xcopy_kernel<<<dim3(per, prefetch::kXSlotsMax, xs.n), kCopyThreads, 0, s->stream>>>(
       xs, experts, rslot);
   if (gpuError_t e = gpuGetLastError()) return Status(e, "prefetch_experts (copy)");
@@ -514,7 +523,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchJoinGpu, jaxvt::JoinGpu,
       .Attr<int64_t>("n_host")                                                               \
       .Attr<int64_t>("n_device")                                                             \
       .Attr<int64_t>("when")                                                                 \
-      .Attr<int64_t>("blocks")
+      .Attr<int64_t>("blocks")                                                               \
+      .Attr<int64_t>("scale")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvtPrefetchExpertsGpu, jaxvt::XFetchGpu<false>,
                               XFETCH_BINDING);
