@@ -61,6 +61,8 @@
 #                                       # GPU tests; decode at SCALE_GB (7) with the predicted
 #                                       # count as given and scaled per layer (SCALE_V); the
 #                                       # determinism GPU test
+#   bash tools/h200_session.sh close    # #14's last records: the tier bench, then the decode
+#                                       # step's profile all in HBM, at auto and at 17 GiB
 #   bash tools/h200_session.sh small    # the expert-ring GPU tests; the first token of a model of
 #                                       # the default model's size (tools/small_model.py), cold
 #                                       # and cached
@@ -495,6 +497,15 @@ if [ "$what" = scale ]; then  # the predicted count scaled per layer (Products.p
   timeout ${DET_S:-250} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
     tests/test_determinism_gpu.py > "$OUT/determinism.txt" 2>&1; tail -8 "$OUT/determinism.txt"
   echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+fi
+if [ "$what" = close ]; then  # #14: host-read rates and the decode step's profile after the work
+  timeout ${TIER_S:-200} python3 -m jaxvt.bench tier --total-mib 128 > "$OUT/tier.txt" 2>&1
+  tail -32 "$OUT/tier.txt"; cp docs/BENCHMARKS.md "$OUT/"; model
+  for b in 0 auto 17; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$([ $b = 0 ] && echo 0.75 || echo $FRAC) timeout 100 \
+      python3 -m jaxvt.bench profile --model $M --offload-gb $b $([ $b = 0 ] || echo --device-gb 16) \
+      --steps 16 --top 40 > "$OUT/profile_$b.txt" 2>&1; head -3 "$OUT/profile_$b.txt"
+  done
 fi
 if [ "$what" = small ]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \

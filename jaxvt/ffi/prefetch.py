@@ -158,14 +158,15 @@ def fetch_experts(rings: dict, ws: dict, target, ids, after=None, *, n_host: int
                   blocks: int = 0, scale: int = 0) -> dict:
   """Starts copying, into each stack's ring, the first n of `ids` (int32 [m], most likely first)
   of layer `target` (int32 scalar, may be traced) of that stack, where it is a host-tier layer:
-  n = n_host when layer target - 1 of the stack is host-tier too, else n_device; scale > 0: n
-  is for a target with `scale` of the call's stacks host-tier, one with k gets n * scale / k,
-  copied by blocks * n / (n * scale / k) blocks (at least 4) (at most 8 experts, at most m); any
-  other target empties the ring. when="after_host" / "after_device": only targets
-  of that kind are fetched, any other leaves the ring as it is. `after`: what the program must
-  have computed before the rings may be overwritten (their last reader's output). inline: on a
-  GPU the copy is a kernel on XLA's stream that XLA may capture in a command buffer (else on a
-  stream of jaxvt's own), `blocks` blocks an expert (0: the default). Returns the rings."""
+  n = n_host when layer target - 1 of the stack is host-tier too, else n_device; scale > 0: those
+  are for a target where `scale` of the call's stacks are host-tier, and one where k are gets
+  n * scale // k, each copied by proportionally fewer blocks (at least 4: prefetch.h
+  copy_blocks); n at most 8 and at most m. Any other target empties the ring. when="after_host" /
+  "after_device": only targets of that kind are fetched, any other leaves the ring as it is.
+  `after`: what the program must have computed before the rings may be overwritten (their last
+  reader's output). inline: on a GPU the copy is a kernel on XLA's stream that XLA may capture in
+  a command buffer (else on a stream of jaxvt's own), `blocks` blocks an expert (0: the
+  default). Returns the rings."""
   names = tuple(rings)
   metas = [ws[n].meta for n in names]
   if len({m.experts for m in metas}) != 1 or not metas[0].experts:
