@@ -98,7 +98,7 @@ inline const char* check(int64_t ring_bytes, int64_t table_elems, int64_t n_laye
 //   host-tier layer of a stack, the first n of `ids` (int32, the predicted experts, most likely
 //   first) of that layer are copied into the stack's ring, n = n_host when layer target - 1 of
 //   the stack is host-tier too (the bus is busy then: few), else n_device, scaled by the
-//   target's host-tier stacks where `scale` > 0 (scaled_count); the copy runs after
+//   target's host-tier stacks where `scale` > 0 (host_stacks_at); the copy runs after
 //   everything XLA's stream had before it (the rings' last readers), on a GPU on jaxvt's stream
 //   while XLA's goes on. Otherwise the ring is marked empty, or left as it is (expert_count's
 //   `when`: a model with two rings a stack asks twice a layer, each call for one kind of target).
@@ -159,7 +159,7 @@ JV_HD Source expert_source(const uint32_t* table, const int32_t* fmts, int64_t n
 // (whose own experts fill the bus until its down product: that fetch comes after it); 2 only a
 // target after a device-tier layer (the bus idle: that fetch comes right after the router). A
 // target that is not a host-tier layer empties the ring under `when` 0 and leaves it otherwise.
-// `scale` and `stacks`: see scaled_count (scale 0: the count as given).
+// `scale` and `stacks`: see host_stacks_at (scale 0: the count as given).
 JV_HD int expert_count(const int32_t* fmts, int64_t n_layers, int32_t target, int64_t n_host,
                        int64_t n_device, int64_t when, int64_t scale = 0, int stacks = 0) {
   if (target < 0 || target >= n_layers || !(fmts[target] & kHostBit)) return when ? -1 : 0;
