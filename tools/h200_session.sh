@@ -501,7 +501,7 @@ fi
 if [ "$what" = close ]; then  # #14: host-read rates and the decode step's profile after the work
   timeout ${TIER_S:-200} python3 -m jaxvt.bench tier --total-mib 128 > "$OUT/tier.txt" 2>&1
   tail -32 "$OUT/tier.txt"; cp docs/BENCHMARKS.md "$OUT/"; model
-  for b in 0 auto 17; do
+  for b in 0 ${AUTO_GB:-3.7821} 17; do  # profile takes GiB, not "auto": auto's 3.78
     XLA_PYTHON_CLIENT_MEM_FRACTION=$([ $b = 0 ] && echo 0.75 || echo $FRAC) timeout 100 \
       python3 -m jaxvt.bench profile --model $M --offload-gb $b $([ $b = 0 ] || echo --device-gb 16) \
       --steps 16 --top 40 > "$OUT/profile_$b.txt" 2>&1; head -3 "$OUT/profile_$b.txt"
