@@ -10,7 +10,7 @@ import sys
 
 import jax
 
-HEADER = ("# jaxvt benchmarks\n\nEach section is written by `python -m jaxvt.bench <name>`; it "
+HEADER = ("# jaxvt benchmarks\n\nEach section is written by `python -m benchmarks.<name>`; it "
           "names its command, machine and date. Ratios are measured side by side in one run.\n")
 
 
