@@ -366,7 +366,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--prompt", type=int, default=512)
   ap.add_argument("--gen", type=int, default=128)
   ap.add_argument("--time-limit", type=int, default=480)
-  ap.add_argument("--out", default="docs/BENCHMARKS.md", help="the file whose mesh section to write")
+  ap.add_argument("--out", default="docs/BENCHMARKS.md",
+                  help="the file whose mesh section to write")
   ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--known", default="{}", help=argparse.SUPPRESS)
   return ap

@@ -1,4 +1,4 @@
-"""python -m benchmarks.offload: a 35B MoE model in an emulated 16 GiB GPU, offload budget by budget.
+"""python -m benchmarks.offload: a 35B MoE model in an emulated 16 GiB GPU, budget by budget.
 
 A model with Qwen3.6-35B-A3B's exact architecture and tensor layout and valid random weights
 (Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.synth) and loaded through
@@ -207,8 +207,8 @@ class Session:
 
 def warm_up(eng, ids: list[int], overlap: bool) -> None:
   """Compiles and runs once what a timed `eng.generate(ids, ...)` runs (one device): a generate
-  of one token (prefill, first sample) and two decode chunks (engine.decode_loop_fn). With `overlap` the two run on two
-  threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
+  of one token (prefill, first sample) and two decode chunks (engine.decode_loop_fn). With
+  `overlap` the two run on two threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
   run them one after the other, so that the warm-up's device memory is what a plain run needs.
   `eng` generates to max_tokens (arms.NoStops)."""
   n = len(ids)
