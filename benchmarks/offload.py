@@ -415,7 +415,7 @@ def main(args) -> str:
   llama = offload_llama.find(args.llama_bench)
   notes = []
   if llama and not os.access(llama, os.X_OK):
-    notes.append("llama-bench was being built (nice 19, 12 jobs) while the jaxvt arms ran")
+    notes.append("llama-bench was being built in the background while the jaxvt arms ran")
   end = t_start + args.time_limit - 15
   sweep_end = end - (LLAMA_RESERVE_S if llama else 0)
   if sweep_end - time.time() < 60:  # the jaxvt arms would be killed before their first row
