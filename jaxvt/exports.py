@@ -2,7 +2,7 @@
 
 JAX's persistent compilation cache (jaxvt.programs.use_compile_cache) skips XLA's compile, but
 finds its entry by the lowered module: every run still traces the model's Python and lowers it
-(on the H200 about 1 s for the 35B file's prefill program, 4 s for a first token's programs).
+(seconds for a large model's first-token programs).
 An `ExportStore` keeps each program jaxvt compiles also as `jax.export.Exported`, serialized,
 under a key made of what decides the program before it is traced:
 

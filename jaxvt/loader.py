@@ -151,13 +151,12 @@ COPY_CHUNK = 64 << 20  # bytes per thread task when reading or copying a row
 UPLOAD_PIECE = 512 << 20
 # Weights placed at once on an accelerator: later stacks pack while earlier ones upload. The CPU
 # backend places one at a time on the calling thread: its device arrays are host memory that
-# the uploading thread allocates, and allocated on other threads they stayed in those threads'
-# malloc arenas after close (the default model's load/close cycles grew RSS by 30-140 MiB
-# before it settled; tests/test_hostile_api.py).
+# the uploading thread allocates, and allocated on other threads they stay in those threads'
+# malloc arenas after close (repeated load/close cycles grow RSS; tests/test_hostile_api.py).
 STACKS_IN_FLIGHT = 3
 # Bytes of a stack per pinned staging buffer on a GPU (place's `staging`; STACKS_IN_FLIGHT of
 # them): eight COPY_CHUNK reads each, so that the weights in flight keep 16 readers busy (pread
-# from the page cache: 5 GB/s on one thread, 30 on 16; tools/read_probe.py on the H200 host).
+# from the page cache scales with the threads reading: one alone reads a sixth of what 16 do).
 STAGE_PIECE = 512 << 20
 
 
@@ -526,8 +525,8 @@ def place(model: Model, where: Placement = all_device, *, par: Par | None = None
 
 def _device_arrays(model: Model, where: Placement, par: Par) -> dict:
   """{name: uint8 device array} of every matrix's device stack (one device), made by one program:
-  one compile (or load from the compilation cache) where a zeros per stack compiled one per
-  shape, which on the H200 cost seconds of the cached first token. Their bytes are arbitrary
+  one compile (or load from the compilation cache) where a zeros per stack would compile one per
+  shape, seconds of a cached first token on a GPU. Their bytes are arbitrary
   (_staged_stack writes them all); the arrays are distinct buffers (checked; {} otherwise)."""
   shapes = {n: w.data.shape for n, w in abstract_weights(model, where, par).items()
             if isinstance(w, QWeight) and len(w.meta.host_layers) < w.meta.n_layers}

@@ -66,7 +66,8 @@ class QWeight:
 
     Every use of a stacked weight in the model goes through here. A QWeight's layers are read
     where they live (either tier), so this is (self, layer); a weight type whose layers must be
-    moved before a kernel can read them overrides it (jaxvt.bench.arms.PinnedQWeight)."""
+    moved before a kernel can read them overrides it (PinnedQWeight in benchmarks/arms.py, the
+    offload benchmark's JAX pinned_host arm)."""
     return self, layer
 
 

@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench mesh on the CPU: a small qwen35moe file on one device and at tp=2 over
+"""python -m benchmarks.mesh on the CPU: a small qwen35moe file on one device and at tp=2 over
 two fake CPU devices, with nothing and with everything offloadable in the host tier.
 
 The bench runs as a subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=2 must be set
@@ -19,7 +19,7 @@ import types
 import pytest
 
 from jaxvt import ffi
-from jaxvt.bench import mesh
+from benchmarks import mesh
 from jaxvt.errors import JaxvtError
 from jaxvt import synth
 from test_parallel import FIXTURES
@@ -41,7 +41,7 @@ def _bench(directory, model: str, *args: str, devices: int = 2) -> subprocess.Co
   env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(directory),
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
              "--xla_backend_optimization_level=0")
-  cmd = [sys.executable, "-m", "jaxvt.bench", "mesh", "--model", model, "--prompt", "8",
+  cmd = [sys.executable, "-m", "benchmarks.mesh", "--model", model, "--prompt", "8",
          "--gen", "4", "--out", os.path.join(directory, "BENCHMARKS.md"), *args]
   return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
 
@@ -109,7 +109,7 @@ def test_a_mesh_larger_than_the_devices_is_one_line(tmp_path):
     (("--device-gb", "0"), "--device-gb must be positive"),
 ])
 def test_bad_arguments_are_one_line(args, msg, capsys):
-  from jaxvt.bench import __main__ as bench_main
+  from benchmarks import __main__ as bench_main
   assert bench_main.main(["mesh", "--model", "/nonexistent.gguf", *args]) == 2
   err = capsys.readouterr().err
   assert msg in err and len(err.strip().splitlines()) == 1, err

@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench offload on CPU: budget points, goal verdicts, the table and plot, the
+"""python -m benchmarks.offload on CPU: budget points, goal verdicts, the table and plot, the
 llama-bench arm's JSON, the loader's uploads in pieces, and one sweep point end to end."""
 
 import dataclasses
@@ -12,8 +12,8 @@ import types
 import numpy as np
 import pytest
 
-from jaxvt.bench import offload_llama, offload_report
-from jaxvt.bench.offload_report import Run, budgets, goals, plan_points, spread
+from benchmarks import offload_llama, offload_report
+from benchmarks.offload_report import Run, budgets, goals, plan_points, spread
 
 RATES = {"dma": 50.0, "hbm": 4000.0}
 
@@ -117,7 +117,7 @@ def test_render_and_plot(tmp_path):
 
 
 def test_peer_goals_pair_rows_of_one_run():
-  """#14 / #15 ratios: each jaxvt row against its llama.cpp configuration."""
+  """The llama.cpp ratios: each jaxvt row against its llama.cpp configuration."""
   rows = [Run("device", 0.0, True, prefill_tok_s=5000.0, decode_tok_s=160.0,
               prefill16_tok_s=200.0),
           Run("jaxvt", 3.5, True, auto=True, prefill_tok_s=2600.0, decode_tok_s=120.0),
@@ -224,7 +224,7 @@ def test_llama_decode_with_cpu_experts_in_separate_calls(tmp_path):
   assert ["exps=CPU" in c for c in lines[3:]] == [True, False, True, False]  # in turns
   auto = Run("jaxvt", 3.5, True, auto=True, decode_tok_s=156.0)
   g = {goal: (v, n) for goal, v, n in offload_report.peer_goals([auto, ncm])}
-  v, n = g["#14 decode at auto >= 1.3x llama.cpp"]
+  v, n = g["decode at auto >= 1.3x llama.cpp"]
   assert v == "MET" and "156.0 vs 120.0 tok/s = 1.30x" in n
   assert "median of 3 calls, 100.0-130.0 tok/s: 1.20-1.56x" in n
 
@@ -282,7 +282,7 @@ def test_sweep_child_end_to_end(tmp_path, capsys, monkeypatch):
   from jaxvt import ffi
   if not ffi.available("cpu"):
     pytest.skip("needs the jaxvt extension")
-  from jaxvt.bench import offload
+  from benchmarks import offload
   from jaxvt import synth
   path = str(tmp_path / "tiny.gguf")
   synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
@@ -321,7 +321,7 @@ def test_failed_point_frees_its_weights(tmp_path, monkeypatch):
     pytest.skip("needs the jaxvt extension")
   import jax
   from jaxvt import synth
-  from jaxvt.bench import offload
+  from benchmarks import offload
   path = str(tmp_path / "tiny.gguf")
   synth.write_model(path, synth.tiny_config("qwen35moe", n_nextn=1), "q4_k_m", seed=0)
   s = offload.Session(path, 8, 3, 16.0)
@@ -349,7 +349,7 @@ def test_failed_point_frees_its_weights(tmp_path, monkeypatch):
 def test_forced_points_run_last_in_a_process_of_their_own(tmp_path, monkeypatch):
   """The sweep's child gets the safe points only; the forced (unsafe) budgets go to a second
   child started after it ends, so a forced point out of memory cannot fail a safe one."""
-  from jaxvt.bench import offload, report
+  from benchmarks import offload, report
   meta = {"safe": 3.55, "top": 18.61, "auto": 3.5, "n_layers": 40}
   calls = []
 
@@ -401,7 +401,7 @@ def test_the_sweeps_auto_is_the_budget_jaxvt_load_picks(monkeypatch):
   below it."""
   import jaxvt
   from jaxvt import engine as engine_mod, ffi, loader
-  from jaxvt.bench import offload
+  from benchmarks import offload
   from jaxvt.offload import memory as M
   from jaxvt.offload.plan import GiB
   if not ffi.available("cpu"):

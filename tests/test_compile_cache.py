@@ -110,7 +110,7 @@ def test_warm_up_leaves_nothing_to_compile_in_generate():
   compile events, persistent-cache loads included), also where decoding crosses a KV-cache
   bucket; a new prompt bucket is compiled by generate's own warm-up and counted in
   compile_seconds, not in the rates; warm_up_buckets leaves no bucket to compile."""
-  from jaxvt.bench.arms import no_stops
+  from benchmarks.arms import no_stops
   from jaxvt.sampling import SamplingParams
   counter = programs.compile_counter()
   with no_stops(jaxvt.load(max_context=300)) as eng:
@@ -139,7 +139,7 @@ def test_first_token_before_decode_compiles():
   """generate compiles only prefill's programs before the first token; each decode program
   compiles when first needed (crossing a KV-cache bucket compiles the next one then), is
   counted in compile_seconds, and a second generate of the same shape compiles nothing."""
-  from jaxvt.bench.arms import no_stops
+  from benchmarks.arms import no_stops
   counter = programs.compile_counter()
   with no_stops(jaxvt.load(max_context=300)) as eng:
     seen = []
@@ -164,7 +164,7 @@ def test_generate_sends_the_next_decode_call_before_reading_tokens(monkeypatch):
   the previous call's tokens; the tokens are those of the one-call-at-a-time order (the same
   greedy tokens as decode chunks of one step each, where every call is read before the next)."""
   from jaxvt import engine
-  from jaxvt.bench.arms import no_stops
+  from benchmarks.arms import no_stops
   events = []
   real_fn, real_np = engine.decode_loop_fn, engine.np
 

@@ -13,7 +13,7 @@ import pytest
 
 import jaxvt
 from jaxvt import ffi, programs
-from jaxvt.bench import determinism
+from benchmarks import determinism
 from jaxvt.model.layers import Exec
 from jaxvt.sampling import SamplingParams
 

@@ -8,9 +8,9 @@ One process per configuration, each with the compilation cache off so that every
 compiles (and would autotune) its own programs: nothing offloaded (twice), 2 GiB, everything
 offloaded, and on an emulated 4 GiB card `auto` and 2.5 GiB. Each gives 128 greedy tokens for
 two prompts, 128 tokens sampled at temperature 0.8 with one seed, and the SHA-256 of the float32
-logits of prefill and 8 decode steps: all must be equal (jaxvt.bench.determinism). The same
+logits of prefill and 8 decode steps: all must be equal (benchmarks.determinism). The same
 comparison with XLA's default (autotuned) compiles, to see what the options fix:
-`python -m jaxvt.bench determinism --model FILE --configs 0,2,all,auto@4 --nondeterministic
+`python -m benchmarks.determinism --model FILE --configs 0,2,all,auto@4 --nondeterministic
 --compare-only`. The default model's comparison runs on CPU in tests/test_determinism.py.
 """
 
@@ -22,7 +22,7 @@ import types
 
 import pytest
 
-from jaxvt.bench import determinism
+from benchmarks import determinism
 from jaxvt import synth
 from jaxvt.model.presets import qwen36_35b_a3b_config
 

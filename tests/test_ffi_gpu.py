@@ -116,7 +116,7 @@ def test_every_host_kind_gives_the_device_tiers_bits(mode, rng, device, kind):
   the float32 order must not depend on where the cuts fall. Rows of 1680-11760 bytes cross
   several windows and carry k-blocks over; batch 1, 4 and 16."""
   from jaxvt.ffi import ops
-  from jaxvt.bench.arms import KindTier
+  from benchmarks.arms import KindTier
   with KindTier(kind, backend="gpu") as t:
     for fmt, rows, cols in [(Q6_K, 40, 4096), (Q6_K, 24, 14336), (Q4_K, 36, 14336),
                             (Q8_0, 33, 4096), (Q4_1, 70, 2048), (BF16, 20, 4096)]:

@@ -108,8 +108,8 @@ def test_measurement_primitives_on_cpu():
 
 
 def test_host_kinds_on_the_cpu_backend():
-  """The benchmarks' allocation kinds (jaxvt.bench.arms.KindTier) through the same tier."""
-  from jaxvt.bench.arms import KindTier
+  """The benchmarks' allocation kinds (benchmarks.arms.KindTier) through the same tier."""
+  from benchmarks.arms import KindTier
   with KindTier("huge_pages", backend="cpu") as tier:
     assert tier.kind == "huge_pages"
     buf = tier.alloc(3 << 20)

@@ -33,9 +33,13 @@ def test_fewer_floors_than_before():
 
 
 def test_the_product_imports_no_benchmark():
-  h = graph.build(ROOT)
-  users = sorted(a for a, b in h.arrows if b == "jaxvt.bench")
+  """jaxvt/ never imports benchmarks/ (the benchmarks sit on top of the package, and the wheel
+  does not ship them)."""
+  users = sorted(m for m, p in graph.modules(ROOT).items()
+                 if any(n == "benchmarks" or n.startswith("benchmarks.")
+                        for n in graph.imported_names(p)))
   assert not users, users
+  assert not os.path.exists(os.path.join(ROOT, "jaxvt", "bench"))
 
 
 def _private_uses(path: str) -> list[str]:
@@ -60,13 +64,27 @@ def _private_uses(path: str) -> list[str]:
   return out
 
 
+def _py_files(*parts: str) -> list[str]:
+  d = os.path.join(ROOT, *parts)
+  return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py"))
+
+
 def test_benchmarks_use_only_public_names():
-  files = [os.path.join(ROOT, "jaxvt", "bench", f) for f in os.listdir(
-      os.path.join(ROOT, "jaxvt", "bench")) if f.endswith(".py")]
-  files += [os.path.join(ROOT, "tools", f) for f in os.listdir(os.path.join(ROOT, "tools"))
-            if f.endswith(".py")]
+  files = _py_files("benchmarks") + _py_files("tools")
   bad = {os.path.relpath(f, ROOT): u for f in files for u in [_private_uses(f)] if u}
   assert not bad, bad
+
+
+def test_tools_import_no_benchmark_and_nothing_imports_a_tool():
+  """tools/ holds scripts a contributor runs; the product, the tests and the benchmarks import
+  none of them (test_layering reads import_graph.py as a file)."""
+  tools = {f[:-3] for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py")}
+  files = ([p for p in graph.modules(ROOT).values()] + _py_files("benchmarks")
+           + _py_files("tests"))
+  bad = {os.path.relpath(f, ROOT): sorted(n for n in graph.imported_names(f)
+                                          if n.split(".")[0] in ("tools", *tools))
+         for f in files}
+  assert not {f: n for f, n in bad.items() if n}, bad
 
 
 # ---- the tool itself, on small packages ----------------------------------------------------

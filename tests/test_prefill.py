@@ -186,10 +186,10 @@ def test_gpu_rules_in_the_model_on_cpu_kernels(qwen35moe):
 
 
 def test_products_probe_runs(monkeypatch, tmp_path):
-  """`python -m jaxvt.bench tier --products` on tiny shapes (the GPU run times the 35B ones): a
+  """`python -m benchmarks.tier --products` on tiny shapes (the GPU run times the 35B ones): a
   table cell for every path and row count, and where each path starts to win."""
   import types
-  from jaxvt.bench import products, report
+  from benchmarks import products, report
   monkeypatch.setattr(products, "SHAPES", [(64, 256)])
   monkeypatch.setattr(products, "FORMATS", (12,))
   monkeypatch.setattr(products, "ROWS", (40,))

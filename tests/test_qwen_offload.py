@@ -89,10 +89,10 @@ def test_weightless_plan_of_the_real_size_model():
 
 
 def test_jax_pinned_host_arm_same_tokens(model_file):
-  """The offload benchmark's JAX pinned_host arm (jaxvt.bench.arms: each layer's experts copied
+  """The offload benchmark's JAX pinned_host arm (benchmarks.arms: each layer's experts copied
   to the device per use), composed from the public steps, computes the same function."""
-  from jaxvt.bench import arms
-  from jaxvt.bench.offload import Session
+  from benchmarks import arms
+  from benchmarks.offload import Session
   arch, path = model_file
   prompt = [5, 17, 42, 99]
   s = Session(path, len(prompt), 6, None)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench (the fourth arm of `python -m jaxvt.bench offload`) from the
+# Builds llama.cpp's llama-bench (the llama.cpp arms of `python -m benchmarks.offload`) from the
 # source vendored in the llama-cpp-python sdist, pruned into .llama/llama.cpp (git-ignored;
 # carried to the GPU machine with the device tool's `carry`). No network is needed.
 #
@@ -28,8 +28,8 @@ if [ "${1:-}" = --prune ]; then  # what llama-bench does not need: models, docs,
     cd ggml/src && rm -rf ggml-cann ggml-et ggml-metal ggml-virtgpu ggml-sycl ggml-vulkan \
       ggml-webgpu ggml-zdnn ggml-opencl ggml-hexagon ggml-zendnn ggml-openvino )
   # the sdist's `.git` file (a gitdir that does not exist) makes the source a nested git
-  # repository: the device tool's copy then left some of its files behind (ggml-cuda/vendors,
-  # H200, 2026-12-03), and llama-bench did not build. It is not needed.
+  # repository, which a copy of the working tree may carry without some of its files (then
+  # llama-bench does not build). It is not needed.
   rm -f "$SRC/.git"
   # mtmd (a tool target we do not build) names miniaudio's header-only library: keep a stub
   echo '// pruned: jaxvt builds llama-bench only' > "$SRC/vendor/miniaudio/miniaudio.h"

@@ -93,6 +93,22 @@ def imports_of(path: str, module: str, known: set[str]) -> set[str]:
   return out
 
 
+def imported_names(path: str) -> set[str]:
+  """Every absolute module name the file at `path` imports (`import a.b`: "a.b"; `from a.b
+  import c`: "a.b" and "a.b.c"), at the top or inside a function; relative imports are left out.
+  The layering test reads the product's files with it: none may import `benchmarks`."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      out.add(node.module)
+      out.update(f"{node.module}.{a.name}" for a in node.names)
+  return out
+
+
 def modules(root: str = ROOT) -> dict[str, str]:
   """{module name: file path} of every module of the package under `root`."""
   out = {}

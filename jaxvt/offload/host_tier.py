@@ -12,7 +12,7 @@ Backends (chosen once per tier):
   cpu  page-aligned plain memory (the CPU kernels read it in place as well); used when the
        extension has no GPU support or sees no GPU, or when asked for with backend="cpu".
 Other allocation kinds (fine-grained, write-combined, huge pages) are measured by the benchmarks
-(jaxvt.bench.arms.KindTier), not used here.
+(benchmarks.arms.KindTier), not used here.
 
 Freeing a buffer invalidates its numpy view and any QWeight whose table holds its address:
 close a tier only after the arrays and compiled functions that use it are gone.

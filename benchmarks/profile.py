@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench profile: where a decode step's device time goes.
+"""python -m benchmarks.profile: where a decode step's device time goes.
 
 Loads a model (the embedded default, or --model; --offload-gb / --device-gb as for jaxvt.run),
 prefills a short prompt, times `--steps` jitted decode steps on the wall clock, then traces the
@@ -9,12 +9,14 @@ cost most. Nothing is written to docs/BENCHMARKS.md; the table goes to stdout.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import glob
 import gzip
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -24,6 +26,7 @@ import numpy as np
 
 import jaxvt
 from jaxvt import engine as eng_mod
+from benchmarks.cli import run
 from jaxvt.sampling import SamplingParams
 
 
@@ -138,8 +141,6 @@ def predict_exec(ex, spec: str):
 
 
 def main(args) -> str:
-
-
   mesh = getattr(args, "mesh", None)
   eng = jaxvt.load(args.model, max_context=args.prompt + args.steps * 3 + 16,
                    offload_gb=args.offload_gb, device_gb=args.device_gb, force=True, mesh=mesh)
@@ -189,3 +190,27 @@ def main(args) -> str:
             f"({busy / 1e3 / wall_ms:.0%} of the wall time)", table]
   eng.close()
   return "\n".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.profile",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+  ap.add_argument("--offload-gb", type=float, default=0.0)
+  ap.add_argument("--device-gb", type=float, default=None)
+  ap.add_argument("--prompt", type=int, default=32)
+  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
+  ap.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
+  ap.add_argument("--predict", default=None,
+                  help="H:D[:S]: Products.predict_after_host, predict_after_device (predict_sets)")
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench tier: the host tier's read rate against the link, in one run.
+"""python -m benchmarks.tier: the host tier's read rate against the link, in one run.
 
 host_linear (`ops.qmatmul` on host-tier layers) for Q4_K, Q6_K, Q4_1, Q8_0 and BF16 matrices of
 LLM shapes at batch 1, 4 and 16, and host_moe (`ops.qmatmul_experts` with top-8 of 256 Q4_K
@@ -9,17 +9,21 @@ Layers are replicated at distinct addresses so every call reads memory the GPU h
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxvt import ffi
-from jaxvt.bench import kernels as kb
-from jaxvt.bench import products
-from jaxvt.bench import report
-from jaxvt.bench.arms import KINDS
-from jaxvt.bench.profile import device_seconds
+from benchmarks import kernels as kb
+from benchmarks import products
+from benchmarks import report
+from benchmarks.cli import run
+from benchmarks.arms import KINDS
+from benchmarks.profile import device_seconds
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import FORMATS
@@ -162,7 +166,7 @@ def main(args) -> str:
   rng = np.random.default_rng(0)
   link = "cudaMemcpy H2D" if gpu else "memcpy"
   out = [f"## Host tier read rate ({device.device_kind})\n",
-         f"Command: `python -m jaxvt.bench tier --total-mib {args.total_mib}`  ",
+         f"Command: `python -m benchmarks.tier --total-mib {args.total_mib}`  ",
          f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n",
          f"Same run: {link} {dma:.1f} GB/s; streaming read of mapped pinned memory "
          f"{zc:.1f} GB/s. Rates are weight bytes per second; % is of the {link} rate.\n",
@@ -214,3 +218,23 @@ def main(args) -> str:
   body = "\n".join(out)
   report.write_section(f"tier-{device.platform}", body)
   return body
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.tier",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--total-mib", type=int, default=256)
+  ap.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
+  ap.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
+  ap.add_argument("--products", nargs="?", const="all", default=None,
+                  choices=("all", "dense", "experts"),
+                  help="in place / tiled / staged products by rows (layers.Products' crossovers)")
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

@@ -6,7 +6,7 @@
                  pinned buffer the first time a placement offloads it, and handed back after
   KindTier       a host tier whose memory is one allocation kind (pinned, write-combined, 2 MiB
                  huge pages; on HIP fine- or coarse-grained): which one the device reads fastest
-                 is a measurement (`python -m jaxvt.bench tier --kinds`)
+                 is a measurement (`python -m benchmarks.tier --kinds`)
   PinnedQWeight  JAX's own pinned_host memory kind used the documented way, the offload sweep's
                  comparison arm: a whole stack lives in pinned_host and every use copies the
                  layer to the device first (`place_pinned`)

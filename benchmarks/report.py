@@ -10,8 +10,10 @@ import sys
 
 import jax
 
-HEADER = ("# jaxvt benchmarks\n\nEach section is written by `python -m jaxvt.bench <name>`; it "
-          "names its command, machine and date. Ratios are measured side by side in one run.\n")
+HEADER = ("# jaxvt benchmarks\n\nEach section is written by `python -m benchmarks.<name>` and "
+          "names its command, machine and date (a section assembled by hand from several runs "
+          "says so). Ratios are measured side by side in one run. Earlier measurements are in "
+          "git's history of this file.\n")
 
 
 def machine() -> str:

@@ -1,7 +1,7 @@
 """Kernel throughput: qmatmul GB/s from the host tier and the device tier against the link.
 
-  python -m jaxvt.bench.kernels            # GPU if the extension and JAX see one, else CPU
-  python -m jaxvt.bench.kernels --quick
+  python -m benchmarks.kernels            # GPU if the extension and JAX see one, else CPU
+  python -m benchmarks.kernels --quick
 
 For each format and matrix shape it builds L layers holding the same valid random blocks at
 different addresses (L sized so the layers together exceed 256 MiB, far beyond the GPU's L2 and
@@ -13,6 +13,7 @@ and a plain streaming read of mapped pinned memory, so the ratios come from one 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -23,7 +24,8 @@ from jaxvt import ffi
 from jaxvt.ffi import ops
 from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import BF16, FORMATS, Q4_1, Q4_K, Q6_K, Q8_0
-from jaxvt.bench.arms import KindTier
+from benchmarks.arms import KindTier
+from benchmarks.cli import run
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 # The formats measured, with the byte offsets of each block's f16 scales (random bytes there
@@ -121,13 +123,8 @@ def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
     ext.set_cpu_threads(n0)
 
 
-def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--quick", action="store_true", help="fewer shapes and batches")
-  p.add_argument("--total-mib", type=int, default=256, help="bytes of layers per case")
-  p.add_argument("--coherent", action="store_true", help="HIP fine-grained host memory")
-  p.add_argument("--cpu-gemv", action="store_true", help="only time the CPU GEMV kernel alone")
-  args = p.parse_args(argv)
+def main(args) -> None:
+  """Prints one line per format, shape and tier (nothing is written to docs/BENCHMARKS.md)."""
   if args.cpu_gemv:
     cpu_gemv()
     return
@@ -165,5 +162,19 @@ def main(argv=None) -> None:
           del w
 
 
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="fewer shapes and batches")
+  ap.add_argument("--total-mib", type=int, default=256, help="bytes of layers per case")
+  ap.add_argument("--coherent", action="store_true", help="HIP fine-grained host memory")
+  ap.add_argument("--cpu-gemv", action="store_true", help="only time the CPU GEMV kernel alone")
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
 if __name__ == "__main__":
-  main()
+  sys.exit(cli())

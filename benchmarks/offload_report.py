@@ -1,10 +1,10 @@
 """The offload sweep's rows, its budget points, its table, its goal verdicts and its plot.
 
 Pure functions over `Run` rows (no JAX, no GPU), so tests check them on synthetic rows. The
-goals are issue #6's item 6: decode ms/token <= 1.15x the roofline at every safe budget; tok/s
-never rising with the budget inside the safe range; `--offload-gb auto` within 5% of the best
-safe point; jaxvt >= 2x JAX's pinned_host arm; prefill with offload >= 50% of all-device; and
-the jaxvt / llama.cpp ratios of issues #14 (decode) and #15 (prefill).
+goals: decode ms/token <= 1.15x the roofline at every safe budget; tok/s never rising with the
+budget inside the safe range; `--offload-gb auto` within 5% of the best safe point; jaxvt >= 2x
+JAX's pinned_host arm; prefill with offload >= 50% of all-device; and the jaxvt / llama.cpp
+ratios of decode and prefill (`peer_goals`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _sweep(runs: list[Run]) -> list[Run]:
 
 
 def goals(runs: list[Run], rates: dict) -> list[tuple[str, str, str]]:
-  """(goal, verdict MET / MISSED / NOT RUN, the numbers) for each goal of issue #6 item 6."""
+  """(goal, verdict MET / MISSED / NOT RUN, the numbers) for each goal of the sweep itself."""
   sw = _sweep(runs)
   out = []
   ratios = [(r.budget_gib, r.ms / r.roofline_ms(rates)) for r in sw if r.roofline_ms(rates)]
@@ -203,7 +203,7 @@ def _ratio_goal(goal: str, a: Run | None, b: Run | None, key: str, least: float,
 
 
 def peer_goals(runs: list[Run]) -> list[tuple[str, str, str]]:
-  """Issues #14 (decode) and #15 (prefill): jaxvt / llama.cpp ratios from the same run's rows.
+  """Decode and prefill: jaxvt / llama.cpp ratios from the same run's rows.
   Pairs: all in HBM with `-ngl 99`; `--offload-gb auto` with `--n-cpu-moe N`; every routed
   expert in the host tier (jaxvt@experts) with `-ot exps=CPU`."""
   ok = [r for r in runs if r.ok]
@@ -216,21 +216,21 @@ def peer_goals(runs: list[Run]) -> list[tuple[str, str, str]]:
   ot = one(lambda r: r.point == "llama.cpp:-ngl 99 -ot exps=CPU")
   lab = lambda r, d: r.point.split(":", 1)[1] if r else d
   return [
-      _ratio_goal("#14 decode, all in HBM >= 1.0x llama.cpp", dev, ngl, "decode_tok_s", 1.0,
+      _ratio_goal("decode, all in HBM >= 1.0x llama.cpp", dev, ngl, "decode_tok_s", 1.0,
                   lab(ngl, "-ngl 99")),
-      _ratio_goal("#14 decode at auto >= 1.3x llama.cpp", auto, ncm, "decode_tok_s", 1.3,
+      _ratio_goal("decode at auto >= 1.3x llama.cpp", auto, ncm, "decode_tok_s", 1.3,
                   lab(ncm, "--n-cpu-moe")),
-      _ratio_goal("#14 decode, every routed expert in the host tier >= 1.2x llama.cpp", exps, ot,
+      _ratio_goal("decode, every routed expert in the host tier >= 1.2x llama.cpp", exps, ot,
                   "decode_tok_s", 1.2, lab(ot, "-ot exps=CPU")),
-      _ratio_goal("#15 prefill, all in HBM >= 1.0x llama.cpp", dev, ngl, "prefill_tok_s", 1.0,
+      _ratio_goal("prefill, all in HBM >= 1.0x llama.cpp", dev, ngl, "prefill_tok_s", 1.0,
                   lab(ngl, "-ngl 99")),
-      _ratio_goal("#15 prefill at auto >= 0.9x jaxvt all in HBM", auto, dev, "prefill_tok_s", 0.9,
+      _ratio_goal("prefill at auto >= 0.9x jaxvt all in HBM", auto, dev, "prefill_tok_s", 0.9,
                   "auto vs the device arm"),
-      _ratio_goal("#15 prefill at auto >= 1.5x llama.cpp", auto, ncm, "prefill_tok_s", 1.5,
+      _ratio_goal("prefill at auto >= 1.5x llama.cpp", auto, ncm, "prefill_tok_s", 1.5,
                   lab(ncm, "--n-cpu-moe")),
-      _ratio_goal("#15 prefill, every routed expert in the host tier >= 2x llama.cpp", exps, ot,
+      _ratio_goal("prefill, every routed expert in the host tier >= 2x llama.cpp", exps, ot,
                   "prefill_tok_s", 2.0, lab(ot, "-ot exps=CPU")),
-      _ratio_goal("#15 warm 16-token prefill within 2x of llama.cpp's time (>= 0.5x its tok/s)",
+      _ratio_goal("warm 16-token prefill within 2x of llama.cpp's time (>= 0.5x its tok/s)",
                   dev, ngl, "prefill16_tok_s", 0.5, lab(ngl, "-ngl 99") + ", -p 16"),
   ]
 
@@ -256,8 +256,8 @@ def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, mach
   dma, hbm = rates.get("dma", 0.0), rates.get("hbm", 0.0)
   llama = f" --llama-bench {args.llama_bench}" if getattr(args, "llama_bench", None) else ""
   lines = ["## Offload sweep: Qwen3.6-35B-A3B-shaped model in an emulated 16 GiB card\n",
-           f"Command: `python -m jaxvt.bench offload --time-limit {args.time_limit}{llama}` "
-           f"({total_s:.0f} s in all; on the GPU machine `bash tools/h200_run.sh offload`, "
+           f"Command: `python -m benchmarks.offload --time-limit {args.time_limit}{llama}` "
+           f"({total_s:.0f} s in all; on the GPU machine `bash tools/gpu_session.sh sweep`, "
            "llama-bench from `tools/build_llamacpp.sh`)  ", f"Machine: {machine}  ",
            f"Date: {date}\n",
            f"Model: {model_gib:.2f} GiB file (Q4_K_M-like synthetic weights, {layers} trunk layers "
@@ -283,9 +283,9 @@ def render(runs: list[Run], rates: dict, frac: str, model_gib: float, args, mach
   if skipped:
     lines.append(f"\nNot run (the time limit came first): {', '.join(skipped)}.")
   lines += [f"\nNote: {n}." for n in notes]
-  lines.append("\nGoals (issue #6, item 6), from the rows above:\n")
+  lines.append("\nGoals, from the rows above:\n")
   lines += [f"- {g}: **{v}** ({n})" for g, v, n in goals(runs, rates)]
-  lines.append("\nGoals of issues #14 and #15 (jaxvt / llama.cpp, rows of this run; the device "
+  lines.append("\nAgainst llama.cpp (jaxvt / llama.cpp, rows of this run; the device "
                "arm's 16-token prompt and llama-bench -p 16 warm):\n")
   lines += [f"- {g}: **{v}** ({n})" for g, v, n in peer_goals(runs)]
   return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench cpu: jaxvt vs llama.cpp on the default model, same prompts, same run.
+"""python -m benchmarks.cpu: jaxvt vs llama.cpp on the default model, same prompts, same run.
 
 Decode: greedy tokens after a short prompt; prefill: a longer prompt. Each engine runs once to
 warm up (jaxvt compiles; llama.cpp maps the file), then `repeats` timed runs; medians reported.
@@ -6,13 +6,16 @@ warm up (jaxvt compiles; llama.cpp maps the file), then `repeats` timed runs; me
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
 
 import jaxvt
-from jaxvt.bench import report
+from benchmarks import report
+from benchmarks.cli import run
 from jaxvt.gguf.default_model import default_model_path
 from jaxvt.sampling import SamplingParams
 
@@ -86,7 +89,7 @@ def main(args) -> str:
   n, reps = args.decode_tokens, args.repeats
   j = bench_jaxvt(n, reps)
   l = bench_llamacpp(n, reps, args.threads)
-  cmd = f"python -m jaxvt.bench cpu --decode-tokens {n} --repeats {reps} --threads {args.threads}"
+  cmd = f"python -m benchmarks.cpu --decode-tokens {n} --repeats {reps} --threads {args.threads}"
   lines = [f"## CPU: default model (SmolLM2-135M-Instruct Q4_1)\n",
            f"Command: `{cmd}`  ",
            f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n",
@@ -107,3 +110,20 @@ def main(args) -> str:
   body = "\n".join(lines)
   report.write_section("cpu", body)
   return body
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--decode-tokens", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench tier --products: the crossovers of layers.Products, in one run.
+"""python -m benchmarks.tier --products: the crossovers of layers.Products, in one run.
 
 For each dense matrix shape of Qwen3.6-35B-A3B (rows x cols: 2048x512, 512x2048, 8192x2048,
 2048x4096, 4096x2048) in Q4_K and Q6_K, with the layers in the device tier and in the host tier,
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt import ffi
-from jaxvt.bench import kernels as kb
-from jaxvt.bench import report
+from benchmarks import kernels as kb
+from benchmarks import report
 from jaxvt.ffi import grouped, ops
 from jaxvt.model import layers
 from jaxvt.model.layers import Exec, Products
@@ -154,10 +154,10 @@ def main(args) -> str:
   tiers = TIERS
   which = args.products
   out = ["## Products by rows: in place, tiled, staged (" + device.device_kind + ")\n",
-         f"Command: `python -m jaxvt.bench tier --products {which}`  ",
+         f"Command: `python -m benchmarks.tier --products {which}`  ",
          f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n",
          "ms per layer, the best of 3 passes of a jitted layer scan over copies at distinct "
-         "addresses; each product as layers.linear / the experts ops run it (jaxvt.bench.products)."
+         "addresses; each product as layers.linear / the experts ops run it (benchmarks.products)."
          "\n"]
   summary = ["### Where each path starts to win (and stays fastest up to 512)\n",
              f"Tokens of the routed experts are {TOP_K} slots each (GROUPED_SLOTS counts slots).\n",

@@ -1,6 +1,6 @@
-"""python -m jaxvt.bench mesh: tensor parallelism against one device, with and without offload.
+"""python -m benchmarks.mesh: tensor parallelism against one device, with and without offload.
 
-Issue #7's benchmark. The offload sweep's model (jaxvt.bench.offload.MODEL: Qwen3.6-35B-A3B's
+The offload sweep's model (benchmarks.offload.MODEL: Qwen3.6-35B-A3B's
 architecture and tensor layout, valid random Q4_K_M-like weights, ~19 GiB, written by
 jaxvt.synth when missing) is placed by `jaxvt.load(model, mesh=M, offload_gb=B, force=True)`
 for every mesh M of `--meshes` ("1": one device, no mesh; "tp=2": both GPUs of a 2-GPU host; a
@@ -25,6 +25,7 @@ or `--out`), and every row with its tokens to $OUT/mesh_runs.json.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dataclasses
@@ -39,8 +40,9 @@ import jax
 import numpy as np
 
 from jaxvt import engine as engine_mod
-from jaxvt.bench import arms, report
-from jaxvt.bench.offload import (MODEL, Child, GiB, ensure_model, gpu_lock, pool_fraction,
+from benchmarks import arms, report
+from benchmarks.cli import run
+from benchmarks.offload import (MODEL, Child, GiB, ensure_model, gpu_lock, pool_fraction,
                                  print_row, warm_up)
 from jaxvt.errors import JaxvtError
 from jaxvt.parallel import mesh as mesh_mod
@@ -213,7 +215,7 @@ def child(args) -> None:
 # ---- the run ------------------------------------------------------------------------------------
 
 def _child_cmd(args, i: int, known: dict) -> list[str]:
-  cmd = [sys.executable, "-m", "jaxvt.bench", "mesh", "--child", str(i), "--model", args.model,
+  cmd = [sys.executable, "-m", "benchmarks.mesh", "--child", str(i), "--model", args.model,
          "--meshes", args.meshes, "--budgets", args.budgets, "--prompt", str(args.prompt),
          "--gen", str(args.gen), "--known", json.dumps(known)]
   return cmd + (["--device-gb", str(args.device_gb)] if args.device_gb is not None else [])
@@ -314,7 +316,7 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
   name = "Qwen3.6-35B-A3B-shaped model" if default else f"`{os.path.basename(args.model)}`"
   size = os.path.getsize(args.model) / GiB if os.path.exists(args.model) else 0.0
   synth = " (jaxvt.synth: Q4_K_M-like random weights, MTP block)" if default else ""
-  cmd = (f"python -m jaxvt.bench mesh --meshes {args.meshes} --budgets {args.budgets} "
+  cmd = (f"python -m benchmarks.mesh --meshes {args.meshes} --budgets {args.budgets} "
          f"--prompt {args.prompt} --gen {args.gen} --time-limit {args.time_limit}")
   cmd += f" --device-gb {args.device_gb:g}" if args.device_gb is not None else ""
   cmd += "" if default else f" --model {args.model}"
@@ -323,7 +325,7 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
           "each device's whole memory")
   lines = [f"## Tensor parallelism: {name}, one device vs a mesh\n",
            f"Command: `{cmd}` ({total_s:.0f} s in all; on a 2-GPU machine "
-           "`bash tools/h200_run.sh mesh`)  ",
+           "`bash tools/gpu_session.sh mesh`)  ",
            f"Machine: {meta['machine']}  ", f"Devices: {meta['devices']}  ", f"Date: {date}\n",
            f"Model: {size:.2f} GiB file{synth}. Prompt {args.prompt} random tokens, then "
            f"{args.gen} greedy tokens; a warm-up generate before the timed one. Memory: {card}. "
@@ -341,3 +343,39 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
   if skipped:
     lines.append(f"\nNot run (the time limit came first): {', '.join(skipped)}.")
   return "\n".join(lines)
+
+
+def entry(args) -> str | None:
+  """The parent (every point, one child each), or with --child one point in this process."""
+  if args.child is not None:
+    child(args)
+    return None
+  return main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.mesh",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default=MODEL)
+  ap.add_argument("--meshes", default="1,tp=2",
+                  help="comma list; 1 = one device, no mesh; join two axes with +: tp=2+ep=2")
+  ap.add_argument("--budgets", default="0,auto,all",
+                  help="comma list of per-device offload GiB, auto, all (every offloadable weight)")
+  ap.add_argument("--device-gb", type=float, default=None,
+                  help="emulate a card of this many GiB per device (XLA pool cap + planner)")
+  ap.add_argument("--prompt", type=int, default=512)
+  ap.add_argument("--gen", type=int, default=128)
+  ap.add_argument("--time-limit", type=int, default=480)
+  ap.add_argument("--out", default="docs/BENCHMARKS.md",
+                  help="the file whose mesh section to write")
+  ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--known", default="{}", help=argparse.SUPPRESS)
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(entry, parser(), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench determinism: same tokens in every process and at every budget, and what
+"""python -m benchmarks.determinism: same tokens in every process and at every budget, and what
 fixing XLA's algorithm choices (jaxvt.programs) costs in speed.
 
   compare  one child process per configuration (`--configs`: offload budgets, optionally with
@@ -17,10 +17,10 @@ Writes the `determinism` section of docs/BENCHMARKS.md with --write.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,8 +29,9 @@ import time
 import numpy as np
 
 import jaxvt
-from jaxvt.bench import report
-from jaxvt.bench.arms import no_stops
+from benchmarks import report
+from benchmarks.arms import no_stops
+from benchmarks.cli import child_env, run
 from jaxvt.sampling import SamplingParams
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
@@ -77,9 +78,10 @@ def child(spec: dict) -> dict:
 
 def run_child(spec: dict, env: dict | None = None) -> dict:
   """`child(spec)` in a fresh process (its own compiles); raises with its stderr on failure."""
-  p = subprocess.run([sys.executable, "-m", "jaxvt.bench", "determinism", "--child",
+  base = child_env() if env is None else dict(env)
+  p = subprocess.run([sys.executable, "-m", "benchmarks.determinism", "--child",
                       json.dumps(spec)], capture_output=True, text=True,
-                     env=dict(os.environ if env is None else env, JAXVT_COMPILE_CACHE="0"))
+                     env=dict(base, JAXVT_COMPILE_CACHE="0"))
   for line in p.stdout.splitlines():
     if line.startswith("CASE "):
       return json.loads(line[5:])
@@ -140,13 +142,19 @@ def cost(args) -> dict:
                                         compile=r["compile"]) for d, r in rates.items()}
 
 
+def _argv() -> list[str]:
+  """This process's options (also when run as `python -m benchmarks determinism ...`)."""
+  argv = sys.argv[1:]
+  return argv[1:] if argv[:1] == ["determinism"] else argv
+
+
 def main(args) -> str:
   if args.child:
     print("CASE " + json.dumps(child(json.loads(args.child))), flush=True)
     return ""
   t0 = time.perf_counter()
   lines = ["## Determinism: tokens across processes and budgets, and its cost\n",
-           f"Command: `python -m jaxvt.bench determinism {' '.join(sys.argv[2:])}`  ",
+           f"Command: `python -m benchmarks.determinism {' '.join(_argv())}`  ",
            f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n"]
   ok = True
   if not args.cost_only:
@@ -180,3 +188,34 @@ def main(args) -> str:
   if not ok:
     raise SystemExit(body + "\nDIFFERENT: " + "; ".join(diffs))
   return body
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.determinism",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+  ap.add_argument("--configs", default="0,all,auto",
+                  help="comma list of BUDGET[@DEVICE_GB] (GiB, auto or all); the first runs twice")
+  ap.add_argument("--tokens", type=int, default=128)
+  ap.add_argument("--max-context", type=int, default=2048)
+  ap.add_argument("--temperature", type=float, default=0.8)
+  ap.add_argument("--seed", type=int, default=7)
+  ap.add_argument("--nondeterministic", action="store_true",
+                  help="compare with XLA's default (autotuned) algorithm choices")
+  ap.add_argument("--prompt", type=int, default=512, help="cost: prompt tokens")
+  ap.add_argument("--repeats", type=int, default=3, help="cost: timed generates per setting")
+  ap.add_argument("--cost-budget", default="0", help="cost: the offload budget (GiB, auto, all)")
+  ap.add_argument("--device-gb", type=float, default=None, help="cost: as jaxvt.run --device-gb")
+  ap.add_argument("--compare-only", action="store_true")
+  ap.add_argument("--cost-only", action="store_true")
+  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

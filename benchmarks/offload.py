@@ -1,4 +1,4 @@
-"""python -m jaxvt.bench offload: a 35B MoE model in an emulated 16 GiB GPU, offload budget by budget.
+"""python -m benchmarks.offload: a 35B MoE model in an emulated 16 GiB GPU, budget by budget.
 
 A model with Qwen3.6-35B-A3B's exact architecture and tensor layout and valid random weights
 (Q4_K_M-like formats, ~19 GiB) is written to local disk (jaxvt.synth) and loaded through
@@ -18,17 +18,18 @@ JAX starts):
 
 One sweep process serves every budget: it opens the file once (jaxvt.engine's public steps:
 open_model once, then plan and place per budget) and keeps one pinned host copy of each tensor it
-ever offloads (jaxvt.bench.arms.KeptTier), so a budget point costs the device upload, the
+ever offloads (benchmarks.arms.KeptTier), so a budget point costs the device upload, the
 compile and the measurement. Each point is a warm-up generate (compiles)
 then a timed one: a 512-token prompt (prefill tok/s), 128 greedy tokens (decode tok/s).
 Children hold a file lock from their first use of the GPU to their end, so one child's setup
 overlaps the other's measurement but no two ever use the GPU at once. Points run in an order
-that spreads coverage (jaxvt.bench.offload_report.order); when `--time-limit` is near, the
+that spreads coverage (benchmarks.offload_report.plan_points); when `--time-limit` is near, the
 rest are skipped and what ran is written.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import fcntl
@@ -47,8 +48,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxvt import engine, ffi, loader, synth
-from jaxvt.bench import arms, offload_llama, offload_report, report
-from jaxvt.bench.offload_report import Run, plan_points
+from benchmarks import arms, offload_llama, offload_report, report
+from benchmarks.cli import child_env, run
+from benchmarks.offload_report import Run, plan_points
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.model.declare import Role
@@ -60,7 +62,7 @@ MODEL = "/tmp/jaxvt-qwen36-35b-a3b-shape.gguf"
 LOCK = "/tmp/jaxvt-bench-gpu.lock"
 LLAMA_BENCH = "/tmp/llama-build/bin/llama-bench"  # tools/build_llamacpp.sh's output
 LLAMA_RESERVE_S = 160  # kept for the llama.cpp arm (3 llama-bench runs, 4 more timing decode alone)
-SHORT_PROMPT = 16  # the device arm's short prompt (issue #15: llama-bench -p 16)
+SHORT_PROMPT = 16  # the device arm's short prompt (llama-bench -p 16 times the same)
 PREFILL_REPEATS = 3  # warm prefills of the prompt per point (the median is reported)
 PINNED_GEN = 16  # the JAX pinned_host arm copies every expert per token: fewer tokens suffice
 
@@ -95,8 +97,8 @@ class Session:
   def plan(self, budget, pattern=()):
     """The plan of a point. `auto` is chosen as jaxvt.load chooses it: from XLA's memory
     analysis of each candidate's prefill program (engine.xla_workspace_of), not the estimate
-    alone, which gave a budget the CLI refuses (3.50 GiB against 4.06 at this sweep's context,
-    H200 2026-12-02) and XLA then rematerialized that budget's prefill to fit."""
+    alone, which can give a budget the CLI refuses (XLA then rematerializes that budget's
+    prefill to fit)."""
     if budget == "auto" and not pattern and self.auto is not None:
       return self.auto  # facts() and the auto point: one round of XLA's analysis
     wo = None
@@ -194,8 +196,8 @@ class Session:
         r.load_s = time.perf_counter() - t0
     finally:
       # Closed, not left to the collector: a point that failed mid-run (an unsafe budget out of
-      # memory) kept its weights alive, and every later point of the sweep then ran out of
-      # memory too (H200, 2026-12-02: 8 KiB allocations refused after the forced 3.01 GiB point)
+      # memory) would keep its weights alive, and every later point of the sweep would then run
+      # out of memory too.
       if eng is not None:
         eng.close()
       del eng
@@ -205,8 +207,8 @@ class Session:
 
 def warm_up(eng, ids: list[int], overlap: bool) -> None:
   """Compiles and runs once what a timed `eng.generate(ids, ...)` runs (one device): a generate
-  of one token (prefill, first sample) and two decode chunks (engine.decode_loop_fn). With `overlap` the two run on two
-  threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
+  of one token (prefill, first sample) and two decode chunks (engine.decode_loop_fn). With
+  `overlap` the two run on two threads, so their compiles overlap (XLA compiles without the GIL); the forced unsafe points
   run them one after the other, so that the warm-up's device memory is what a plain run needs.
   `eng` generates to max_tokens (arms.NoStops)."""
   n = len(ids)
@@ -328,7 +330,7 @@ class Child:
     self.signal, self.err_path, self.row = signal, err_path, row
     self.runs, self.info, self.log = [], {}, log
     with open(self.err_path, "w") as err:
-      self.p = subprocess.Popen(cmd, env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
+      self.p = subprocess.Popen(cmd, env=child_env(env_extra), stdout=subprocess.PIPE,
                                 stderr=err, text=True)
     self.reader = threading.Thread(target=self._read, daemon=True)
     self.reader.start()
@@ -369,7 +371,7 @@ def _offload_child(arm: str, args, env_extra: dict, deadline: float, log, points
                    after: str = "", signal: str = "") -> Child:
   """One arm of this sweep in a child; `after`: a file the child waits for before it takes the
   GPU lock."""
-  cmd = [sys.executable, "-m", "jaxvt.bench", "offload", "--child", arm, "--model", args.model,
+  cmd = [sys.executable, "-m", "benchmarks.offload", "--child", arm, "--model", args.model,
          "--prompt", str(args.prompt), "--gen", str(args.gen), "--deadline", f"{deadline:.1f}",
          "--device-gb", str(args.device_gb), "--after", after]
   if points is not None:
@@ -413,7 +415,7 @@ def main(args) -> str:
   llama = offload_llama.find(args.llama_bench)
   notes = []
   if llama and not os.access(llama, os.X_OK):
-    notes.append("llama-bench was being built (nice 19, 12 jobs) while the jaxvt arms ran")
+    notes.append("llama-bench was being built in the background while the jaxvt arms ran")
   end = t_start + args.time_limit - 15
   sweep_end = end - (LLAMA_RESERVE_S if llama else 0)
   if sweep_end - time.time() < 60:  # the jaxvt arms would be killed before their first row
@@ -442,8 +444,8 @@ def main(args) -> str:
     runs += more.runs
     info["skipped"] = more.info.get("skipped", [])
   # The forced (unsafe) budgets last, in a process of their own: one that runs out of memory
-  # while its weights load left the pool full for every later point of its process (H200,
-  # 2026-12-02, twice), so no safe point runs after one any more.
+  # while its weights load leaves the pool full for every later point of its process, so no
+  # safe point runs after one.
   forced = [p for p in (plan_points(meta["safe"], meta["top"], auto=meta["auto"]) if meta else [])
             if p[2]]
   if forced and sweep_end - time.time() > 30:
@@ -470,3 +472,37 @@ def main(args) -> str:
   with open(os.environ.get("OUT", "/tmp") + "/offload_runs.json", "w") as f:
     json.dump([dataclasses.asdict(r) for r in all_runs] + [info], f, indent=1)
   return body
+
+
+def entry(args) -> str | None:
+  """The parent (the whole sweep), or with --child one arm in this process."""
+  if args.child:
+    child(args)
+    return None
+  return main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.offload",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default=MODEL,
+                  help="the model file (written by jaxvt.synth when missing at the default path)")
+  ap.add_argument("--prompt", type=int, default=512)
+  ap.add_argument("--gen", type=int, default=128)
+  ap.add_argument("--time-limit", type=int, default=540)
+  ap.add_argument("--device-gb", type=float, default=16.0, help="the emulated card's GiB")
+  ap.add_argument("--llama-bench", default=None,
+                  help=f"llama-bench binary (default: {LLAMA_BENCH} if built)")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+  ap.add_argument("--points", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--after", default="", help=argparse.SUPPRESS)
+  return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+  return run(entry, parser(), argv)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())

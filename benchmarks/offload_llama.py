@@ -8,9 +8,9 @@ and tg (generation, n_prompt 0), each with avg_ts / stddev_ts (tokens per second
 repetitions; `parse` turns a configuration's pair into one Run.
 
 The configurations that compute experts on the CPU drift from call to call far more than
-within one (on the lent H200's 16-core host, 2026-12-03: `--n-cpu-moe 10` 122.6-148.2 tok/s
-over seven calls within two minutes, each call's own spread 1-6 tok/s; jaxvt's rates moved by
-under 1%), so their decode is measured in DECODE_CALLS separate calls, taken in turns after
+within one (on a 16-core host, `--n-cpu-moe 10` has moved by 20% over seven calls within two
+minutes, each call's own spread a few tok/s; jaxvt's rates by under 1%), so their decode is
+measured in DECODE_CALLS separate calls, taken in turns after
 every configuration has run once, and the row's decode rate is their median (the calls'
 rates kept in `Run.decode_samples`).
 """
@@ -23,12 +23,12 @@ import statistics
 import subprocess
 import time
 
-from jaxvt.bench.offload_report import Run
+from benchmarks.offload_report import Run
 
 GiB = 1 << 30
 DEFAULT = "/tmp/llama-build/bin/llama-bench"
-SHORT = 16  # the short prompt of issue #15 (jaxvt's device arm times the same length)
-BUILDING = ".building"  # tools/h200_run.sh leaves this in the build folder while it builds
+SHORT = 16  # the short prompt (jaxvt's device arm times the same length)
+BUILDING = ".building"  # tools/gpu_session.sh leaves this in the build folder while it builds
 DECODE_CALLS = 3  # separate llama-bench calls timing decode, for configurations with CPU experts
 
 
@@ -90,7 +90,7 @@ def _has_flag(binary: str, flag: str) -> bool:
 
 
 def command(binary: str, model: str, prompt: int, gen: int, extra: list[str]) -> list[str]:
-  """llama-bench for one configuration: pp `prompt` and pp 16 (issue #15's short prompt), tg
+  """llama-bench for one configuration: pp `prompt` and pp 16 (the short prompt), tg
   `gen` (prompt 0: decode alone), 2 repetitions each."""
   pp = f"{prompt},{SHORT}" if prompt and prompt != SHORT else str(prompt)
   return [binary, "-m", model, "-p", pp, "-n", str(gen), "-r", "2", "-o", "json", *extra]

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The GPU machine's runner: one mode a call, from the repository root, on a machine without
+# network access. Logs (and docs/BENCHMARKS.md with the sections a mode wrote) come back under
+# $OUT (default /tmp/out).
+#
+#   bash tools/gpu_session.sh build        # the CUDA extension (or the carried one) and llama-bench
+#                                          # built in the background for a later `sweep`
+#   bash tools/gpu_session.sh tests        # every GPU test file (pytest -m gpu); TESTS=... picks
+#   bash tools/gpu_session.sh determinism  # the determinism GPU test: two processes, every budget
+#   bash tools/gpu_session.sh sweep        # python -m benchmarks.offload with every llama.cpp arm
+#   bash tools/gpu_session.sh tier         # python -m benchmarks.tier (host-tier read rates)
+#   bash tools/gpu_session.sh profile      # decode-step profiles all in HBM, at auto and with every
+#                                          # routed expert in the host tier; the first token; an
+#                                          # 8192-token prompt at auto on the 16 GiB card
+#   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
+#
+# What to carry to the machine (ignored by git):
+#   .whl/          the gguf wheel (the machine has no PyPI): installed into /tmp/site
+#   jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so   the CUDA extension built elsewhere by
+#                  tools/build_cuda_here.sh; used when it imports, sees the GPU and registers every
+#                  GPU op of this checkout (else CMake builds one here: about 5 minutes;
+#                  JAXVT_REBUILD=1 forces that)
+#   .llama/        llama.cpp's source from the llama-cpp-python sdist, pruned (see
+#                  tools/build_llamacpp.sh): llama-bench for the sweep's llama.cpp arms
+#
+# Environment: OFFLOAD_S (the sweep's --time-limit, default 540: it must cover writing the
+# 19 GiB model on a fresh machine and llama.cpp's 160 s besides the jaxvt arms), MESH_S (480),
+# TESTS (test files for `tests`), AUTO_GB (auto's budget on the 16 GiB card for `profile`,
+# which takes GiB, not "auto"; default 3.78).
+set -uo pipefail
+what=${1:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+M=/tmp/jaxvt-qwen36-35b-a3b-shape.gguf  # benchmarks.offload.MODEL, written once per machine
+FRAC=0.1167  # XLA's pool at 16 GiB of an H200 (benchmarks.offload.pool_fraction): the 16 GiB card
+LLAMA=/tmp/llama-build
+GPU_TESTS="tests/test_ffi_gpu.py tests/test_grouped_gpu.py tests/test_attn_step_gpu.py
+  tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py tests/test_prefetch_gpu.py
+  tests/test_prefetch_experts_gpu.py"
+t0=$(date +%s)
+
+setup() {  # the carried gguf wheel on PYTHONPATH, then the extension (carried, else built)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+  if [ -z "${JAXVT_REBUILD:-}" ] && python3 -c "
+from jaxvt import ffi; from jaxvt.ffi import _jaxvt_ffi as e
+assert e.gpu_device_count() > 0
+assert set(ffi.GPU_TARGETS) <= set(e.registrations().get(e.gpu_platform(), {}))" 2>/dev/null; then
+    echo "prebuilt extension: $(ls jaxvt/ffi/_jaxvt_ffi*.so)"
+  else
+    local t=$(date +%s)
+    cmake -S . -B /tmp/build -G Ninja -DJAXVT_GPU=CUDA -DJAXVT_CUDA_ARCHS=90 \
+      -DPython_EXECUTABLE="$(which python3)" > "$OUT/build.log" 2>&1 &&
+      cmake --build /tmp/build -j 16 >> "$OUT/build.log" 2>&1 &&
+      cp /tmp/build/_jaxvt_ffi*.so jaxvt/ffi/ || { tail -30 "$OUT/build.log"; exit 1; }
+    echo "extension built in $(( $(date +%s) - t )) s"
+  fi
+}
+
+start_llama() {  # llama-bench built in the background; setsid: the build outlives this call
+  if [ ! -x $LLAMA/bin/llama-bench ] && [ ! -e $LLAMA/.building ] && [ -d .llama/llama.cpp ]; then
+    mkdir -p $LLAMA && touch $LLAMA/.building  # benchmarks.offload_llama waits while it exists
+    # from a copy: the next call's carry replaces .llama under a running build
+    rm -rf /tmp/llama-src && cp -a .llama/llama.cpp /tmp/llama-src
+    setsid nohup bash -c "LLAMA_SRC=/tmp/llama-src LLAMA_JOBS=10 nice -n 10 \
+      bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1; rm -f $LLAMA/.building" \
+      > /dev/null 2>&1 < /dev/null &
+    echo "llama-bench: building in the background (/tmp/llama_build.log)"
+  fi
+}
+
+model() {  # the 35B-shaped file, made once per machine
+  python3 -c "from benchmarks.offload import ensure_model; ensure_model('$M', print)" > /dev/null
+}
+
+gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
+  local s=$1 log=$2; shift 2
+  timeout "$s" python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short "$@" \
+    > "$OUT/$log" 2>&1; local rc=$?
+  tail -8 "$OUT/$log"; return $rc
+}
+
+case "$what" in
+  build|tests|determinism|sweep|tier|profile|mesh) setup ;;
+  *) sed -n '2,30p' "$0"; exit 2 ;;
+esac
+case "$what" in
+  build)
+    start_llama ;;
+  tests)
+    gpu_pytest 540 gpu_tests.txt ${TESTS:-$GPU_TESTS} ;;
+  determinism)
+    gpu_pytest 540 determinism.txt tests/test_determinism_gpu.py ;;
+  sweep)
+    start_llama  # the sweep runs llama-bench last and waits for a build in progress
+    python3 -m benchmarks.offload --time-limit ${OFFLOAD_S:-540} 2>&1 | tee "$OUT/offload.txt" |
+      tail -40
+    cp docs/offload_sweep.png /tmp/llama_build.log "$OUT/" 2>/dev/null ;;
+  tier)
+    timeout 300 python3 -m benchmarks.tier --total-mib 128 > "$OUT/tier.txt" 2>&1
+    tail -32 "$OUT/tier.txt" ;;
+  profile)
+    model
+    for b in 0 ${AUTO_GB:-3.78} 17; do  # all in HBM (the whole pool), auto, every routed expert
+      f=$([ $b = 0 ] && echo 0.75 || echo $FRAC)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$f timeout 150 python3 -m benchmarks.profile --model $M \
+        --offload-gb $b $([ $b = 0 ] || echo --device-gb 16) --steps 16 --top 40 \
+        > "$OUT/profile_$b.txt" 2>&1; head -3 "$OUT/profile_$b.txt"
+    done
+    timeout 150 python3 -m benchmarks.first_token --runs 3 --write -- --model $M --max-tokens 32 \
+      > "$OUT/first_token.txt" 2>&1; tail -4 "$OUT/first_token.txt"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m benchmarks.long_prompt --model $M \
+      --tokens 8192 --device-gb 16 --write > "$OUT/long_prompt.txt" 2>&1
+    tail -4 "$OUT/long_prompt.txt" ;;
+  mesh)
+    python3 -m benchmarks.mesh --time-limit ${MESH_S:-480} 2>&1 | tee "$OUT/mesh.txt" | tail -40 ;;
+esac
+cp docs/BENCHMARKS.md "$OUT/" 2>/dev/null
+echo "llama build: $(tail -1 /tmp/llama_build.log 2>/dev/null)"
+echo "total $(( $(date +%s) - t0 )) s"
