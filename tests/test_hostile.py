@@ -311,6 +311,7 @@ def test_interrupt_handler_closes_the_engine(monkeypatch, capfd):
     def close(self):
       self.closed = True
 
+  before = signal.getsignal(signal.SIGINT)  # pytest started as a background job: SIG_IGN
   with run._Interrupts() as interrupts:  # pylint: disable=protected-access
     interrupts.engine = Engine()
     interrupts.stdout_open = True
@@ -322,4 +323,4 @@ def test_interrupt_handler_closes_the_engine(monkeypatch, capfd):
   assert exits == [130] and interrupts.engine.closed
   out, err = capfd.readouterr()
   assert out == "\n" and err == "jaxvt: interrupted (Ctrl-C); the run stopped\n"
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is before  # the handler that was there is back
