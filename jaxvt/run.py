@@ -528,4 +528,8 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  status = main(sys.argv)
+  # The run is over: a Ctrl-C while the interpreter shuts down (JAX's teardown) ends the process
+  # with the run's status, not with an exception raised in the middle of that teardown.
+  signal.signal(signal.SIGINT, lambda *_: os._exit(status))
+  sys.exit(status)

@@ -340,7 +340,7 @@ def _assert_interrupted(rc, out, err):
 
 @pytest.mark.parametrize("moment", ["jax start-up", "load", "decode"])
 def test_ctrl_c(moment):
-  args = ["--prompt", "hi", "--max-tokens", "4000", "--offload-gb", "100"]  # a long answer
+  args = ["--nochat", "--prompt", "hi", "--max-tokens", "4000", "--offload-gb", "100"]  # long
   ready = {"jax start-up": _jax_loading,
            "load": lambda p, out, err: "placement:" in err,
            "decode": lambda p, out, err: len(out) > 20}[moment]
