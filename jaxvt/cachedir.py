@@ -8,15 +8,18 @@ says so once (a JaxvtWarning).
 
 A directory under /tmp is shared with every user of the machine, and a cache of compiled
 programs is code this process runs, so the per-user directory is used only if this uid owns it
-and nobody else can write to it; otherwise a fresh private directory (this run only).
+and nobody else can write to it; otherwise a fresh private directory, removed when the process
+exits.
 
 This module imports nothing heavy (no JAX).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import stat
 import tempfile
 import warnings
@@ -60,6 +63,7 @@ def _homeless_root() -> str:
   if not kept:
     try:
       path = tempfile.mkdtemp(prefix="jaxvt-cache-")
+      atexit.register(shutil.rmtree, path, ignore_errors=True)
     except OSError:  # no writable temporary directory: the cache fails to open and is off
       pass
   warnings.warn(JaxvtWarning(
