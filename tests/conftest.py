@@ -33,6 +33,7 @@ SLOW = (
     "tests/test_compile_cache.py::test_warm_up_leaves_nothing_to_compile_in_generate",
     "tests/test_determinism.py::test_processes_and_budgets_agree",
     "tests/test_exports.py::test_an_offloaded_model_gives_the_same_bits_through_the_store",
+    "tests/test_ffi.py::test_kernels_equal_references_on_device[ggml]",
     "tests/test_ffi.py::test_experts_routing[ggml-x[T]-Q4_K]",
     "tests/test_ffi.py::test_experts_routing[ggml-x[T,k]-Q4_K]",
     "tests/test_ffi.py::test_experts_routing[ggml-x[T]-Q5_K]",
