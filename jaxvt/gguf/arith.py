@@ -26,7 +26,7 @@ def _f32(x: float) -> float:
 
 
 def _finite_power(base: float, exponent: float) -> bool:
-  """base ** exponent (base > 0) is finite and nonzero in float32 where it matters: finite."""
+  """base ** exponent (base > 0), rounded to float32, is finite."""
   with np.errstate(all="ignore"):
     return bool(np.isfinite(np.float32(np.float64(base) ** exponent)))
 
