@@ -67,3 +67,23 @@ class JaxvtError(Exception):
 
   def __str__(self) -> str:
     return escape(super().__str__(), MESSAGE_LIMIT)
+
+
+class JaxvtWarning(UserWarning):
+  """Something jaxvt worked around that the user may want to fix (a cache without a home
+  directory, ...); one line, like JaxvtError. The CLI prints these as `jaxvt: note: ...`."""
+
+
+def out_of_memory(e: BaseException) -> JaxvtError | None:
+  """An error of JAX's or XLA's saying the device ran out of memory (RESOURCE_EXHAUSTED, while
+  compiling or running a program) as the one-line JaxvtError naming the fixes; None for any
+  other exception."""
+  if type(e).__module__.split(".")[0] not in ("jax", "jaxlib"):
+    return None
+  text = str(e)
+  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+    return None
+  first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+  return JaxvtError(f"the model does not fit in the device's memory (XLA: {escape(first, 160)}); "
+                    "keep more weights in the host tier (--offload-gb auto, or more GiB) or "
+                    "allocate less context (--max-context)")

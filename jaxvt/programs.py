@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 import jax
 from jax import export
 
-from jaxvt import exports, ffi
+from jaxvt import cachedir, exports, ffi
 
 DETERMINISTIC_OPTIONS: dict[str, object] = {
     "xla_gpu_autotune_level": 0,
@@ -175,9 +175,9 @@ def env_flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
 # ---- the persistent compilation cache -------------------------------------------------------
 
 def default_cache_root(env: Mapping[str, str] = os.environ) -> str:
-  """$XDG_CACHE_HOME/jaxvt, or ~/.cache/jaxvt."""
-  base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "jaxvt")
+  """$XDG_CACHE_HOME/jaxvt, or ~/.cache/jaxvt (jaxvt.cachedir: without a home directory, one
+  under the temporary directory)."""
+  return cachedir.default_root(env)
 
 
 def cache_root(setting: bool | str | None, env: Mapping[str, str] = os.environ) -> str | None:

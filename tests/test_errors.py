@@ -148,7 +148,7 @@ def test_cli_prompt_longer_than_context():
     (["--max-context", "99999999"], "max-context"),
     (["--offload-gb", "lots"], "--offload-gb"),
     (["--max-tokens", "many"], "max_tokens"),
-    (["--no-such-flag"], "no_such_flag"),
+    (["--no-such-flag"], "unknown flag --no-such-flag"),
 ])
 def test_cli_bad_flag_values(flag, needle):
   assert_user_error(run_cli(*flag), needle)

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ESC = "\x1b[2J\x1b]0;pwned\x07"  # clear the screen, retitle the terminal
 TINY_VOCAB = {"tokenizer.ggml.tokens": ["<|im_start|>", "<s>", "</s>", "a", "b", "ab"],
               "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1],
-              "tokenizer.ggml.merges": ["a b"]}
+              "tokenizer.ggml.merges": ["a b"], "llama.vocab_size": 6}
 NO_VOCAB = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 
@@ -130,6 +130,20 @@ METADATA_CASES = [
      "token_type"),
     ("duplicate tokens", {**TINY_VOCAB, "tokenizer.ggml.tokens": ["a"] * 6}, (), "duplicate"),
     ("bos id is text", {"tokenizer.ggml.bos_token_id": "one"}, NO_VOCAB, "bos_token_id"),
+    # in range, but not what the math needs: powers, roots and divisions of these values
+    ("rope base 0", {"llama.rope.freq_base": 0.0}, NO_VOCAB, "rope.freq_base"),
+    ("rope base overflows float32", {"llama.rope.freq_base": 1e-40}, NO_VOCAB, "rope.freq_base"),
+    ("rms epsilon 0", {"llama.attention.layer_norm_rms_epsilon": 0.0}, NO_VOCAB,
+     "layer_norm_rms_epsilon"),
+    ("negative rms epsilon", {"llama.attention.layer_norm_rms_epsilon": -1e-5}, NO_VOCAB,
+     "layer_norm_rms_epsilon"),
+    ("heads of no dimensions", {"llama.attention.head_count": 1024,
+                                "llama.attention.head_count_kv": 1024},
+     NO_VOCAB + ("llama.rope.dimension_count",), "heads of 0 dimensions"),
+    ("rope over 0 dimensions", {"llama.rope.dimension_count": 0}, NO_VOCAB,
+     "rope.dimension_count"),
+    ("more experts used than exist", {"llama.expert_count": 4, "llama.expert_used_count": 8},
+     NO_VOCAB, "8 of 4 experts"),
 ]
 
 
@@ -140,6 +154,40 @@ def test_hostile_metadata(tmp_path, capsys, name, metadata, drop, needle):
   rc, out, err = main_in_process(capsys, "--model", path, "--prompt", "hi", limit_s=30)
   line = one_line_error(rc, out, err, needle)
   assert "\x1b" not in line and len(line) < 2100
+
+
+def _default_vocab() -> tuple[list[str], list[int]]:
+  from jaxvt.gguf.default_model import default_model_path
+  from jaxvt.gguf.reader import read_metadata
+  md = read_metadata(default_model_path(), ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"))
+  return md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
+
+
+@pytest.mark.parametrize("change", ["fewer tokens", "more tokens"])
+def test_vocabulary_and_embedding_rows_agree(tmp_path, capsys, change):
+  """A token list shorter than the model's vocabulary (the embedding's rows) used to load and
+  fail mid-generation on a token id with no text; longer, tokens would have no row."""
+  tokens, types = _default_vocab()
+  if change == "fewer tokens":
+    tokens, types = tokens[:2000], types[:2000]
+  else:
+    tokens, types = tokens + [f"<extra_{i}>" for i in range(64)], types + [1] * 64
+  path = write_model(tmp_path / "m.gguf", metadata={"tokenizer.ggml.tokens": tokens,
+                                                    "tokenizer.ggml.token_type": types})
+  rc, out, err = main_in_process(capsys, "--model", path, "--prompt", "hi", limit_s=30)
+  one_line_error(rc, out, err, f"has {len(tokens)} tokens", "llama.vocab_size", "49152")
+
+
+def test_vocabulary_shorter_than_the_embedding_without_a_vocab_size(tmp_path, capsys):
+  """Without {arch}.vocab_size the vocabulary is the token list, and the embedding's rows must
+  match it: the load refuses the tensor."""
+  tokens, types = _default_vocab()
+  path = write_model(tmp_path / "m.gguf", drop=("llama.vocab_size",), tensors=True,
+                     metadata={"tokenizer.ggml.tokens": tokens[:2000],
+                               "tokenizer.ggml.token_type": types[:2000]})
+  rc, out, err = main_in_process(capsys, "--model", path, "--prompt", "hi", "--max-tokens", "4",
+                                 limit_s=120)
+  one_line_error(rc, out, err, "token_embd.weight")
 
 
 def test_hostile_tensor_name_is_escaped(tmp_path, capsys):
@@ -292,7 +340,7 @@ def _assert_interrupted(rc, out, err):
 
 @pytest.mark.parametrize("moment", ["jax start-up", "load", "decode"])
 def test_ctrl_c(moment):
-  args = ["--prompt", "hi", "--max-tokens", "4000", "--offload-gb", "100"]  # a long answer
+  args = ["--nochat", "--prompt", "hi", "--max-tokens", "4000", "--offload-gb", "100"]  # long
   ready = {"jax start-up": _jax_loading,
            "load": lambda p, out, err: "placement:" in err,
            "decode": lambda p, out, err: len(out) > 20}[moment]
@@ -311,6 +359,7 @@ def test_interrupt_handler_closes_the_engine(monkeypatch, capfd):
     def close(self):
       self.closed = True
 
+  before = signal.getsignal(signal.SIGINT)  # pytest started as a background job: SIG_IGN
   with run._Interrupts() as interrupts:  # pylint: disable=protected-access
     interrupts.engine = Engine()
     interrupts.stdout_open = True
@@ -322,4 +371,4 @@ def test_interrupt_handler_closes_the_engine(monkeypatch, capfd):
   assert exits == [130] and interrupts.engine.closed
   out, err = capfd.readouterr()
   assert out == "\n" and err == "jaxvt: interrupted (Ctrl-C); the run stopped\n"
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is before  # the handler that was there is back

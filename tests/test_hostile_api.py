@@ -364,3 +364,55 @@ def test_load_close_cycles_do_not_grow(capfd):
   assert last["maps"] <= first["maps"], report  # another test's engine may hold the file open
   assert last["heap"] - first["heap"] < 2.0, report
   assert (steps[4] + steps[5]) / 2 < 0.5, (steps, report)
+
+
+# ---- metadata the arithmetic cannot use --------------------------------------------------------
+
+def _qwen35_metadata(**changes) -> dict:
+  """A qwen35 configuration's metadata (4 layers, 3 of them DeltaNet), with `changes` (keys
+  under "qwen35."; None drops a key)."""
+  md = {"general.architecture": "qwen35", "qwen35.block_count": 4,
+        "qwen35.embedding_length": 64, "qwen35.attention.head_count": 4,
+        "qwen35.attention.head_count_kv": 2, "qwen35.attention.key_length": 16,
+        "qwen35.context_length": 256, "qwen35.vocab_size": 320, "qwen35.ssm.conv_kernel": 4,
+        "qwen35.ssm.state_size": 16, "qwen35.ssm.group_count": 2,
+        "qwen35.ssm.time_step_rank": 4, "qwen35.ssm.inner_size": 64,
+        "qwen35.full_attention_interval": 4}
+  for k, v in changes.items():
+    key = "qwen35." + k.replace("__", ".")
+    if v is None:
+      md.pop(key, None)
+    else:
+      md[key] = v
+  return md
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(ssm__state_size=0), "ssm.state_size"),  # q is scaled by state_size ** -0.5
+    (dict(ssm__group_count=0), "ssm.group_count"),  # value heads // key heads
+    (dict(ssm__time_step_rank=None), "ssm.time_step_rank"),
+    (dict(ssm__conv_kernel=0), "ssm.conv_kernel"),
+    (dict(ssm__inner_size=62), "do not divide it"),
+    (dict(ssm__group_count=3), "do not divide them"),
+    (dict(rope__freq_base=0.0), "rope.freq_base"),
+    (dict(attention__layer_norm_rms_epsilon=0.0), "layer_norm_rms_epsilon"),
+])
+def test_config_refuses_what_the_math_cannot_use(changes, needle):
+  from jaxvt.model.config import from_gguf_metadata
+  cfg = from_gguf_metadata(_qwen35_metadata())  # the unchanged metadata builds
+  assert cfg.deltanet_layers == (0, 1, 2) and cfg.ssm_v_dim == 16
+  with pytest.raises(JaxvtError, match=re.escape(needle)):
+    from_gguf_metadata(_qwen35_metadata(**changes))
+
+
+def test_deltanet_sizes_are_not_needed_without_deltanet_layers():
+  from jaxvt.model.config import from_gguf_metadata
+  md = _qwen35_metadata(ssm__state_size=0, attention__recurrent_layers=[False] * 4)
+  assert from_gguf_metadata(md).deltanet_layers == ()
+
+
+def test_load_refuses_a_rope_base_of_zero(tmp_path):
+  from hostile_models import write_model
+  path = write_model(tmp_path / "m.gguf", metadata={"llama.rope.freq_base": 0.0}, tensors=True)
+  with pytest.raises(JaxvtError, match="rope.freq_base"):
+    jaxvt.load(path, max_context=64)

@@ -64,8 +64,8 @@ SMALL_GB = "0.66"
 
 
 def test_cli_auto_with_small_device_forces_offload():
-  p = _cli("--prompt", "The capital of France is", "--max-tokens", "8", "--device-gb", SMALL_GB,
-           "--offload-gb", "auto")
+  p = _cli("--nochat", "--prompt", "The capital of France is", "--max-tokens", "8", "--device-gb",
+           SMALL_GB, "--offload-gb", "auto")
   assert p.returncode == 0, p.stderr
   assert "--offload-gb auto" in p.stderr
   m = re.search(r"host tier: ([0-9.]+) GiB \((\d+) tensors\)", p.stderr)

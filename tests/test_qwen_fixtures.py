@@ -188,7 +188,9 @@ def test_config_prefers_recurrent_layers_array():
   md = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 5,
         "qwen35moe.nextn_predict_layers": 1, "qwen35moe.embedding_length": 64,
         "qwen35moe.attention.head_count": 4, "qwen35moe.vocab_size": 320,
-        "qwen35moe.full_attention_interval": 4,
+        "qwen35moe.full_attention_interval": 4, "qwen35moe.ssm.conv_kernel": 4,
+        "qwen35moe.ssm.state_size": 16, "qwen35moe.ssm.group_count": 2,
+        "qwen35moe.ssm.time_step_rank": 4, "qwen35moe.ssm.inner_size": 64,
         "qwen35moe.attention.recurrent_layers": [True, False, True, False, False]}
   assert from_gguf_metadata(md).layer_types == ("deltanet", "attention") * 2
   del md["qwen35moe.attention.recurrent_layers"]

@@ -12,7 +12,8 @@ which limits itself before it compiles the template:
   output    the rendered text stops at max_output characters and is refused
   recursion Python's recursion limit, as in any process
 
-and answers with one JSON object on stdout. Whatever goes wrong (a syntax error, any exception,
+and answers with one JSON object on stdout. On Linux the child dies with its parent (a parent
+killed while a template renders leaves nothing running). Whatever goes wrong (a syntax error, any exception,
 MemoryError, the time running out, the child dying) becomes one JaxvtError naming the file.
 The variables cross as JSON, so they must be JSON data (messages, tools, flags).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -42,8 +44,15 @@ RENDER_MEMORY = 1 << 30
 MAX_TEMPLATE_CHARS = 1 << 20
 MAX_OUTPUT_CHARS = 1 << 20  # plus 4x the characters of the messages (a template repeats them)
 
-# The child: read the request, put the parent's import path in place, render, answer.
-_CHILD = ("import json, sys; req = json.loads(sys.stdin.buffer.read()); "
+# The child: first (Linux) have the kernel kill it when the parent dies (prctl
+# PR_SET_PDEATHSIG), and leave if the parent died before that; then read the request, put the
+# parent's import path in place, render, answer. argv[1] is the parent's pid.
+_CHILD = ("import sys\n"
+          "if sys.platform.startswith('linux'):\n"
+          "  import ctypes, os, signal\n"
+          "  ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+          "  if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+          "import json; req = json.loads(sys.stdin.buffer.read()); "
           "sys.path[:0] = req['path']; "
           "from jaxvt.gguf.chat_template import child_main; child_main(req)")
 
@@ -65,7 +74,8 @@ def render(template: str, variables: dict[str, Any], source: str) -> str:
                         "max_output": MAX_OUTPUT_CHARS + 4 * len(payload),
                         "seconds": RENDER_SECONDS, "memory": RENDER_MEMORY})
   try:
-    p = subprocess.run([sys.executable, "-I", "-S", "-c", _CHILD], input=request.encode(),
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", _CHILD, str(os.getpid())],
+                       input=request.encode(),
                        capture_output=True, timeout=RENDER_SECONDS + START_SECONDS)
   except subprocess.TimeoutExpired:
     raise JaxvtError(f"{where} ran longer than {RENDER_SECONDS:g} s; {fix}") from None

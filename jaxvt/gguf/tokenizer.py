@@ -205,6 +205,12 @@ def _vocab_metadata(md: Mapping[str, Any]) -> tuple[list, list | None, list, str
     raise JaxvtError(f"tokenizer.ggml.token_type must be an array of integers; {fix}")
   if pre is not None and not isinstance(pre, str):
     raise JaxvtError(f"tokenizer.ggml.pre must be a string; {fix}")
+  key = f"{md.get('general.architecture')}.vocab_size"
+  rows = md.get(key)  # the embedding's and the output head's rows (jaxvt.model.config)
+  if isinstance(rows, int) and not isinstance(rows, bool) and rows != len(tokens):
+    raise JaxvtError(f"the GGUF vocabulary has {len(tokens)} tokens but '{escape(key, 80)}' "
+                     f"gives the model {rows} (the rows of its embedding and output head), so "
+                     f"tokens would have no text or no row; {fix}")
   return tokens, types, merges, pre or "default"
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Collection, Mapping
 
 from jaxvt.errors import JaxvtError, escape
+from jaxvt.gguf.arith import check_arithmetic
 from jaxvt.gguf.names import gguf_name
 
 ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
@@ -124,7 +125,8 @@ _FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")
 def check_metadata(md: Mapping[str, Any]) -> None:
   """Raises JaxvtError, naming the key, for metadata from_gguf_metadata cannot build a config
   from: an unsupported architecture, a number of the wrong type or out of range, a value that
-  is not finite, more trunk layers than blocks."""
+  is not finite, more trunk layers than blocks, a value the math divides by, takes a power or
+  a root of that it cannot use (jaxvt.gguf.arith)."""
   arch = md.get("general.architecture")
   if arch not in ARCHITECTURES:
     raise JaxvtError(f"unsupported architecture {escape(repr(arch), 60)}: jaxvt runs "
@@ -170,6 +172,7 @@ def check_metadata(md: Mapping[str, Any]) -> None:
     v = md.get(key)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
       raise JaxvtError(f"GGUF metadata '{key}' is {escape(repr(v), 60)}, not a token id; {fix}")
+  check_arithmetic(md, arch)  # values in range that the math still cannot use
 
 
 def _req(md: Mapping[str, Any], key: str):
