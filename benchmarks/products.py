@@ -1,4 +1,4 @@
-"""python -m benchmarks.tier --products: the crossovers of layers.Products, in one run.
+"""python -m benchmarks.tier --products: the crossovers of tuning.Products, in one run.
 
 For each dense matrix shape of Qwen3.6-35B-A3B (rows x cols: 2048x512, 512x2048, 8192x2048,
 2048x4096, 4096x2048) in Q4_K and Q6_K, with the layers in the device tier and in the host tier,
@@ -12,7 +12,7 @@ gate/up 512 x 2048 with x per token, down 2048 x 512 with x per slot) are timed 
 
 Times are ms per layer: the best of a few runs of one jitted lax.scan over L copies of the layer
 at distinct addresses (L sized so the copies exceed the GPU's L2), divided by L. The last table
-says from which row count each path first wins and stays fastest, the numbers layers.Products'
+says from which row count each path first wins and stays fastest, the numbers tuning.Products'
 constants (TILED_ROWS, STAGE_ROWS, GROUPED_SLOTS) are meant to be set from.
 """
 
@@ -29,7 +29,9 @@ from benchmarks import kernels as kb
 from benchmarks import report
 from jaxvt.ffi import grouped, ops
 from jaxvt.model import layers
-from jaxvt.model.layers import Exec, Products
+from jaxvt.ffi import tuning
+from jaxvt.ffi.tuning import Products
+from jaxvt.model.layers import Exec
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import QWeight
 
@@ -172,7 +174,7 @@ def main(args) -> str:
     out += lines + [""]
     summary += [f"| {f['tier']} | {f['name']} | {_from(f['grouped'], 'tokens')} | "
                 f"{_from(f['staged'], 'tokens')} |" for f in found]
-  out += summary + ["", "Products now: " + repr(layers.GPU_PRODUCTS)]
+  out += summary + ["", "Products now: " + repr(tuning.GPU_PRODUCTS)]
   body = "\n".join(out)
   report.write_section(f"products-{device.platform}" + ("" if which == "all" else f"-{which}"),
                        body)

@@ -228,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
   ap.add_argument("--products", nargs="?", const="all", default=None,
                   choices=("all", "dense", "experts"),
-                  help="in place / tiled / staged products by rows (layers.Products' crossovers)")
+                  help="in place / tiled / staged products by rows (jaxvt.ffi.tuning.Products' crossovers)")
   return ap
 
 

@@ -35,7 +35,8 @@ from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.layers import GPU_PRODUCTS, Exec, Products
+from jaxvt.ffi.tuning import Products, products_for
+from jaxvt.model.layers import Exec
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
                              decode_fn, decode_loop_fn, decode_sample_fn,  # noqa: F401 (public)
@@ -421,12 +422,12 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True)
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
   it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
   float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
-  kernels or staging by layers.GPU_PRODUCTS (Exec.products). `deterministic` fixes XLA's
+  kernels or staging by the device's row of jaxvt.ffi.tuning.TUNING (Exec.products). `deterministic` fixes XLA's
   algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's concurrent
   command-buffer scheduling (Exec.concurrent; meshes keep XLA's default)."""
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              products=GPU_PRODUCTS if gpu else Products(), deterministic=deterministic,
+              products=products_for(platform) if kernels else Products(), deterministic=deterministic,
               concurrent=gpu and getattr(par, "size", 1) == 1)
 
 

@@ -17,7 +17,8 @@ from jaxvt import engine, ffi, synth
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import attn
 from jaxvt.model import sharding
-from jaxvt.model.layers import GPU_PRODUCTS, Products, attn_step_ref
+from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
+from jaxvt.model.layers import attn_step_ref
 
 from test_ffi_cases import assert_rel, stack_writes
 

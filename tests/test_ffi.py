@@ -116,7 +116,8 @@ def test_qdequant_bf16(fmt, nexp, rng, device):
 def test_staged_linear(fmt, rng, device):
   """Products.stage_rows: with that many rows or more, layers.linear stages the layer as bf16 and
   runs a GEMM (within two bf16 roundings of the float64 product); with fewer, it is the kernel."""
-  from jaxvt.model.layers import Exec, Products, linear
+  from jaxvt.ffi.tuning import Products
+  from jaxvt.model.layers import Exec, linear
   s = make_stack(rng, [Q4_K, fmt], ROWS, COLS)
   ex = Exec(kernels=True, numerics="f32", products=Products(stage_rows=8))
   w = put(s.w, device)

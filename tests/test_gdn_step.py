@@ -17,7 +17,7 @@ from jaxvt import engine, ffi, synth
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import gdn
 from jaxvt.model.deltanet import gdn_step_ref
-from jaxvt.model.layers import GPU_PRODUCTS, Products
+from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
 
 from test_ffi_cases import assert_rel, stack_writes
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxvt.model import moe
-from jaxvt.model.layers import Exec, Products
+from jaxvt.ffi.tuning import Products
+from jaxvt.model.layers import Exec
 from test_qwen_fixtures import device_weights, kernel_modes, np_tensors, synth_file
 
 

@@ -221,7 +221,7 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule, rings):
   import re
   from jaxvt import engine, loader
   from jaxvt.model import decoder, moe
-  from jaxvt.model.layers import Products
+  from jaxvt.ffi.tuning import Products
   from jaxvt.model.sharding import one_device
   m = loader.open_model(moe8)
   par = one_device(device)

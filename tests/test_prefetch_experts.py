@@ -281,7 +281,7 @@ def test_decode_with_predicted_experts_equals_in_place(moe8, device, tier):
   import dataclasses
   from jaxvt import engine, loader
   from jaxvt.model import decoder
-  from jaxvt.model.layers import Products
+  from jaxvt.ffi.tuning import Products
   from jaxvt.model.sharding import one_device
   from test_prefetch import routed_on_host
   m = loader.open_model(moe8)

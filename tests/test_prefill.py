@@ -1,4 +1,4 @@
-"""Prefill on CPU: chunked prompts, and the per-product kernel rule (layers.Products) of GPU prefill.
+"""Prefill on CPU: chunked prompts, and the per-product kernel rule (jaxvt.ffi.tuning.Products) of GPU prefill.
 
 Chunks: Engine.prefill runs a prompt in calls of at most `prefill_chunk` tokens; the logits and
 greedy tokens equal one pass (the default model, and a Qwen3.5-MoE fixture whose DeltaNet state
@@ -23,7 +23,7 @@ import pytest
 import jaxvt
 from jaxvt import engine, ffi, model_fns
 from jaxvt import synth
-from jaxvt.model.layers import GPU_PRODUCTS, Products
+from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
 from jaxvt.model.presets import qwen36_35b_a3b_config
 from jaxvt.qweight import QMeta
 

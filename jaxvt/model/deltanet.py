@@ -214,7 +214,7 @@ def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelCon
   (padding, on the right, leaves both states unchanged). Returns (out [b, t, d] float32,
   conv_states, ssm_states) with layer gi updated.
 
-  Decode (t == 1) under a rule with `gdn_fused` (layers.Products; the GPUs') runs the middle as
+  Decode (t == 1) under a rule with `gdn_fused` (jaxvt.ffi.tuning.Products; the GPUs' row) runs the middle as
   one custom call on the stacks, updating layer gi in place (jaxvt.ffi.gdn.gdn_step); otherwise
   gdn_mix's jnp on layer gi's slices, written back.
   """

@@ -1,0 +1,118 @@
+"""The per-device tuning table: which kernel each product takes, and how host-tier weights move.
+
+`TUNING[platform]` is one `Products` per device kind; `products_for(platform)` reads it. Every
+number a kernel path or an offload schedule is tuned by lives here, once, so a new device kind is
+one new row. The figures behind the GPU row are measured by `python -m benchmarks.products`,
+`python -m benchmarks.profile` and the offload sweep (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxvt.qweight import QMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class Products:
+  """The per-product kernel rule: how x [n, cols] times one layer of a stack is computed, and
+  what moves host-tier layers ahead of their use. Each count is the row (slot) count from which
+  its path is taken; 0 never takes it. Products() (every field 0) is the CPU's rule: the matvec
+  kernels, which are the CPU's arithmetic contract (docs/NUMERICS.md).
+
+  Dense matrices: "matvec" (ops.qmatmul: reads the layer in place once per 4 rows of x under
+  integer products, per 16 in float32), "tiled" (grouped.qmatmul_tiled: once per 32 rows, tensor
+  cores, bf16) or "staged" (ops.qdequant writes the layer as bf16, then XLA's GEMM); a layer
+  whose bf16 copy is over stage_max_bytes is never staged (0: no limit). Routed experts:
+  "matvec" (ops.moe_experts: each slot's expert streamed on its own) or "grouped"
+  (grouped.moe_grouped: slots sorted by expert, tensor cores). The rules look at rows, never at
+  the tier, so a weight gives the same bits from either tier and tokens do not depend on the
+  offload budget.
+
+  fused_route / gdn_fused / attn_fused: the MoE router's softmax-top-k, a DeltaNet layer's and an
+  attention layer's decode step as one custom call each instead of a dozen or more small XLA
+  kernels (float32, summed in another order than the jnp path; off on the CPU, whose jnp and
+  ggml paths are matched against llama.cpp).
+
+  prefetch_per_expert: from this many routed slots per expert (T*k >= this * E) a call copies
+  each host-tier layer of the routed experts' stacks into a device ring ahead of its turn while
+  the layers before it compute (jaxvt.offload.schedule; jaxvt.ffi.prefetch); at 4 slots per
+  expert a uniform router picks ~98% of a layer's experts, so the whole layer's copy moves
+  nearly only bytes the router picked. prefetch_rings: rings per stack whose host-tier layers
+  include adjacent ones (they take the layers in turns, so the second's copy overlaps the
+  first's compute).
+
+  predict_after_host / predict_after_device: at one token (decode), layer l + 1's router applied
+  to layer l's MoE input names most of the experts layer l + 1 will use; where l + 1 is a
+  host-tier layer, that many of its likeliest experts are copied ahead (after a host-tier layer
+  the bus is busy with its own experts). predict_sets: ring sets alternating by layer (1 or 2).
+  predict_inline: the copy runs on XLA's stream as a kernel XLA captures in its command buffers,
+  with predict_blocks blocks an expert (0: the extension's default). predict_scale > 0: the
+  counts are for a layer with that many routed stacks in the host tier; one with k of them gets
+  count * predict_scale / k (at most 8), copied by proportionally fewer blocks, decided per layer
+  on the device.
+  """
+
+  tiled_rows: int = 0
+  stage_rows: int = 0
+  stage_max_bytes: int = 0
+  grouped_slots: int = 0
+  fused_route: bool = False
+  gdn_fused: bool = False
+  attn_fused: bool = False
+  prefetch_per_expert: int = 0
+  prefetch_rings: int = 1
+  predict_after_host: int = 0
+  predict_after_device: int = 0
+  predict_sets: int = 2
+  predict_inline: bool = False
+  predict_blocks: int = 0
+  predict_scale: int = 0
+
+  def predicted_ids(self) -> int:
+    """How many of the next layer's likeliest experts a decode fetch is given: the most any
+    target layer can copy."""
+    n = max(self.predict_after_host, self.predict_after_device)
+    return min(8, n * max(1, self.predict_scale))
+
+  def dense(self, n: int, meta: QMeta) -> str:
+    """The path for x of n rows times a layer of the (non-expert) stack described by meta."""
+    stage = self.stage_rows
+    staged_bytes = 2 * meta.rows * meta.cols * max(meta.experts, 1)
+    if stage and n >= stage and not (self.stage_max_bytes and staged_bytes > self.stage_max_bytes):
+      return "staged"
+    if self.tiled_rows and n >= self.tiled_rows:
+      return "tiled"
+    return "matvec"
+
+  def experts(self, slots: int) -> str:
+    """The path for the routed experts of T*k = `slots` slots."""
+    return "grouped" if self.grouped_slots and slots >= self.grouped_slots else "matvec"
+
+
+# GPUs (the H200's measurements, docs/BENCHMARKS.md):
+# - dense products staged from 16 rows (bf16 + XLA's GEMM beat the tile kernel 2x at 16 and 64
+#   rows), never a layer whose bf16 copy is over 512 MiB (its workspace); such a layer takes the
+#   tile kernel from 32 rows;
+# - routed experts on the grouped kernel from 256 slots (per slot won in HBM at 128 and 512
+#   slots, but from the host tier per-slot reads about S experts against E (1 - (1 - 1/E)^S)
+#   distinct ones grouped);
+# - host-tier expert layers copied ahead from 4 slots per expert, two rings where layers are
+#   adjacent;
+# - decode predicts the next host-tier layer's 2 likeliest experts (at 8 blocks each, inline),
+#   scaled by the routed stacks a layer holds in the host tier (a layer holding only its down
+#   stack: 6 experts at 4 blocks).
+GPU_PRODUCTS = Products(tiled_rows=32, stage_rows=16, stage_max_bytes=512 << 20,
+                        grouped_slots=256, fused_route=True, gdn_fused=True, attn_fused=True,
+                        prefetch_per_expert=4, prefetch_rings=2, predict_after_host=2,
+                        predict_after_device=2, predict_inline=True, predict_blocks=8,
+                        predict_scale=3)
+
+TUNING: dict[str, Products] = {"cpu": Products(), "cuda": GPU_PRODUCTS, "rocm": GPU_PRODUCTS}
+
+
+def products_for(platform: str) -> Products:
+  """The tuning row of a JAX platform name ("cpu", "cuda"/"gpu", "rocm"); the CPU's rule for a
+  platform without a row (the matvec kernels are correct everywhere)."""
+  p = platform.lower()
+  return TUNING.get("cuda" if p == "gpu" else p, TUNING["cpu"])
