@@ -31,11 +31,11 @@ import numpy as np
 from jaxvt import ffi, inputs, loader, programs
 from jaxvt.errors import JaxvtError, escape
 from jaxvt.ffi import numerics
+from jaxvt.ffi.tuning import Products, products_for
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
-from jaxvt.ffi.tuning import Products, products_for
 from jaxvt.model.layers import Exec
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
@@ -47,6 +47,7 @@ from jaxvt.offload import host_tier
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
 from jaxvt.offload.plan import Policy, parse_overrides
+from jaxvt.offload.schedule import ExpertSchedule
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
@@ -428,7 +429,8 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True)
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
               products=products_for(platform) if kernels else Products(), deterministic=deterministic,
-              concurrent=gpu and getattr(par, "size", 1) == 1)
+              concurrent=gpu and getattr(par, "size", 1) == 1,
+              schedule=ExpertSchedule() if kernels else None)
 
 
 def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,

@@ -293,8 +293,8 @@ class CompileCounter:
 class BackendStart:
   """On the H200 the first transfer to a GPU in a process takes 1.6-1.75 s (the backend's lazy
   start: a one-element device_put; the first program after it 0.13 s more), and the load's
-  first program (the device arrays) paid it on the first token's path (tools/arrays_probe.py:
-  1.6-2.7 s for a one-element program first). `with BackendStart(device):` puts a scalar on the
+  first program (the device arrays) paid it on the first token's path (1.6-2.7 s for a
+  one-element program first). `with BackendStart(device):` puts a scalar on the
   device and runs a one-element program on a thread of its own, while the load opens the file,
   builds the tokenizer and plans (the start does not hold the GIL: 1.67 s for both where they
   took 2.74-2.93 s one after the other), and waits for it on the way out (nothing of JAX's is

@@ -62,9 +62,9 @@ def test_ring_bytes_and_schedule():
   six = QMeta(ROWS, COLS, E, (Q4_K,), 6, host_layers=(1, 2, 4, 5))
   assert [(f, a.tolist()) for f, a in (prefetch.schedule(six, k, 2) for k in (0, 1))] == [
       (1, [-1, 4, -1, -1, -1, -1]), (2, [-1, -1, 5, -1, -1, -1])]
-  from jaxvt.model import moe
-  assert [moe.ring_parts(m, 2), moe.ring_parts(six, 2), moe.ring_parts(six, 1)] == [2, 2, 1]
-  assert moe.ring_parts(QMeta(ROWS, COLS, E, (Q4_K,), 6, host_layers=(3,)), 2) == 1
+  from jaxvt.offload import schedule
+  assert [schedule.ring_parts(m, 2), schedule.ring_parts(six, 2), schedule.ring_parts(six, 1)] == [2, 2, 1]
+  assert schedule.ring_parts(QMeta(ROWS, COLS, E, (Q4_K,), 6, host_layers=(3,)), 2) == 1
 
 
 def test_take_redirects_only_the_fetched_layer(rng, device, tier):
@@ -100,27 +100,27 @@ def test_take_redirects_only_the_fetched_layer(rng, device, tier):
 def test_first_copies_go_in_the_order_their_layers_are_needed(rng, device, tier):
   """start_rings: each ring's first fetch, earliest layer first, each after the one before (the
   one copy stream takes them in that order); a stack with no host-tier layer last."""
-  from jaxvt.model import moe
+  from jaxvt.offload import schedule
   made = {n: make_stack(rng, FMTS, ROWS, COLS, experts=E, host=h, tier=tier)
-          for n, h in zip(moe.ROUTED, [(4,), (1, 2), ()])}
+          for n, h in zip(schedule.ROUTED, [(4,), (1, 2), ()])}
   ws = {n: put(m.w, device) for n, m in made.items()}
-  jaxpr = jax.make_jaxpr(lambda ws: moe.start_rings(ws, moe.ROUTED))(ws).jaxpr
+  jaxpr = jax.make_jaxpr(lambda ws: schedule.start_rings(ws, schedule.ROUTED))(ws).jaxpr
   calls = [e for e in jaxpr.eqns if e.params.get("target_name") == "jaxvt_prefetch_fetch"]
   assert [int(dict(e.params["attributes"])["first"]) for e in calls] == [1, 4, -1]
   for prev, nxt in zip(calls, calls[1:]):
     assert nxt.invars[4] is prev.outvars[0]  # `after`: the ring the fetch before it returned
-  rings = moe.start_rings(ws, moe.ROUTED)
+  rings = schedule.start_rings(ws, schedule.ROUTED)
   assert list(rings) == ["moe.w_up", "moe.w_gate", "moe.w_down"]
   assert [len(r) for r in rings.values()] == [1, 1, 1]
-  held = jax.jit(lambda ws: moe.start_rings(ws, moe.ROUTED))(ws)
+  held = jax.jit(lambda ws: schedule.start_rings(ws, schedule.ROUTED))(ws)
   for n, layer in (("moe.w_up", 1), ("moe.w_gate", 4)):  # the bytes arrive as before
     raw = made[n].raws[layer].reshape(-1)
     np.testing.assert_array_equal(np.asarray(held[n][0])[:raw.size], raw)
   # two rings where host-tier layers are adjacent (up's 1 and 2): each receives its first
-  jaxpr = jax.make_jaxpr(lambda ws: moe.start_rings(ws, moe.ROUTED, 2))(ws).jaxpr
+  jaxpr = jax.make_jaxpr(lambda ws: schedule.start_rings(ws, schedule.ROUTED, 2))(ws).jaxpr
   calls = [e for e in jaxpr.eqns if e.params.get("target_name") == "jaxvt_prefetch_fetch"]
   assert [int(dict(e.params["attributes"])["first"]) for e in calls] == [1, 2, 4, -1]
-  held = jax.jit(lambda ws: moe.start_rings(ws, moe.ROUTED, 2))(ws)
+  held = jax.jit(lambda ws: schedule.start_rings(ws, schedule.ROUTED, 2))(ws)
   assert {n: len(r) for n, r in held.items()} == {"moe.w_up": 2, "moe.w_gate": 1, "moe.w_down": 1}
   for k, layer in enumerate((1, 2)):
     raw = made["moe.w_up"].raws[layer].reshape(-1)
@@ -220,7 +220,8 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule, rings):
   import dataclasses
   import re
   from jaxvt import engine, loader
-  from jaxvt.model import decoder, moe
+  from jaxvt.model import decoder
+  from jaxvt.offload import schedule
   from jaxvt.ffi.tuning import Products
   from jaxvt.model.sharding import one_device
   m = loader.open_model(moe8)
@@ -253,7 +254,7 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule, rings):
   for name in ("fetch", "take", "join"):
     assert f"jaxvt_prefetch_{name}" in text_on and f"jaxvt_prefetch_{name}" not in text_off
   # each layer of the scanned period takes from every ring of every stack
-  parts = [moe.ring_parts(weights[n].meta, rings) for n in moe.ROUTED]
+  parts = [schedule.ring_parts(weights[n].meta, rings) for n in schedule.ROUTED]
   assert parts == [rings] * 3
   assert text_on.count("@jaxvt_prefetch_take(") == len(decoder.layer_period(m.cfg)) * sum(parts)
   # no side-effecting call: a failed run of a program with JAX effects leaves its error in JAX's
@@ -272,6 +273,6 @@ def test_prefill_with_prefetch_equals_in_place(moe8, device, tier, rule, rings):
     assert all(c.startswith("%broadcast") for c in copies), (n, copies)
   ma, ma_off = compiled.memory_analysis(), lower(off).compile().memory_analysis()
   if ma is not None and ma_off is not None:
-    held = sum(prefetch.ring_bytes(weights[n].meta) * moe.ring_parts(weights[n].meta, rings)
-               for n in moe.ROUTED)
+    held = sum(prefetch.ring_bytes(weights[n].meta) * schedule.ring_parts(weights[n].meta, rings)
+               for n in schedule.ROUTED)
     assert ma.temp_size_in_bytes >= ma_off.temp_size_in_bytes + held

@@ -121,7 +121,7 @@ def schedule(meta: QMeta, part: int = 0, parts: int = 1) -> tuple[int, np.ndarra
 # ---------------------------------------------------------------------------------------------
 # Decode: the experts the next host-tier layer's router will most likely pick, copied ahead
 # (prefetch.h, XHeader). At one token, layer l + 1's router applied to layer l's MoE input names
-# most of the experts layer l + 1 then routes to (tools/routing_probe.py); jaxvt.model.moe asks
+# most of the experts layer l + 1 then routes to; jaxvt.offload.schedule asks
 # for them once layer l's experts are read, and layer l + 1's per-slot experts kernels read the
 # ones that came from the ring (ops.moe_experts(rings=...)): the same bytes, so the same bits.
 #

@@ -56,13 +56,12 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
   return kv + st
 
 
-def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, rings: moe.Rings,
-         ring_set: int):
-  """(the FFN's output, rings): rings (moe.Rings) carry the host-tier experts copied ahead."""
+def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state, slot: int):
+  """(the FFN's output, the offload schedule's state; see moe.moe_block)."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex, rings, ring_set)
+    return moe.moe_block(h, w, li, cfg, ex, state, slot)
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
-                       ex), rings
+                       ex), state
 
 
 def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
@@ -84,20 +83,14 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   P = len(period)
   n_att = period.count("attention")
   n_gdn = P - n_att
-  w = weights
-  # host-tier expert layers copied ahead of their turn (Products.prefetch_per_expert), and at
-  # one token the next host-tier layer's likeliest experts (Products.predict_after_*)
-  # two sets of expert rings alternate by layer where a period's layers are even (the parity of
-  # a layer is then that of its place in the period, known when tracing)
-  sets = 2 if P % 2 == 0 and ex.products.predict_sets == 2 else 1
-  rings = moe.Rings(moe.start_rings(w, moe.prefetched(w, cfg, ex, b * t),
-                                    ex.products.prefetch_rings),
-                    moe.start_expert_rings(w, moe.predicted(w, cfg, ex, b * t), sets))
-  if rings.experts:
-    w = moe.next_router(w)
+  # the offload schedule (Exec.schedule) may read the weights through views of its own and
+  # carries a state of its own through the scan
+  w, state = weights, None
+  if ex.schedule is not None:
+    w, state = ex.schedule.begin(weights, cfg, ex, b * t, P)
 
   def body(carry, p):
-    x, cache, rings = carry
+    x, cache, state = carry
     cache = dict(cache)
     a_j = g_j = 0
     for j, kind in enumerate(period):
@@ -118,13 +111,14 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
       x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
-        y, rings = _ffn(h, w, li, cfg, ex, rings, j % sets)
+        y, state = _ffn(h, w, li, cfg, ex, state, j)
         x = x + y
-    return (x, cache, rings), None
+    return (x, cache, state), None
 
-  (x, cache, rings), _ = jax.lax.scan(body, (x, cache, rings),
+  (x, cache, state), _ = jax.lax.scan(body, (x, cache, state),
                                       jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
-  x = moe.join_rings(x, rings)
+  if ex.schedule is not None:
+    x = ex.schedule.end(x, state)
   if logits_at is not None:
     x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
   x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps, ex)

@@ -90,7 +90,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
   a = jnp.where(strict, beta[..., :, None] * _ein("nbhik,nbhjk->nbhij", k, k) * decay, 0.0)
   # (I + A)^-1 [beta v | beta e^gamma k] in one solve: two independent solves on XLA's CPU
   # backend can both block its intra-op pool (LAPACK trsm waits there for its own batch tasks)
-  # and deadlock on a 2-core machine (seen in CI on 2026-12-01)
+  # and deadlock on a 2-core machine
   rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], axis=-1)
   uw = jax.lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
   u0, w = uw[..., :dv], uw[..., dv:]  # [n, b, h, C, dv], [n, b, h, C, dk]

@@ -46,6 +46,9 @@ class Exec:
   concurrent: compile with XLA:GPU's concurrent command-buffer scheduling (jaxvt.programs
     CONCURRENT_OPTIONS): kernels with no buffer in common run side by side. Also read by no
     model code.
+  schedule: the offload schedule around the MoE block (jaxvt.offload.schedule.ExpertSchedule:
+    where host-tier routed experts are read from, what moves ahead of its use), or None. The
+    model calls its hooks and carries its state without looking into either.
   """
 
   kernels: bool = False
@@ -54,6 +57,7 @@ class Exec:
   products: Products = Products()
   deterministic: bool = True
   concurrent: bool = False
+  schedule: object = None
 
   def __post_init__(self):
     if self.numerics not in ("ggml", "f32", "q8"):

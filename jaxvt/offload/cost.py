@@ -25,8 +25,8 @@ from jaxvt.offload.plan import GiB, HOST, Plan, ceil_gib, gib_text
 
 # Device work per layer that is not a weight read: XLA's kernels after fusion (norms, RoPE,
 # attention core or the DeltaNet recurrence, routing's sort and softmax, residual adds), counted
-# with `python -m jaxvt.bench profile` in a Qwen3.6-35B-A3B-shaped decode step (docs/BENCHMARKS.md,
-# GPU notes: the XLA kernels besides jaxvt's matrix calls, per layer).
+# with `python -m benchmarks.profile` in a Qwen3.6-35B-A3B-shaped decode step (the XLA kernels
+# besides jaxvt's matrix calls, per layer).
 XLA_OPS_PER_LAYER = 25
 # `auto_budget` takes a budget above the smallest safe one only for at least this predicted gain.
 AUTO_MIN_GAIN = 0.01

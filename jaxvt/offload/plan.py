@@ -91,7 +91,7 @@ ROUTED_DOWN = "moe.w_down"  # the routed experts' down stacks (jaxvt.model.decla
 DEFAULT_ORDER: tuple[tuple[Role | str, ...], ...] = (
     (Role.EMBEDDING,), (ROUTED_DOWN,), (Role.ROUTED_EXPERTS,), (Role.DENSE_FFN,),
     (Role.SHARED_EXPERT, Role.DELTANET), (Role.ATTENTION,), (Role.OUTPUT,))
-# The order before 2026-12-03 (and llama.cpp's unit): each layer's routed experts move together.
+# Each layer's routed experts move together (llama.cpp's unit).
 LAYER_ORDER = tuple(r for r in DEFAULT_ORDER if r != (ROUTED_DOWN,))
 
 
