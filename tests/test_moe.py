@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxvt.ffi import backend
 from jaxvt.model import moe
 from jaxvt.ffi.tuning import Products
 from jaxvt.model.layers import Exec
@@ -111,18 +112,18 @@ def test_moe_without_renormalisation(files):
 
 def test_route():
   logits = jnp.asarray([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.5]])
-  ids, wts = moe.route(logits, 2, True)
+  ids, wts = moe.route(logits, 2, True, Exec())
   assert ids.tolist() == [[1, 2], [0, 3]]
   p = np.exp([[2.0, 1.0], [3.0, 2.5]])
   np.testing.assert_allclose(wts, p / p.sum(-1, keepdims=True), rtol=1e-6)
-  _, raw = moe.route(logits, 2, False)
+  _, raw = moe.route(logits, 2, False, Exec())
   full = np.exp(np.asarray(logits))
   np.testing.assert_allclose(raw, np.take_along_axis(full / full.sum(-1, keepdims=True),
                                                      np.asarray(ids), -1), rtol=1e-6)
 
 
 def test_expert_paths_agree(files):
-  """ops.moe_experts_ref (gathered), moe.experts_per_expert_ref and, where built, the
+  """ops.moe_experts_ref (gathered), backend.experts_per_expert_ref and, where built, the
   ops.moe_experts kernel compute the same routed-expert sum."""
   from jaxvt import ffi
   from jaxvt.ffi import ops
@@ -137,6 +138,6 @@ def test_expert_paths_agree(files):
     # ggml mode re-quantizes the SwiGLU output before the down product, so a float32 rounding
     # difference upstream can move one int8 step of one block: 1e-3 of the scale, not 1e-5.
     tol = (1e-5 if mode == "f32" else 1e-3) * np.abs(a).max()
-    np.testing.assert_allclose(moe.experts_per_expert_ref(*args, mode=mode), a, atol=tol)
+    np.testing.assert_allclose(backend.experts_per_expert_ref(*args, mode=mode), a, atol=tol)
     if ffi.available("cpu"):
       np.testing.assert_allclose(ops.moe_experts(*args, mode=mode), a, atol=tol)

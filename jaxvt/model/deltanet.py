@@ -224,7 +224,7 @@ def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelCon
         h, [w["gdn.w_qkv"], w["gdn.w_z"], w["gdn.w_beta"], w["gdn.w_alpha"]], gi, ex)
     # mixed [b, t, conv_dim] = [q | k | v]; z [b, t, nv dv]; beta, alpha [b, t, nv]
   stacks = (w["gdn.a"], w["gdn.dt_bias"], w["gdn.conv"], w["gdn.norm"])
-  if t == 1 and ex.kernels and ex.products.gdn_fused:
+  if t == 1 and ex.backend.fused("gdn", ex):
     with jax.named_scope("gdn_step"):
       y, conv_states, ssm_states = gdn.gdn_step(
           mixed[:, 0], z[:, 0], beta[:, 0], alpha[:, 0], *stacks, conv_states, ssm_states,

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.ffi import attn as attn_ffi, grouped, ops, steps  # importing registers the custom calls
+from jaxvt.ffi import attn as attn_ffi, steps  # importing registers the custom calls
+from jaxvt.ffi.backend import KERNELS, REFERENCE
 from jaxvt.ffi.tuning import Products
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.axes import AXES, TP
@@ -67,31 +68,28 @@ class Exec:
   def ggml(self) -> bool:
     return self.numerics == "ggml"
 
+  @property
+  def backend(self):
+    """The ops the model computes through (jaxvt.ffi.backend): the kernels, or the jnp
+    references."""
+    return KERNELS if self.kernels else REFERENCE
+
 
 def linear(x: jax.Array, w: QWeight, layer, ex: Exec) -> jax.Array:
   """x [..., cols] -> float32 [..., rows] with layer `layer` (int32, may be traced) of stack w."""
   w, layer = w.layer_view(layer)
-  if not ex.kernels:
-    return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
-  path = ex.products.dense(x.size // x.shape[-1], w.meta)
-  if path == "staged":
-    return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, layer).T,
-                   preferred_element_type=jnp.float32)
-  if path == "tiled":
-    return grouped.qmatmul_tiled(x, w, layer)
-  return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
+  return ex.backend.matmul(x, w, layer, ex)
 
 
 def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:
-  """[linear(x, w, layer, ex) for w in ws] for matrices that share their input: where every one
-  takes the matvec kernels, one launch on a GPU (ops.qmatmul_multi; the same bits)."""
+  """[linear(x, w, layer, ex) for w in ws] for matrices that share their input: one launch where
+  the backend can (the same bits)."""
   ws = list(ws)
-  rows = x.size // x.shape[-1]
   views = [w.layer_view(layer) for w in ws]  # a weight read where it lives returns (w, layer)
-  if (not ex.kernels or any(l is not layer for _, l in views)
-      or any(ex.products.dense(rows, w.meta) != "matvec" for w in ws)):
+  if (any(l is not layer for _, l in views)
+      or not ex.backend.shares_input(x, [v for v, _ in views], ex)):
     return [linear(x, w, layer, ex) for w in ws]
-  return ops.qmatmul_multi(x.astype(jnp.float32), [v for v, _ in views], layer, ex.numerics)
+  return ex.backend.matmul_many(x, [v for v, _ in views], layer, ex)
 
 
 def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
@@ -105,8 +103,7 @@ def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
 
 def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
   """ids int32 [...] -> float32 [..., cols]: rows of a (quantized) embedding table."""
-  fn = ops.qembed if ex.kernels else ops.qembed_ref
-  return fn(ids, w, jnp.int32(0))
+  return ex.backend.embed(ids, w, ex)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = None) -> jax.Array:
@@ -165,7 +162,7 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   params = dict(kv_len=kv_len, theta=cfg.rope_theta, rope_dim=cfg.rope_dim,
                 interleaved=cfg.rope_interleaved, eps=cfg.rms_eps, gate=cfg.attn_output_gate,
                 qk_norm=cfg.qk_norm)
-  if t == 1 and ex.kernels and ex.products.attn_fused and not ex.ggml:
+  if t == 1 and ex.backend.fused("attn", ex) and not ex.ggml:
     norms = (w["attn.q_norm"], w["attn.k_norm"]) if cfg.qk_norm else (None, None)
     with jax.named_scope("attn_step"):
       o, k_cache, v_cache = attn_ffi.attn_step(q[:, 0], k[:, 0], v[:, 0], *norms, k_cache,

@@ -151,7 +151,7 @@ class ExpertSchedule:
     if not extra:
       return rings, None
     p = ex.products
-    pred, _ = route(extra[0], p.predicted_ids(), False, ex.kernels and p.fused_route)
+    pred, _ = route(extra[0], p.predicted_ids(), False, ex)
     sets = list(rings.experts)
     if len(sets) == 2:  # the other set has no reader left: after a device-tier layer, now
       into = (slot + 1) % 2

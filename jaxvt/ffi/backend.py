@@ -1,0 +1,155 @@
+"""The backends the model computes through: `REFERENCE` (jnp, reading device-tier weights only)
+and `KERNELS` (jaxvt's FFI custom calls, reading either tier). `Exec.backend` picks one; the
+model (jaxvt.model) calls only these ops and never names a kernel or a tuning knob:
+
+  matmul(x, w, layer, ex)          x [..., cols] times layer `layer` of stack w -> f32 [..., rows]
+  shares_input(x, ws, ex)          whether matmul_many runs ws as one launch
+  matmul_many(x, ws, layer, ex)    [matmul(x, w, layer, ex) for w in ws], one launch
+  embed(ids, w, ex)                rows of an embedding table -> f32 [..., cols]
+  route(logits, k, renormalise, ex)  router logits [T, E] -> (ids [T, k], weights [T, k])
+  experts(ex, n_tokens, k, E)      fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
+  fused(step, ex)                  whether a decode step ("attn", "gdn") is one custom call
+
+Which kernel a product takes by its rows (matvec, tiled, staged; per slot or grouped experts)
+is the Exec's tuning row (jaxvt.ffi.tuning.Products).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxvt.ffi import grouped, numerics, ops
+from jaxvt.gguf import quants
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """The jnp references of every op (the default where no extension is built)."""
+
+  def matmul(self, x, w, layer, ex):
+    return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
+
+  def shares_input(self, x, ws, ex) -> bool:
+    return False
+
+  def matmul_many(self, x, ws, layer, ex):
+    return [self.matmul(x, w, layer, ex) for w in ws]
+
+  def embed(self, ids, w, ex):
+    return ops.qembed_ref(ids, w, jnp.int32(0))
+
+  def route(self, logits, k: int, renormalise: bool, ex):
+    return ops.moe_route_ref(logits, k, renormalise)
+
+  def experts(self, ex, n_tokens: int, k: int, n_experts: int):
+    """The gathered reference for few slots; one pass per expert for many (its [T, k, rows,
+    cols] intermediate would not fit)."""
+    fn = ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
+    return functools.partial(fn, mode=ex.numerics)
+
+  def fused(self, step: str, ex) -> bool:
+    return False
+
+
+_FUSED = {"attn": "attn_fused", "gdn": "gdn_fused", "route": "fused_route"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """jaxvt's custom calls, each product on the path the Exec's tuning row gives for its rows."""
+
+  def matmul(self, x, w, layer, ex):
+    path = ex.products.dense(x.size // x.shape[-1], w.meta)
+    if path == "staged":
+      return jnp.dot(x.astype(jnp.bfloat16), ops.qdequant(w, layer).T,
+                     preferred_element_type=jnp.float32)
+    if path == "tiled":
+      return grouped.qmatmul_tiled(x, w, layer)
+    return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
+
+  def shares_input(self, x, ws, ex) -> bool:
+    rows = x.size // x.shape[-1]
+    return all(ex.products.dense(rows, w.meta) == "matvec" for w in ws)
+
+  def matmul_many(self, x, ws, layer, ex):
+    """One launch on a GPU (ops.qmatmul_multi; the same bits as one call a matrix)."""
+    return ops.qmatmul_multi(x.astype(jnp.float32), ws, layer, ex.numerics)
+
+  def embed(self, ids, w, ex):
+    return ops.qembed(ids, w, jnp.int32(0))
+
+  def route(self, logits, k: int, renormalise: bool, ex):
+    """One custom call where the tuning row fuses the router (the same ids, weights to float32
+    rounding), else the reference (whose arithmetic the CPU's llama.cpp checks match)."""
+    fn = ops.moe_route if ex.products.fused_route else ops.moe_route_ref
+    return fn(logits, k, renormalise)
+
+  def experts(self, ex, n_tokens: int, k: int, n_experts: int):
+    """The grouped kernel from the tuning row's slot count, else the per-slot kernels (both
+    read only the routed experts' bytes, from either tier)."""
+    if ex.products.experts(n_tokens * k) == "grouped":
+      return grouped.moe_grouped
+    return functools.partial(ops.moe_experts, mode=ex.numerics)
+
+  def fused(self, step: str, ex) -> bool:
+    return bool(getattr(ex.products, _FUSED[step]))
+
+
+REFERENCE = Reference()
+KERNELS = Kernels()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference's routed experts for many tokens.
+#
+# jaxvt.ffi.ops.moe_experts_ref gathers the routed experts' matrices per token and slot: a
+# [T, k, rows, cols] float32 intermediate, fine for decode but 137 GB for a 4096-token prefill of
+# Qwen3.6-35B-A3B. For many tokens we instead pass once over the experts, each dequantized once
+# and applied to every token with its combine weight (0 where not routed): memory O(T d + rows cols).
+
+def _layer_expert(w: QWeight, layer, e, fmt: int, raw_bytes: bool = False) -> jax.Array:
+  """Expert `e` of layer `layer` (device tier) of an expert stack, dequantized: f32 [rows, cols]
+  (raw_bytes: its blocks, uint8 [rows, row_bytes])."""
+  m = w.meta
+  nbytes = m.rows * quants.row_bytes(fmt, m.cols)
+  slot = w.table[layer, 0].astype(jnp.int32)
+  raw = jax.lax.dynamic_index_in_dim(w.data, slot, 0, keepdims=False)[:m.experts * nbytes]
+  if raw.shape[0] < m.experts * nbytes:  # every layer host-tier: data is a placeholder
+    raw = jnp.pad(raw, (0, m.experts * nbytes - raw.shape[0]))
+  raw = jax.lax.dynamic_slice_in_dim(raw, e * nbytes, nbytes).reshape(m.rows, -1)
+  return raw if raw_bytes else quants.dequantize(raw, fmt, m.cols)
+
+
+def _expert_product(x: jax.Array, w: QWeight, layer, e, mode: str) -> jax.Array:
+  """x f32 [T, cols] times expert e of layer `layer`: f32 [T, rows] (jaxvt.ffi.numerics.qdot)."""
+  formats = w.meta.formats
+  f = (w.fmts[layer] & FMT_MASK).astype(jnp.int32)
+  branch = sum(jnp.where(f == t, i, 0) for i, t in enumerate(formats))
+  fns = [lambda t=t: numerics.qdot(x, _layer_expert(w, layer, e, t, raw_bytes=True), t,
+                                   w.meta.cols, mode) for t in formats]
+  return fns[0]() if len(fns) == 1 else jax.lax.switch(branch, fns)
+
+
+def experts_per_expert_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids,
+                           weights, mode: str = "ggml"):
+  """Same contract as ops.moe_experts_ref, one pass per expert (for many tokens). Device-tier
+  layers only (NaN for a host-tier layer, like the ops references)."""
+  x = x.astype(jnp.float32)
+  E = w_gate.meta.experts
+  comb = jnp.sum(jnp.where(ids[..., None] == jnp.arange(E), weights[..., None], 0.0), axis=1)
+
+  def body(acc, e):
+    hid = ops.silu_mul(_expert_product(x, w_gate, layer, e, mode),
+                       _expert_product(x, w_up, layer, e, mode), mode)
+    return acc + _expert_product(hid, w_down, layer, e, mode) * comb[:, e, None], None
+
+  acc, _ = jax.lax.scan(body, jnp.zeros_like(x), jnp.arange(E))
+  host = (w_gate.fmts[layer] & HOST_BIT) != 0
+  return jnp.where(host, jnp.nan, acc)
+
+
