@@ -58,12 +58,7 @@ def main() -> None:
   p.add_argument("--only", default="", help="run only the products whose name contains this")
   p.add_argument("--no-trace", action="store_true",
                  help="run each product 3 times without jax.profiler (to run under ncu)")
-  p.add_argument("--waves", type=int, default=0,
-                 help="grids of this many waves of resident blocks (0: the kernels' default)")
   a = p.parse_args()
-  if a.waves:
-    from jaxvt import ffi
-    ffi.extension().set_grid_waves(a.waves)
   dev = jax.devices()[0]
   rng = np.random.default_rng(0)
   L, B = a.layers, a.batch

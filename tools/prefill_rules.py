@@ -7,8 +7,7 @@ With --offload-gb the same rules run with host-tier layers: the rule cannot look
 (tokens must not depend on the budget), so a crossover has to suit both tiers.
 
 For each rule and prompt length: the best of 3 warm prefills (after one that compiles), ms and
-tok/s. The first rule is the engine's own (GPU_PRODUCTS); the others change a crossover,
-or the per-slot experts kernel's reach (a probe knob of the extension).
+tok/s. The first rule is the engine's own (GPU_PRODUCTS); the others change a crossover.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import time
 import numpy as np
 
 import jaxvt
-from jaxvt import ffi
 from jaxvt.model.layers import GPU_PRODUCTS, Products
 
 
@@ -28,13 +26,12 @@ def _p(**kw) -> Products:
   return dataclasses.replace(GPU_PRODUCTS, **kw)
 
 
-# name: (products, per-slot experts kernel up to this many slots; None: the extension's default)
 RULES = {
-    "now": (GPU_PRODUCTS, None),
-    "grouped>=1024": (_p(grouped_slots=1024), None),
-    "grouped>=128": (_p(grouped_slots=128), None),
-    "stage>=32": (_p(stage_rows=32), None),
-    "tiled>=16 stage>=64": (_p(tiled_rows=16, stage_rows=64), None),
+    "now": GPU_PRODUCTS,
+    "grouped>=1024": _p(grouped_slots=1024),
+    "grouped>=128": _p(grouped_slots=128),
+    "stage>=32": _p(stage_rows=32),
+    "tiled>=16 stage>=64": _p(tiled_rows=16, stage_rows=64),
 }
 
 
@@ -52,11 +49,9 @@ def main() -> None:
   prompts = {n: rng.integers(10, eng.cfg.vocab_size - 10, n).tolist() for n in lens}
   print(f"offload {eng.plan.plan.host_bytes / 2**30:.2f} GiB; ms (tok/s) per warm prefill")
   print(f"{'rule':26} " + " ".join(f"{n:>16}" for n in lens))
-  ext = ffi.extension()
   fields = {f.name: getattr(eng, f.name) for f in dataclasses.fields(eng) if f.init}
-  for name, (rule, slot_max) in RULES.items():
+  for name, rule in RULES.items():
     e = type(eng)(**{**fields, "ex": dataclasses.replace(eng.ex, products=rule)})
-    ext.set_experts_slot_max(-1 if slot_max is None else slot_max)
     cells = []
     for n in lens:
       e.prefill(prompts[n])[0].block_until_ready()
