@@ -15,10 +15,12 @@
 #include "common/attn.h"
 #include "common/formats.h"
 #include "common/gdn.h"
-#include "handlers/handlers.h"
-#include "kernels/cpu/kernels_cpu.h"
 #include "common/prefetch.h"
 #include "common/route.h"
+#include "handlers/context.h"
+#include "handlers/handlers.h"
+#include "handlers/steps.h"
+#include "kernels/cpu/kernels_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -71,9 +73,10 @@ int64_t RowsPerTask(int64_t rows, int64_t groups, int64_t bytes_per_group, int64
   return std::clamp<int64_t>(per, 16, rows);
 }
 
-ffi::Error QMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
-                      ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols) {
+ffi::Error QMatmulCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                      ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t rows,
+                      int64_t cols) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
@@ -122,10 +125,10 @@ ffi::Error CheckScratch(ffi::ResultBuffer<ffi::U8>& act, int64_t n, int64_t cols
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmulQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
-                        ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
-                        int64_t rows, int64_t cols) {
+ffi::Error QMatmulQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                        ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                        ffi::ResultBuffer<ffi::U8> act, int64_t rows, int64_t cols) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
@@ -190,7 +193,42 @@ std::vector<const uint8_t*> ExpertBases(const std::optional<ffi::Buffer<ffi::U8>
   return out;
 }
 
-ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+// Each distinct routed expert of `ids` is read once, for all the slots routed to it: the slots
+// grouped by expert (ExpertGroups), `assign(pos, s, xi)` fills position pos of the caller's batch
+// arrays for slot s (activation row xi: the slot's token, or the slot itself when x holds one row
+// per slot), `batch(start, n)` makes the batch of positions [start, start + n), and
+// `gemv(base, batch, r0, r1)` runs rows [r0, r1) of one expert; the tasks run in parallel.
+template <typename B, typename Assign, typename MakeBatch, typename Gemv>
+ffi::Error RunExperts(const Layer& L, const ffi::Buffer<ffi::S32>& ids,
+                      const std::optional<ffi::Buffer<ffi::U8>>& ring,
+                      const ffi::Buffer<ffi::S32>& layer, int64_t nx, float* yp, int64_t rows,
+                      int64_t cols, int64_t experts, Assign assign, MakeBatch batch, Gemv gemv) {
+  const int64_t S = static_cast<int64_t>(ids.element_count());
+  auto id_dims = ids.dimensions();
+  const int64_t k = id_dims.size() >= 1 ? id_dims.back() : 1;
+  const bool per_slot = nx == S;
+  const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
+  ExpertGroups eg(ids.typed_data(), S, experts, yp, rows);
+  const int64_t G = static_cast<int64_t>(eg.expert_of_group.size());
+  std::vector<B> batches(G);
+  int64_t pos = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t start = pos;
+    for (int32_t s : eg.slots[g]) assign(pos++, s, per_slot ? s : s / k);
+    batches[g] = batch(start, pos - start);
+  }
+  const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
+  const int64_t tpg = (rows + per - 1) / per;
+  const auto bases = ExpertBases(ring, layer, eg.expert_of_group, L.base, mat_bytes);
+  auto task = [&](int64_t t) {
+    const int64_t g = t / tpg, c = t % tpg;
+    gemv(bases[g], batches[g], c * per, std::min(rows, (c + 1) * per));
+  };
+  cpu::parallel_for(G * tpg, task);
+  return ffi::Error::Success();
+}
+
+ffi::Error QMatmulExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                                ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
                                std::optional<ffi::Buffer<ffi::U8>> ring,
@@ -199,44 +237,28 @@ ffi::Error QMatmulExpertsQ8Cpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
-  const int64_t S = static_cast<int64_t>(ids.element_count());
-  auto id_dims = ids.dimensions();
-  const int64_t k = id_dims.size() >= 1 ? id_dims.back() : 1;
   const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;  // T or S
-  const bool per_slot = nx == S;
   if (auto e = CheckScratch(act, nx, cols, L.fmt); !e.success()) return e;
-  const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
   std::vector<const uint8_t*> xa = QuantizeRows(x.typed_data(), nx, cols, L.fmt, act);
   float* yp = y->typed_data();
-  ExpertGroups eg(ids.typed_data(), S, experts, yp, rows);
-  const int64_t G = static_cast<int64_t>(eg.expert_of_group.size());
-  std::vector<const uint8_t*> ar(S);
-  std::vector<float*> yr(S);
-  std::vector<cpu::QBatch> batches(G);
-  int64_t pos = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t start = pos;
-    for (int32_t s : eg.slots[g]) {
-      ar[pos] = xa[per_slot ? s : s / k];
-      yr[pos] = yp + s * rows;
-      ++pos;
-    }
-    batches[g] = cpu::QBatch{pos - start, ar.data() + start, yr.data() + start};
-  }
-  const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
-  const int64_t tpg = (rows + per - 1) / per;
-  const auto bases = ExpertBases(ring, layer, eg.expert_of_group, L.base, mat_bytes);
-  auto task = [&](int64_t t) {
-    const int64_t g = t / tpg, c = t % tpg;
-    cpu::gemv_q8_rows(L.fmt, bases[g], cols, batches[g], c * per, std::min(rows, (c + 1) * per));
-  };
-  cpu::parallel_for(G * tpg, task);
-  return ffi::Error::Success();
+  std::vector<const uint8_t*> ar(ids.element_count());
+  std::vector<float*> yr(ids.element_count());
+  return RunExperts<cpu::QBatch>(
+      L, ids, ring, layer, nx, yp, rows, cols, experts,
+      [&](int64_t p, int32_t s, int64_t xi) {
+        ar[p] = xa[xi];
+        yr[p] = yp + s * rows;
+      },
+      [&](int64_t start, int64_t n) {
+        return cpu::QBatch{n, ar.data() + start, yr.data() + start};
+      },
+      [&](const uint8_t* base, const cpu::QBatch& b, int64_t r0, int64_t r1) {
+        cpu::gemv_q8_rows(L.fmt, base, cols, b, r0, r1);
+      });
 }
 
 // x: [T, cols] (one row per token) or [T, k, cols] (one per routed slot); ids [T, k].
-// Each distinct routed expert is read once and applied to all the slots routed to it.
-ffi::Error QMatmulExpertsCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+ffi::Error QMatmulExpertsCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                              ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
                              std::optional<ffi::Buffer<ffi::U8>> ring,
@@ -245,52 +267,34 @@ ffi::Error QMatmulExpertsCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
-  const int64_t S = static_cast<int64_t>(ids.element_count());
-  auto id_dims = ids.dimensions();
-  const int64_t k = id_dims.size() >= 1 ? id_dims.back() : 1;
   const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;  // T or S
-  const bool per_slot = nx == S;
-  const int64_t mat_bytes = rows * row_bytes(L.fmt, cols);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  const int32_t* idp = ids.typed_data();
   XSums xs(xp, nx, cols);
-
-  ExpertGroups eg(idp, S, experts, yp, rows);
-  const std::vector<int32_t>& expert_of_group = eg.expert_of_group;
-  const std::vector<std::vector<int32_t>>& slots = eg.slots;
-  const int64_t G = static_cast<int64_t>(expert_of_group.size());
+  const size_t S = ids.element_count();
   std::vector<const float*> xr(S), s16(S), s32(S);
   std::vector<float*> yr(S);
-  std::vector<cpu::Batch> batches(G);
-  int64_t pos = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t start = pos;
-    for (int32_t s : slots[g]) {
-      const int64_t xi = per_slot ? s : s / k;
-      xr[pos] = xp + xi * cols;
-      s16[pos] = xs.p16[xi];
-      s32[pos] = xs.p32[xi];
-      yr[pos] = yp + s * rows;
-      ++pos;
-    }
-    batches[g] = cpu::Batch{pos - start, xr.data() + start, s16.data() + start, s32.data() + start,
-                            yr.data() + start};
-  }
-  const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
-  const int64_t tpg = (rows + per - 1) / per;
-  const auto bases = ExpertBases(ring, layer, expert_of_group, L.base, mat_bytes);
-  auto task = [&](int64_t t) {
-    const int64_t g = t / tpg, c = t % tpg;
-    cpu::gemv_rows(L.fmt, bases[g], cols, batches[g], c * per, std::min(rows, (c + 1) * per));
-  };
-  cpu::parallel_for(G * tpg, task);
-  return ffi::Error::Success();
+  return RunExperts<cpu::Batch>(
+      L, ids, ring, layer, nx, yp, rows, cols, experts,
+      [&](int64_t p, int32_t s, int64_t xi) {
+        xr[p] = xp + xi * cols;
+        s16[p] = xs.p16[xi];
+        s32[p] = xs.p32[xi];
+        yr[p] = yp + s * rows;
+      },
+      [&](int64_t start, int64_t n) {
+        return cpu::Batch{n, xr.data() + start, s16.data() + start, s32.data() + start,
+                          yr.data() + start};
+      },
+      [&](const uint8_t* base, const cpu::Batch& b, int64_t r0, int64_t r1) {
+        cpu::gemv_rows(L.fmt, base, cols, b, r0, r1);
+      });
 }
 
-ffi::Error QEmbedCpu(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
-                     ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
-                     ffi::ResultBuffer<ffi::F32> out, int64_t rows, int64_t cols) {
+ffi::Error QEmbedCpu(NoStream, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data,
+                     ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t rows,
+                     int64_t cols) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
@@ -309,9 +313,10 @@ ffi::Error QEmbedCpu(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::Buffer
   return ffi::Error::Success();
 }
 
-ffi::Error QDequantCpu(ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
-                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::BF16> out, int64_t rows,
-                       int64_t cols, int64_t experts) {
+ffi::Error QDequantCpu(NoStream, ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                       ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::BF16> out, int64_t rows, int64_t cols,
+                       int64_t experts) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
@@ -331,7 +336,7 @@ ffi::Error QDequantCpu(ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table, ffi::Bu
 // expert's run starts; y[order[p]] = W_e x_slot for p in expert e's run, with bf16-rounded weights
 // and float32 sums (cpu::gemm_bf16_rows); positions from offsets[E'] on are routed nowhere (zero
 // rows, nothing read).
-ffi::Error QMatmulGroupedCpu(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
+ffi::Error QMatmulGroupedCpu(NoStream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
                              ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> order,
                              ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::F32> y,
@@ -379,70 +384,30 @@ ffi::Error QMatmulGroupedCpu(ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer data,
   return ffi::Error::Success();
 }
 
-// The MoE router (route.h): logits f32 [..., E] -> ids int32 [..., k], weights f32 [..., k].
-ffi::Error MoeRouteCpu(ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> ids,
-                       ffi::ResultBuffer<ffi::F32> weights, bool renormalise) {
-  auto ld = logits.dimensions();
-  auto id = ids->dimensions();
-  const int64_t E = ld.size() ? ld.back() : 0, k = id.size() ? id.back() : 0;
-  const int64_t n = static_cast<int64_t>(logits.element_count());
-  if (const char* err = route::check_shapes(n, E, static_cast<int64_t>(ids->element_count()), k,
-                                            static_cast<int64_t>(weights->element_count())))
-    return ffi::Error::InvalidArgument(err);
-  cpu::moe_route(logits.typed_data(), n / E, E, k, renormalise, ids->typed_data(),
-                 weights->typed_data());
-  return ffi::Error::Success();
-}
-
-// The fused Gated DeltaNet decode step (gdn.h); the attributes as jaxvt/ffi/gdn.py passes them.
-ffi::Error GdnStepCpu(ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
-                      ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> alpha,
-                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> dt_bias,
-                      ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> norm_w,
-                      ffi::Buffer<ffi::F32> conv_state, ffi::Buffer<ffi::F32> ssm_state,
-                      ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> conv_res,
-                      ffi::ResultBuffer<ffi::F32> ssm_res, ffi::ResultBuffer<ffi::F32> conv_out,
-                      int64_t nk, int64_t grouped, float eps, float qk_eps) {
-  gdn::Dims d;
-  gdn::Args args;
-  bool copy_conv, copy_ssm;
-  if (const char* e = gdn::prepare(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state,
-                                   ssm_state, valid, layer, y, conv_res, ssm_res, conv_out, nk,
-                                   grouped, eps, qk_eps, &d, &args, &copy_conv, &copy_ssm))
-    return ffi::Error::InvalidArgument(e);
-  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
-  if (copy_conv) std::memcpy(args.conv_state, conv_state.typed_data(), conv_state.size_bytes());
-  if (copy_ssm) std::memcpy(args.ssm_state, ssm_state.typed_data(), ssm_state.size_bytes());
-  cpu::gdn_step(d, args);
-  return ffi::Error::Success();
-}
-
-
-// The fused attention decode step (attn.h); the attributes as jaxvt/ffi/attn.py passes them.
-ffi::Error AttnStepCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                       ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm,
-                       ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::F32> k_cache,
-                       ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
-                       ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> o,
-                       ffi::ResultBuffer<ffi::F32> k_res, ffi::ResultBuffer<ffi::F32> v_res,
-                       ffi::ResultBuffer<ffi::F32> part, int64_t kv_len, int64_t rope_dim,
-                       int64_t chunk, bool gate, bool qk_norm, bool interleaved, float eps,
-                       float scale) {
-  attn::Dims d;
-  attn::Args args;
-  bool copy_k, copy_v;
-  if (const char* e = attn::prepare(q, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, layer,
-                                    positions, o, k_res, v_res, part, kv_len, rope_dim, chunk,
-                                    gate, qk_norm, interleaved, eps, scale, &d, &args, &copy_k,
-                                    &copy_v))
-    return ffi::Error::InvalidArgument(e);
-  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
-  if (copy_k) std::memcpy(args.k_cache, k_cache.typed_data(), k_cache.size_bytes());
-  if (copy_v) std::memcpy(args.v_cache, v_cache.typed_data(), v_cache.size_bytes());
-  cpu::attn_step(d, args);
-  return ffi::Error::Success();
-}
+// The fused steps (steps.h) on the host: a copy is a memcpy, a kernel runs at once.
+struct CpuSteps {
+  using Stream = NoStream;
+  static ffi::Error copy(Stream, void* dst, const void* src, size_t nbytes, const char*) {
+    std::memcpy(dst, src, nbytes);
+    return ffi::Error::Success();
+  }
+  static ffi::Error route(Stream, const float* logits, int64_t T, int64_t E, int64_t k,
+                          bool renormalise, int32_t* ids, float* weights) {
+    cpu::moe_route(logits, T, E, k, renormalise, ids, weights);
+    return ffi::Error::Success();
+  }
+  static ffi::Error gdn(Stream, const gdn::Dims& d, const gdn::Args& args) {
+    cpu::gdn_step(d, args);
+    return ffi::Error::Success();
+  }
+  static ffi::Error attn(Stream, const attn::Dims& d, const attn::Args& args) {
+    cpu::attn_step(d, args);
+    return ffi::Error::Success();
+  }
+};
+constexpr auto MoeRouteCpu = steps::MoeRoute<CpuSteps>;
+constexpr auto GdnStepCpu = steps::GdnStep<CpuSteps>;
+constexpr auto AttnStepCpu = steps::AttnStep<CpuSteps>;
 
 }  // namespace
 }  // namespace jaxvt

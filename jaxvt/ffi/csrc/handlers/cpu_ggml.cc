@@ -2,6 +2,7 @@
 // calls them only on CPU; other platforms run their jnp formulas (same rounding points).
 #include <cstdint>
 
+#include "handlers/context.h"
 #include "handlers/handlers.h"
 #include "kernels/cpu/kernels_cpu_ggml.h"
 #include "xla/ffi/api/ffi.h"
@@ -16,7 +17,7 @@ int64_t LastDim(const ffi::Buffer<ffi::F32>& b) {
   return d.size() == 0 ? 1 : d.back();
 }
 
-ffi::Error RmsNormCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error RmsNormCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y, float eps) {
   const int64_t d = LastDim(x);
   if (static_cast<int64_t>(w.element_count()) != d)
@@ -26,7 +27,7 @@ ffi::Error RmsNormCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   return ffi::Error::Success();
 }
 
-ffi::Error SwigluCpu(ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+ffi::Error SwigluCpu(NoStream, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
                      ffi::ResultBuffer<ffi::F32> y) {
   const int64_t d = LastDim(g);
   cpu::ggml::swiglu(g.typed_data(), u.typed_data(), static_cast<int64_t>(g.element_count()) / d,
@@ -35,7 +36,7 @@ ffi::Error SwigluCpu(ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
 }
 
 // x [..., T, H, hd] with positions [..., T] (one per token).
-ffi::Error RopeCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pos,
+ffi::Error RopeCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pos,
                    ffi::ResultBuffer<ffi::F32> y, int64_t n_dims, float base, int64_t neox) {
   auto d = x.dimensions();
   if (d.size() < 2) return ffi::Error::InvalidArgument("jaxvt_rope: x must be [..., heads, dim]");
@@ -49,7 +50,7 @@ ffi::Error RopeCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pos,
 }
 
 // q [B, T, H, D]; caches [A, B, S, K, D|Dv] (f16 or f32); layer []; pos [B, T]; nq [B].
-ffi::Error AttentionCpu(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
+ffi::Error AttentionCpu(NoStream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc, ffi::AnyBuffer vc,
                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pos,
                         ffi::Buffer<ffi::S32> nq, ffi::ResultBuffer<ffi::F32> o, int64_t kv_len,
                         float scale) {

@@ -6,8 +6,9 @@
 #include <cstring>
 #include <string>
 
-#include "handlers/handlers.h"
 #include "common/prefetch.h"
+#include "handlers/context.h"
+#include "handlers/handlers.h"
 #include "handlers/prefetch_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -27,18 +28,17 @@ void alias(const ffi::Buffer<ffi::U8>& ring, ffi::ResultBuffer<ffi::U8>& out) {
     std::memcpy(out->typed_data(), ring.typed_data(), ring.element_count());
 }
 
-ffi::Error PrefetchFetchCpu(ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
-                    ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> target, ffi::AnyBuffer after,
-                    ffi::ResultBuffer<ffi::U8> out, int64_t rows, int64_t cols, int64_t experts,
-                    int64_t first, ffi::Span<const int32_t> schedule) {
+ffi::Error PrefetchFetchCpu(NoStream, ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
+                            ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> target,
+                            ffi::AnyBuffer after, ffi::ResultBuffer<ffi::U8> out, int64_t rows,
+                            int64_t cols, int64_t experts, int64_t first,
+                            ffi::Span<const int32_t> schedule) {
   (void)after;  // the CPU runs ops in order; first / schedule: the GPU's reckoning on the host
   (void)first;
   (void)schedule;
+  if (auto e = prefetch::check_fetch(ring, table, fmts, rows, cols, experts); e.failure()) return e;
   const int64_t n = static_cast<int64_t>(ring.element_count());
   const int64_t L = static_cast<int64_t>(fmts.element_count());
-  if (const char* e = prefetch::check(n, static_cast<int64_t>(table.element_count()), L, rows,
-                                      cols, experts))
-    return ffi::Error::InvalidArgument(std::string("prefetch_fetch: ") + e);
   alias(ring, out);
   const int32_t t = target.typed_data()[0];
   if (t < 0) return ffi::Error::Success();  // nothing asked: the ring keeps what it holds
@@ -51,13 +51,11 @@ ffi::Error PrefetchFetchCpu(ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> tab
   return ffi::Error::Success();
 }
 
-ffi::Error PrefetchTakeCpu(ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
-                   ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
-                   ffi::ResultBuffer<ffi::U8> out, ffi::ResultBuffer<ffi::U32> table2) {
+ffi::Error PrefetchTakeCpu(NoStream, ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
+                           ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                           ffi::ResultBuffer<ffi::U8> out, ffi::ResultBuffer<ffi::U32> table2) {
+  if (auto e = prefetch::check_take(ring, table, fmts); e.failure()) return e;
   const int64_t L = static_cast<int64_t>(fmts.element_count());
-  if (static_cast<int64_t>(table.element_count()) != 2 * L ||
-      static_cast<int64_t>(ring.element_count()) <= prefetch::kHeader)
-    return ffi::Error::InvalidArgument("prefetch_take: table must be [L, 2] for fmts [L]");
   alias(ring, out);
   std::memcpy(table2->typed_data(), table.typed_data(), table.size_bytes());
   int32_t l = layer.typed_data()[0];
@@ -72,7 +70,8 @@ ffi::Error PrefetchTakeCpu(ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> tabl
   return ffi::Error::Success();
 }
 
-ffi::Error PrefetchJoinCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error PrefetchJoinCpu(NoStream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring,
+                           ffi::Result<ffi::AnyBuffer> out) {
   (void)ring;
   if (out->untyped_data() != x.untyped_data())
     std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
@@ -80,11 +79,12 @@ ffi::Error PrefetchJoinCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring, ffi::Res
 }
 
 // The decode expert ring's fetch (prefetch.h): the predicted experts copied at once.
-ffi::Error PrefetchExpertsCpu(ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer after,
-                     ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     ffi::Span<const int64_t> rows, ffi::Span<const int64_t> cols,
-                     ffi::Span<const int64_t> slot, int64_t experts, int64_t n_host,
-                     int64_t n_device, int64_t when, int64_t blocks, int64_t scale) {
+ffi::Error PrefetchExpertsCpu(NoStream, ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids,
+                              ffi::AnyBuffer after, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, ffi::Span<const int64_t> rows,
+                              ffi::Span<const int64_t> cols, ffi::Span<const int64_t> slot,
+                              int64_t experts, int64_t n_host, int64_t n_device, int64_t when,
+                              int64_t blocks, int64_t scale) {
   (void)after;
   (void)blocks;  // the GPU's copy grid
   static std::atomic<uint32_t> counter{0};  // numbers the copies (any nonzero, distinct value)

@@ -11,18 +11,10 @@
 
 #include <cstdint>
 
+#include "handlers/context.h"
 #include "handlers/handlers.h"
 #include "handlers/select.h"
 #include "xla/ffi/api/ffi.h"
-
-namespace jaxvt::bind {
-namespace ffi = xla::ffi;
-using F32 = ffi::Buffer<ffi::F32>;
-using BF16 = ffi::Buffer<ffi::BF16>;
-using S32 = ffi::Buffer<ffi::S32>;
-using U32 = ffi::Buffer<ffi::U32>;
-using U8 = ffi::Buffer<ffi::U8>;
-}  // namespace jaxvt::bind
 
 // The table's shared operand groups.
 #define JAXVT_WEIGHT .Arg<ffi::AnyBuffer>() .Arg<U32>() .Arg<S32>() .Arg<S32>()
@@ -35,7 +27,8 @@ using U8 = ffi::Buffer<ffi::U8>;
 
 // JAXVT_IN(column, ...) keeps its text only where the column names this file (the one that
 // defines JAXVT_HANDLER_FILE_<column>).
-#define JAXVT_IN(column, ...) JAXVT_IN_##column(__VA_ARGS__)
+#define JAXVT_IN(column, ...) JAXVT_IN_(column, __VA_ARGS__)
+#define JAXVT_IN_(column, ...) JAXVT_IN_##column(__VA_ARGS__)
 #define JAXVT_IN_0(...)
 #if defined(JAXVT_HANDLER_FILE_MAIN)
 #define JAXVT_IN_MAIN(...) __VA_ARGS__
@@ -57,20 +50,24 @@ using U8 = ffi::Buffer<ffi::U8>;
 #define JAXVT_TRAITS_1 ::xla::ffi::Traits::kCmdBufferCompatible
 
 #if defined(JAXVT_HANDLER_GPU)
-#define JAXVT_OP(target, Stem, cpu, gpu, cmd, ...)                                            \
-  JAXVT_IN(gpu, namespace jaxvt::bind {                                                      \
-    XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                            \
-        Jaxvt##Stem##Gpu, ::jaxvt::Stem##Gpu,                                                 \
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>() __VA_ARGS__,                 \
-        {JAXVT_TRAITS_##cmd});                                                               \
-  })
+#define JAXVT_PLATFORM(cpu, gpu) gpu
+#define JAXVT_CONTEXT ffi::PlatformStream<gpuStream_t>
+#define JAXVT_TRAITS(cmd) JAXVT_TRAITS_##cmd
 #else
-#define JAXVT_OP(target, Stem, cpu, gpu, cmd, ...)                                            \
-  JAXVT_IN(cpu, namespace jaxvt::bind {                                                      \
-    XLA_FFI_DEFINE_HANDLER_SYMBOL(Jaxvt##Stem##Cpu, ::jaxvt::Stem##Cpu,                      \
-                                  ffi::Ffi::Bind() __VA_ARGS__);                              \
-  })
+#define JAXVT_PLATFORM(cpu, gpu) cpu
+#define JAXVT_CONTEXT ::jaxvt::NoStream
+#define JAXVT_TRAITS(cmd)
 #endif
+#define JAXVT_SYMBOL(Stem) JAXVT_PASTE(Jaxvt##Stem, JAXVT_PLATFORM(Cpu, Gpu))
+#define JAXVT_IMPL(Stem) JAXVT_PASTE(::jaxvt::Stem, JAXVT_PLATFORM(Cpu, Gpu))
+#define JAXVT_PASTE(a, b) JAXVT_PASTE_(a, b)
+#define JAXVT_PASTE_(a, b) a##b
+#define JAXVT_OP(target, Stem, cpu, gpu, cmd, ...)                                          \
+  JAXVT_IN(JAXVT_PLATFORM(cpu, gpu), namespace jaxvt::bind {                               \
+    XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXVT_SYMBOL(Stem), JAXVT_IMPL(Stem),                     \
+                                  ffi::Ffi::Bind().Ctx<JAXVT_CONTEXT>() __VA_ARGS__,       \
+                                  {JAXVT_TRAITS(cmd)});                                    \
+  })
 #include "handlers/ops.inc"
 #undef JAXVT_OP
 

@@ -8,10 +8,11 @@
 
 #include "common/attn.h"
 #include "common/gdn.h"
-#include "handlers/handlers.h"
-#include "kernels/gpu/kernels_gpu.h"
 #include "common/route.h"
 #include "common/vendor.h"
+#include "handlers/handlers.h"
+#include "handlers/steps.h"
+#include "kernels/gpu/kernels_gpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -69,6 +70,20 @@ ffi::Error QMatmulQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer d
                 "qmatmul (ggml arithmetic)");
 }
 
+// The routed experts (kernels_gpu_experts.cu) in float32 or ggml's arithmetic.
+ffi::Error Experts(gpuStream_t s, const ffi::Buffer<ffi::F32>& x, const gpu::WeightArgs& w,
+                   const ffi::Buffer<ffi::S32>& ids, float* y, int64_t rows, int64_t cols,
+                   int64_t experts, bool ggml, const char* op) {
+  const int64_t slots = static_cast<int64_t>(ids.element_count());
+  auto idd = ids.dimensions();
+  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
+  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
+  return Status(gpu::launch_qmatmul_experts(s, w, x.typed_data(), per_slot, ids.typed_data(), slots,
+                                            k, y, rows, cols, experts, ggml),
+                op);
+}
+
+// The CPU's jaxvt_qmatmul_experts_q8 signature; the activation scratch is not needed here.
 ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
                                ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
@@ -76,14 +91,8 @@ ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyB
                                ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> scratch,
                                int64_t rows, int64_t cols, int64_t experts) {
   (void)scratch;
-  const int64_t slots = static_cast<int64_t>(ids.element_count());
-  auto idd = ids.dimensions();
-  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
-  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
-  return Status(gpu::launch_qmatmul_experts(s, WithRing(Weights(data, table, fmts, layer), ring),
-                                            x.typed_data(), per_slot, ids.typed_data(), slots, k,
-                                            y->typed_data(), rows, cols, experts, true),
-                "qmatmul_experts (ggml arithmetic)");
+  return Experts(s, x, WithRing(Weights(data, table, fmts, layer), ring), ids, y->typed_data(),
+                 rows, cols, experts, true, "qmatmul_experts (ggml arithmetic)");
 }
 
 ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
@@ -92,14 +101,8 @@ ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                              std::optional<ffi::Buffer<ffi::U8>> ring,
                              ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
                              int64_t experts) {
-  const int64_t slots = static_cast<int64_t>(ids.element_count());
-  auto idd = ids.dimensions();
-  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
-  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
-  return Status(gpu::launch_qmatmul_experts(s, WithRing(Weights(data, table, fmts, layer), ring),
-                                            x.typed_data(), per_slot, ids.typed_data(), slots, k,
-                                            y->typed_data(), rows, cols, experts),
-                "qmatmul_experts");
+  return Experts(s, x, WithRing(Weights(data, table, fmts, layer), ring), ids, y->typed_data(),
+                 rows, cols, experts, false, "qmatmul_experts");
 }
 
 // x [B, cols], layer, then (data, table, fmts) per matrix; one result [B, rows_i] per matrix.
@@ -193,81 +196,28 @@ ffi::Error QMatmulGroupedGpu(gpuStream_t s, ffi::Buffer<ffi::BF16> x, ffi::AnyBu
                 "qmatmul_grouped");
 }
 
-// The MoE router (route.h): logits f32 [..., E] -> ids int32 [..., k], weights f32 [..., k].
-ffi::Error MoeRouteGpu(gpuStream_t s, ffi::Buffer<ffi::F32> logits,
-                       ffi::ResultBuffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> weights,
-                       bool renormalise) {
-  auto ld = logits.dimensions();
-  auto id = ids->dimensions();
-  const int64_t E = ld.size() ? ld.back() : 0, k = id.size() ? id.back() : 0;
-  const int64_t n = static_cast<int64_t>(logits.element_count());
-  if (const char* err = route::check_shapes(n, E, static_cast<int64_t>(ids->element_count()), k,
-                                            static_cast<int64_t>(weights->element_count())))
-    return ffi::Error::InvalidArgument(err);
-  return Status(gpu::launch_moe_route(s, logits.typed_data(), n / E, E, k, renormalise,
-                                      ids->typed_data(), weights->typed_data()),
-                "moe_route");
-}
-
-// The fused Gated DeltaNet decode step (gdn.h, kernels_gpu_gdn.cu); the CPU handler's operands.
-ffi::Error GdnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> mixed, ffi::Buffer<ffi::F32> z,
-                      ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> alpha,
-                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> dt_bias,
-                      ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> norm_w,
-                      ffi::Buffer<ffi::F32> conv_state, ffi::Buffer<ffi::F32> ssm_state,
-                      ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> conv_res,
-                      ffi::ResultBuffer<ffi::F32> ssm_res, ffi::ResultBuffer<ffi::F32> conv_out,
-                      int64_t nk, int64_t grouped, float eps, float qk_eps) {
-  gdn::Dims d;
-  gdn::Args args;
-  bool copy_conv, copy_ssm;
-  if (const char* e = gdn::prepare(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state,
-                                   ssm_state, valid, layer, y, conv_res, ssm_res, conv_out, nk,
-                                   grouped, eps, qk_eps, &d, &args, &copy_conv, &copy_ssm))
-    return ffi::Error::InvalidArgument(e);
-  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
-  if (copy_conv)
-    if (gpuError_t e = gpuMemcpyAsync(args.conv_state, conv_state.typed_data(),
-                                      conv_state.size_bytes(), gpuMemcpyDeviceToDevice, s))
-      return Status(e, "gdn_step");
-  if (copy_ssm)
-    if (gpuError_t e = gpuMemcpyAsync(args.ssm_state, ssm_state.typed_data(),
-                                      ssm_state.size_bytes(), gpuMemcpyDeviceToDevice, s))
-      return Status(e, "gdn_step");
-  return Status(gpu::launch_gdn_step(s, d, args), "gdn_step");
-}
-
-
-// The fused attention decode step (attn.h, kernels_gpu_attn.cu); the CPU handler's operands.
-ffi::Error AttnStepGpu(gpuStream_t s, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> q_norm,
-                       ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> inv_freq,
-                       ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
-                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> k_res,
-                       ffi::ResultBuffer<ffi::F32> v_res, ffi::ResultBuffer<ffi::F32> part,
-                       int64_t kv_len, int64_t rope_dim, int64_t chunk, bool gate, bool qk_norm,
-                       bool interleaved, float eps, float scale) {
-  attn::Dims d;
-  attn::Args args;
-  bool copy_k, copy_v;
-  if (const char* e = attn::prepare(q, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, layer,
-                                    positions, o, k_res, v_res, part, kv_len, rope_dim, chunk,
-                                    gate, qk_norm, interleaved, eps, scale, &d, &args, &copy_k,
-                                    &copy_v))
-    return ffi::Error::InvalidArgument(e);
-  // XLA aliases the stacks (input_output_aliases); were it not to, the results start as copies
-  if (copy_k)
-    if (gpuError_t e = gpuMemcpyAsync(args.k_cache, k_cache.typed_data(), k_cache.size_bytes(),
-                                      gpuMemcpyDeviceToDevice, s))
-      return Status(e, "attn_step");
-  if (copy_v)
-    if (gpuError_t e = gpuMemcpyAsync(args.v_cache, v_cache.typed_data(), v_cache.size_bytes(),
-                                      gpuMemcpyDeviceToDevice, s))
-      return Status(e, "attn_step");
-  return Status(gpu::launch_attn_step(s, d, args), "attn_step");
-}
+// The fused steps (steps.h) on XLA's stream (gdn.h, kernels_gpu_gdn.cu; attn.h,
+// kernels_gpu_attn.cu; route.h, kernels_gpu_route.cu).
+struct GpuSteps {
+  using Stream = gpuStream_t;
+  static ffi::Error copy(Stream s, void* dst, const void* src, size_t nbytes, const char* op) {
+    return Status(gpuMemcpyAsync(dst, src, nbytes, gpuMemcpyDeviceToDevice, s), op);
+  }
+  static ffi::Error route(Stream s, const float* logits, int64_t T, int64_t E, int64_t k,
+                          bool renormalise, int32_t* ids, float* weights) {
+    return Status(gpu::launch_moe_route(s, logits, T, E, k, renormalise, ids, weights),
+                  "moe_route");
+  }
+  static ffi::Error gdn(Stream s, const gdn::Dims& d, const gdn::Args& args) {
+    return Status(gpu::launch_gdn_step(s, d, args), "gdn_step");
+  }
+  static ffi::Error attn(Stream s, const attn::Dims& d, const attn::Args& args) {
+    return Status(gpu::launch_attn_step(s, d, args), "attn_step");
+  }
+};
+constexpr auto MoeRouteGpu = steps::MoeRoute<GpuSteps>;
+constexpr auto GdnStepGpu = steps::GdnStep<GpuSteps>;
+constexpr auto AttnStepGpu = steps::AttnStep<GpuSteps>;
 
 }  // namespace
 }  // namespace jaxvt

@@ -42,12 +42,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/prefetch.h"
+#include "common/vendor.h"
 #include "handlers/handlers.h"
+#include "handlers/prefetch_ffi.h"
 #include "kernels/gpu/kernels_gpu.h"
 #include "memory/memory.h"
-#include "common/prefetch.h"
-#include "handlers/prefetch_ffi.h"
-#include "common/vendor.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -295,16 +295,15 @@ gpuError_t alias(gpuStream_t st, const ffi::Buffer<ffi::U8>& ring, ffi::ResultBu
                         gpuMemcpyDeviceToDevice, st);
 }
 
-ffi::Error PrefetchFetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
-                    ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> target, ffi::AnyBuffer after,
-                    ffi::ResultBuffer<ffi::U8> out, int64_t rows, int64_t cols, int64_t experts,
-                    int64_t first, ffi::Span<const int32_t> schedule) {
+ffi::Error PrefetchFetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring,
+                            ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                            ffi::Buffer<ffi::S32> target, ffi::AnyBuffer after,
+                            ffi::ResultBuffer<ffi::U8> out, int64_t rows, int64_t cols,
+                            int64_t experts, int64_t first, ffi::Span<const int32_t> schedule) {
   (void)after;
+  if (auto e = prefetch::check_fetch(ring, table, fmts, rows, cols, experts); e.failure()) return e;
   const int64_t n = static_cast<int64_t>(ring.element_count());
   const int64_t L = static_cast<int64_t>(fmts.element_count());
-  if (const char* e = prefetch::check(n, static_cast<int64_t>(table.element_count()), L, rows,
-                                      cols, experts))
-    return ffi::Error::InvalidArgument(std::string("prefetch_fetch: ") + e);
   if (static_cast<int64_t>(schedule.size()) != L)
     return ffi::Error::InvalidArgument("prefetch_fetch: the schedule must have a layer's entry each");
   if (gpuError_t e = alias(st, ring, out)) return Status(e, "prefetch_fetch");
@@ -363,13 +362,12 @@ ffi::Error PrefetchFetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring, ffi::Buff
   return Status(gpuEventRecord(s->done, s->stream), "prefetch_fetch");
 }
 
-ffi::Error PrefetchTakeGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring, ffi::Buffer<ffi::U32> table,
-                   ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
-                   ffi::ResultBuffer<ffi::U8> out, ffi::ResultBuffer<ffi::U32> table2) {
+ffi::Error PrefetchTakeGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring,
+                           ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::U8> out,
+                           ffi::ResultBuffer<ffi::U32> table2) {
+  if (auto e = prefetch::check_take(ring, table, fmts); e.failure()) return e;
   const int64_t L = static_cast<int64_t>(fmts.element_count());
-  if (static_cast<int64_t>(table.element_count()) != 2 * L ||
-      static_cast<int64_t>(ring.element_count()) <= prefetch::kHeader)
-    return ffi::Error::InvalidArgument("prefetch_take: table must be [L, 2] for fmts [L]");
   if (gpuError_t e = alias(st, ring, out)) return Status(e, "prefetch_take");
   take_kernel<<<1, 64, 0, st>>>(header(out), table.typed_data(), fmts.typed_data(), L,
                                 layer.typed_data(), table2->typed_data(),
@@ -378,7 +376,7 @@ ffi::Error PrefetchTakeGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring, ffi::Buffe
 }
 
 ffi::Error PrefetchJoinGpu(gpuStream_t st, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring,
-                   ffi::Result<ffi::AnyBuffer> out) {
+                           ffi::Result<ffi::AnyBuffer> out) {
   (void)ring;
   if (out->untyped_data() != x.untyped_data())
     if (gpuError_t e = gpuMemcpyAsync(out->untyped_data(), x.untyped_data(), x.size_bytes(),

@@ -5,6 +5,7 @@
 #define JAXVT_FFI_CSRC_PREFETCH_FFI_H_
 
 #include <cstdint>
+#include <string>
 
 #include "common/prefetch.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +24,28 @@ struct XOperand {
   const int32_t* fmts;
   int64_t n_layers, rows, cols, slot;
 };
+
+// A fetch's ring, table and fmts checked against its attributes (check, prefetch.h).
+inline xla::ffi::Error check_fetch(const xla::ffi::Buffer<xla::ffi::U8>& ring,
+                                   const xla::ffi::Buffer<xla::ffi::U32>& table,
+                                   const xla::ffi::Buffer<xla::ffi::S32>& fmts, int64_t rows,
+                                   int64_t cols, int64_t experts) {
+  if (const char* e = check(static_cast<int64_t>(ring.element_count()),
+                            static_cast<int64_t>(table.element_count()),
+                            static_cast<int64_t>(fmts.element_count()), rows, cols, experts))
+    return xla::ffi::Error::InvalidArgument(std::string("prefetch_fetch: ") + e);
+  return xla::ffi::Error::Success();
+}
+
+// A take's ring, table and fmts checked against one another.
+inline xla::ffi::Error check_take(const xla::ffi::Buffer<xla::ffi::U8>& ring,
+                                  const xla::ffi::Buffer<xla::ffi::U32>& table,
+                                  const xla::ffi::Buffer<xla::ffi::S32>& fmts) {
+  if (table.element_count() != 2 * fmts.element_count() ||
+      static_cast<int64_t>(ring.element_count()) <= kHeader)
+    return xla::ffi::Error::InvalidArgument("prefetch_take: table must be [L, 2] for fmts [L]");
+  return xla::ffi::Error::Success();
+}
 
 // Fills ops[0 .. *n) from the call's remaining operands and attributes; nullptr when they fit,
 // else the problem.

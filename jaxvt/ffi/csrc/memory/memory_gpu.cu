@@ -8,10 +8,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/vendor.h"
 #include "kernels/gpu/kernels_gpu.h"
 #include "memory/memory.h"
 #include "memory/memory_gpu.h"
-#include "common/vendor.h"
 
 namespace jaxvt::gpu_mem {
 

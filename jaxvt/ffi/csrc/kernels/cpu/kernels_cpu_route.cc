@@ -7,8 +7,8 @@
 #include <numeric>
 #include <vector>
 
-#include "kernels/cpu/kernels_cpu.h"
 #include "common/route.h"
+#include "kernels/cpu/kernels_cpu.h"
 
 namespace jaxvt::cpu {
 namespace {

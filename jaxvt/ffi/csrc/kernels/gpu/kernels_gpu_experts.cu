@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "common/formats.h"
-#include "kernels/gpu/kernels_gpu.h"
 #include "common/prefetch.h"
+#include "kernels/gpu/kernels_gpu.h"
 
 namespace jaxvt::gpu {
 namespace {

@@ -8,9 +8,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/gpu/kernels_gpu.h"
 #include "common/route.h"
 #include "common/vendor.h"
+#include "kernels/gpu/kernels_gpu.h"
 
 namespace jaxvt::gpu {
 namespace {
