@@ -242,15 +242,4 @@ const char* prepare(const F& q, const F& k, const F& v, const F& q_norm, const F
 
 }  // namespace jaxvt::attn
 
-namespace jaxvt::cpu {
-void attn_step(const attn::Dims& d, const attn::Args& a);
-}  // namespace jaxvt::cpu
-
-#if defined(JAXVT_GPU_CUDA) || defined(JAXVT_GPU_HIP)  // the GPU sources only
-#include "common/vendor.h"
-namespace jaxvt::gpu {
-gpuError_t launch_attn_step(gpuStream_t s, const attn::Dims& d, const attn::Args& a);
-}  // namespace jaxvt::gpu
-#endif
-
 #endif  // JAXVT_FFI_CSRC_ATTN_H_

@@ -180,15 +180,4 @@ const char* prepare(const F& mixed, const F& z, const F& beta, const F& alpha, c
 
 }  // namespace jaxvt::gdn
 
-namespace jaxvt::cpu {
-void gdn_step(const gdn::Dims& d, const gdn::Args& a);
-}  // namespace jaxvt::cpu
-
-#if defined(JAXVT_GPU_CUDA) || defined(JAXVT_GPU_HIP)  // the GPU sources only
-#include "common/vendor.h"
-namespace jaxvt::gpu {
-gpuError_t launch_gdn_step(gpuStream_t s, const gdn::Dims& d, const gdn::Args& a);
-}  // namespace jaxvt::gpu
-#endif
-
 #endif  // JAXVT_FFI_CSRC_GDN_H_

@@ -1,6 +1,6 @@
 // Prefetching a host-tier layer into device memory while other layers compute (prefill): the
 // contract of jaxvt_prefetch_fetch / jaxvt_prefetch_take / jaxvt_prefetch_join
-// (prefetch_cpu.cc, prefetch_gpu.cu; Python side jaxvt/ffi/prefetch.py).
+// (handlers/cpu_prefetch.cc, handlers/gpu_prefetch.cu; Python side jaxvt/ffi/prefetch.py).
 //
 // A ring is one uint8 buffer of the program (XLA allocates it, so XLA's memory analysis and the
 // planner count it): the bytes of one layer of a QWeight stack (room for its largest layer,
@@ -111,8 +111,8 @@ constexpr int64_t kXHeader = 4096;
 constexpr int kXSlotsMax = 8;
 constexpr int kXRequests = 32;
 // The fewest blocks a slot's copy is cut to when more experts share a call's grid (copy_blocks):
-// on the H200 (2026-12-03) six down experts copied at 4 blocks each decoded at 171.8 tok/s, at 2
-// at 170.7, at 8 at 167.3.
+// on the H200 six down experts copied at 4 blocks each decoded fastest (docs/BENCHMARKS.md), ahead
+// of 2 and 8.
 constexpr int kXMinBlocks = 4;
 
 // What one fetch call asked of its copy (written on XLA's stream, read on jaxvt's; call c uses

@@ -1,9 +1,6 @@
-// XLA FFI handlers for platform "cpu". Buffers are host memory here, so the handler reads the
-// layer index, fmts and table itself and calls the CPU kernels (kernels_cpu.h).
-//
-// Operands (see jaxvt/ffi/ops.py): x or ids, then the QWeight's data uint8 [n, stride],
-// table uint32 [L, 2], fmts int32 [L], then layer int32 [] (and ids for the expert op).
-// Attributes: rows, cols (and experts) of one layer's matrix.
+// XLA FFI handlers for platform "cpu" of the op table's MAIN ops (ops.inc: operands, results and
+// attributes). Buffers are host memory here, so the handler reads the layer index, fmts and table
+// itself and calls the CPU kernels (kernels_cpu.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

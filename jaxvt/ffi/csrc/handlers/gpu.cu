@@ -1,4 +1,5 @@
-// XLA FFI handlers for platform "CUDA" (nvcc) or "ROCM" (hipcc). They only pass device pointers
+// XLA FFI handlers for platform "CUDA" (nvcc) or "ROCM" (hipcc) of the op table's MAIN ops
+// (ops.inc: operands, results, attributes, traits). They only pass device pointers
 // and static shapes to the launchers: the layer index, fmts, table and ids stay on the device and
 // are read by the kernels. With no host-side per-step logic, each handler carries the
 // command-buffer trait, so XLA may capture it into a CUDA graph and replay it.

@@ -3,7 +3,7 @@
 // fetch: the handler works out on the host which layer the call asks for: fetch calls come in
 // the program's order, the first (attribute `first` >= 0) before the layers run and then one per
 // layer, so call c of a ring asks for schedule[c - 1] (prefetch.schedule); -1 enqueues nothing.
-// Where the table was registered (memory.h prefetch_register) and the layer's bytes are a live
+// Where the host tier registered the table (memory.h prefetch_layer) and the layer's bytes are a live
 // host_alloc range, the copy is a DMA on a stream of jaxvt's own (one per device, the device's
 // highest priority): a one-thread kernel on XLA's stream first checks the host's reckoning
 // against the device (the traced target and the table's address must agree) and writes the
@@ -254,9 +254,12 @@ struct Side {
   int blocks = 0;
   bool used = false;
 };
+// The host state of fetch, join and experts (none carries the command-buffer trait: their host
+// code runs at every call). It is per process, not XLA FFI per-instruction state, on purpose: a
+// join waits for the copies of every fetch on its device (one side stream a device), and a ring's
+// calls are counted by the ring's address, which aliasing keeps through the program, also where
+// XLA runs a fetch as several instructions (an unrolled loop) that would each count apart.
 uint64_t g_calls = 0;  // fetch calls so far (all devices): request slots go round
-// prefetch_register: per layer of a table, (host-tier address or 0, format | host bit)
-std::unordered_map<uintptr_t, std::vector<std::pair<uint64_t, int32_t>>> g_tables;
 std::unordered_map<uintptr_t, int64_t> g_count;  // a ring's fetch calls since its first
 std::mutex g_mu;
 Side g_side[64];
@@ -317,7 +320,6 @@ ffi::Error PrefetchFetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring,
   if (gpuError_t e = side_for(dev, &s)) return Status(e, "prefetch_fetch (stream)");
   // The layer this call asks for, as the host reckons it (registered tables only: otherwise the
   // copy kernel reads the target on the device).
-  const auto t = g_tables.find(reinterpret_cast<uintptr_t>(table.typed_data()));
   int64_t want = first;
   if (first >= 0) {
     g_count[key] = 0;
@@ -327,12 +329,13 @@ ffi::Error PrefetchFetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring,
   }
   uint64_t src = 0;
   int64_t nbytes = 0;
-  if (t != g_tables.end()) {
+  uint64_t addr = 0;
+  int32_t fmt = 0;
+  if (gpu_mem::prefetch_layer(reinterpret_cast<uintptr_t>(table.typed_data()), want, &addr, &fmt)) {
     if (want < 0) return ffi::Error::Success();  // nothing asked: no work at all
-    if (want < static_cast<int64_t>(t->second.size()) && (t->second[want].second & kHostBit)) {
-      src = t->second[want].first;
-      nbytes = row_bytes(t->second[want].second & kFmtMask, cols) * rows *
-               (experts > 0 ? experts : 1);
+    if (fmt & kHostBit) {
+      src = addr;
+      nbytes = row_bytes(fmt & kFmtMask, cols) * rows * (experts > 0 ? experts : 1);
     }
   }
   if (src && nbytes > 0 && nbytes <= cap && gpu_mem::host_range_live(src, nbytes)) {
@@ -435,8 +438,8 @@ ffi::Error XFetchGpu(gpuStream_t st, ffi::Buffer<ffi::S32> target, ffi::Buffer<f
   // A slot of a stack gets a share of four blocks a multiprocessor sized for two slots a stack:
   // each thread then has about one round of loads of its expert in flight. Reads of mapped host
   // memory are latency-bound: with a quarter of the multiprocessors' blocks spread over every
-  // slot the copy of two experts a stack ran at 21.6 GB/s on the H200 (2026-12-03, the profile
-  // in docs/BENCHMARKS.md), too slow to finish while the next layer's other work runs. The blocks
+  // slot the copy of two experts a stack ran at 21.6 GB/s on the H200 (the profile in
+  // docs/BENCHMARKS.md), too slow to finish while the next layer's other work runs. The blocks
   // of slots beyond the request's count, and beyond its blocks a slot, exit at once.
   int per = blocks > 0 ? static_cast<int>(blocks > 1024 ? 1024 : blocks)
                        : 4 * gpu::sm_count() / (2 * xs.n);
@@ -462,20 +465,6 @@ constexpr auto PrefetchExpertsInlineGpu = XFetchGpu<true>;
 
 }  // namespace
 
-namespace gpu_mem {
-void prefetch_register(uintptr_t table, std::vector<uint64_t> addrs) {
-  // addrs: per layer the address, then per layer the format (| host bit) in the low 32 bits
-  std::vector<std::pair<uint64_t, int32_t>> v(addrs.size() / 2);
-  for (size_t i = 0; i < v.size(); ++i)
-    v[i] = {addrs[i], static_cast<int32_t>(addrs[v.size() + i] & 0xFFFFFFFFu)};
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_tables[table] = std::move(v);
-}
-void prefetch_unregister(uintptr_t table) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_tables.erase(table);
-}
-}  // namespace gpu_mem
 }  // namespace jaxvt
 
 #define JAXVT_HANDLER_GPU

@@ -1,6 +1,6 @@
-// The operands of jaxvt_prefetch_experts (prefetch.h) as both platforms' handlers read them
-// (prefetch_cpu.cc, prefetch_gpu.cu): target, ids, after, then (ring, table, fmts) per stack, the
-// rings coming back aliased. Host code only.
+// The prefetch ops' operands as both platforms' handlers check and read them
+// (handlers/cpu_prefetch.cc, handlers/gpu_prefetch.cu); for jaxvt_prefetch_experts: target, ids,
+// after, then (ring, table, fmts) per stack, the rings coming back aliased. Host code only.
 #ifndef JAXVT_FFI_CSRC_PREFETCH_FFI_H_
 #define JAXVT_FFI_CSRC_PREFETCH_FFI_H_
 

@@ -43,14 +43,18 @@ bool copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, int device, std::stri
 // device address).
 bool host_range_live(uintptr_t device_addr, size_t nbytes);
 
-// Prefetch (handlers/gpu_prefetch.cu, prefetch.h): each layer's address in a QWeight's table (0 for a
-// device-tier layer), by the table's device address, so that a fetch the host can address is a
+// Prefetch (handlers/gpu_prefetch.cu, prefetch.h): the host tier's record of each layer's address
+// in a QWeight's table (0 for a device-tier layer), by the table's device address, kept beside
+// its record of live allocations, so that a fetch the host can address is a
 // DMA (the copy engine: no multiprocessor taken from the layers computing beside it) instead of a
 // copy kernel. Checked before use (the source must be a live host_alloc range, and on the device
 // the table must hold that address), so a stale entry only costs the DMA's speed.
 // addrs: L addresses, then L formats (fmts[l], host bit included).
 void prefetch_register(uintptr_t table, std::vector<uint64_t> addrs);
 void prefetch_unregister(uintptr_t table);
+// Whether `table` is registered; if so, layer l's entry: *addr (0 for a device-tier layer) and
+// *fmt (fmts[l], host bit included), both 0 where l is out of range.
+bool prefetch_layer(uintptr_t table, int64_t l, uint64_t* addr, int32_t* fmt);
 
 }  // namespace jaxvt::gpu_mem
 

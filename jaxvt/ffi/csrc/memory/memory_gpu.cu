@@ -38,6 +38,8 @@ std::unordered_map<uintptr_t, Mapping> g_registered;
 // Live host_alloc allocations: device address -> bytes, and host address -> device address.
 std::map<uintptr_t, size_t> g_live;
 std::unordered_map<uintptr_t, uintptr_t> g_live_host;
+// prefetch_register: per layer of a table, (host-tier address or 0, format | host bit)
+std::unordered_map<uintptr_t, std::vector<std::pair<uint64_t, int32_t>>> g_tables;
 
 constexpr size_t kHuge = size_t{2} << 20;
 
@@ -168,6 +170,33 @@ bool copy_h2d(uintptr_t dst, uintptr_t src, size_t nbytes, int device, std::stri
                     ok(gpuStreamSynchronize(s), "copy", err);
   (void)gpuStreamDestroy(s);
   return good;
+}
+
+void prefetch_register(uintptr_t table, std::vector<uint64_t> addrs) {
+  // addrs: per layer the address, then per layer the format (| host bit) in the low 32 bits
+  std::vector<std::pair<uint64_t, int32_t>> v(addrs.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i)
+    v[i] = {addrs[i], static_cast<int32_t>(addrs[v.size() + i] & 0xFFFFFFFFu)};
+  std::lock_guard<std::mutex> g(g_mu);
+  g_tables[table] = std::move(v);
+}
+
+void prefetch_unregister(uintptr_t table) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_tables.erase(table);
+}
+
+bool prefetch_layer(uintptr_t table, int64_t l, uint64_t* addr, int32_t* fmt) {
+  std::lock_guard<std::mutex> g(g_mu);
+  const auto t = g_tables.find(table);
+  *addr = 0;
+  *fmt = 0;
+  if (t == g_tables.end()) return false;
+  if (l >= 0 && l < static_cast<int64_t>(t->second.size())) {
+    *addr = t->second[l].first;
+    *fmt = t->second[l].second;
+  }
+  return true;
 }
 
 }  // namespace jaxvt::gpu_mem

@@ -13,6 +13,9 @@
 
 #include <cstdint>
 
+#include "common/attn.h"
+#include "common/gdn.h"
+
 namespace jaxvt::cpu {
 
 // A batch of B activation rows for one weight matrix. x[b] points at cols floats; s16[b] / s32[b]
@@ -61,6 +64,10 @@ bool gemm_bf16_rows(int fmt, const uint8_t* w, int64_t cols, int64_t n, const fl
 // The MoE router (route.h): logits [T, E] -> ids [T, k], weights [T, k] (kernels_cpu_route.cc).
 void moe_route(const float* logits, int64_t T, int64_t E, int64_t k, bool renormalise,
                int32_t* ids, float* weights);
+
+// The fused decode steps (gdn.h, kernels_cpu_gdn.cc; attn.h, kernels_cpu_attn.cc).
+void gdn_step(const gdn::Dims& d, const gdn::Args& a);
+void attn_step(const attn::Dims& d, const attn::Args& a);
 
 // Runs fn(ctx, task) for task in [0, n) on the pool's threads and the caller; returns when all
 // are done. Tasks must be independent. Falls back to the calling thread alone when the pool is

@@ -3,8 +3,10 @@
 // matvec.cuh, shared with kernels_gpu_experts.cu (routed experts), in float32 or in ggml's integer
 // products (docs/NUMERICS.md, "q8").
 #include <cstdint>
+#include <type_traits>
 
 #include "common/formats.h"
+#include "kernels/gpu/bf16.cuh"
 #include "kernels/gpu/kernels_gpu.h"
 
 namespace jaxvt::gpu {
@@ -94,17 +96,6 @@ __global__ void __launch_bounds__(kThreads) qembed_kernel(WeightArgs w, const in
   }
 #undef JV_CASE
   for (int64_t i = gwarp * 32 + lane; i < n * cols; i += nwarps * 32) out[i] = __int_as_float(0x7fc00000);
-}
-
-__device__ __forceinline__ void store_bf16x32(uint16_t* o, const float* wv) {
-  uint32_t p[16];
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-    p[j] = static_cast<uint32_t>(float_to_bf16(wv[2 * j])) |
-           (static_cast<uint32_t>(float_to_bf16(wv[2 * j + 1])) << 16);
-  uint4* o4 = reinterpret_cast<uint4*>(o);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) o4[j] = make_uint4(p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
 }
 
 // Streams the layer through shared memory like matvec and writes bf16 rows.
@@ -287,6 +278,29 @@ gpuError_t run_qmatmul(gpuStream_t s, const Launch& l, const WeightArgs& w, cons
   return gpuGetLastError();
 }
 
+// f(rows per pass, activation mode) as compile-time constants (std::integral_constant) for the
+// launch's pair, among those instantiated; any other pair (activations too large for shared
+// memory) is an invalid value.
+template <typename F>
+gpuError_t with_launch(const Launch& l, F f) {
+  using I1 = std::integral_constant<int, 1>;
+  using I4 = std::integral_constant<int, 4>;
+  using I16 = std::integral_constant<int, 16>;
+  using X0 = std::integral_constant<int, 0>;
+  using X1 = std::integral_constant<int, 1>;
+  using X2 = std::integral_constant<int, 2>;
+  switch (l.bt * 4 + l.xm) {
+    case 1 * 4 + 0: return f(I1{}, X0{});
+    case 1 * 4 + 1: return f(I1{}, X1{});
+    case 1 * 4 + 2: return f(I1{}, X2{});
+    case 4 * 4 + 0: return f(I4{}, X0{});
+    case 4 * 4 + 1: return f(I4{}, X1{});
+    case 4 * 4 + 2: return f(I4{}, X2{});
+    case 16 * 4 + 0: return f(I16{}, X0{});
+    default: return gpuErrorInvalidValue;
+  }
+}
+
 template <int BT, int XM>
 gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t* rows,
                      int64_t total, const float* x, int64_t batch, int64_t cols) {
@@ -317,16 +331,9 @@ gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, in
                           int64_t rows, int64_t cols, bool ggml, const Tuning& t) {
   if (batch <= 0 || rows <= 0) return gpuSuccess;
   const Launch l = plan_launch(batch, rows, cols, true, ggml, t);
-  switch (l.bt * 4 + l.xm) {
-    case 1 * 4 + 0: return run_qmatmul<1, 0>(s, l, w, x, batch, y, rows, cols);
-    case 1 * 4 + 1: return run_qmatmul<1, 1>(s, l, w, x, batch, y, rows, cols);
-    case 1 * 4 + 2: return run_qmatmul<1, 2>(s, l, w, x, batch, y, rows, cols);
-    case 4 * 4 + 0: return run_qmatmul<4, 0>(s, l, w, x, batch, y, rows, cols);
-    case 4 * 4 + 1: return run_qmatmul<4, 1>(s, l, w, x, batch, y, rows, cols);
-    case 4 * 4 + 2: return run_qmatmul<4, 2>(s, l, w, x, batch, y, rows, cols);
-    case 16 * 4 + 0: return run_qmatmul<16, 0>(s, l, w, x, batch, y, rows, cols);
-    default: return gpuErrorInvalidValue;  // activations too large for shared memory
-  }
+  return with_launch(l, [&](auto bt, auto xm) {
+    return run_qmatmul<decltype(bt)::value, decltype(xm)::value>(s, l, w, x, batch, y, rows, cols);
+  });
 }
 
 gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float* const* y,
@@ -345,16 +352,9 @@ gpuError_t launch_qmatmul_multi(gpuStream_t s, int n, const WeightArgs* w, float
     m.y[i] = y[i];
     m.rows[i] = rows[i];
   }
-  switch (l.bt * 4 + l.xm) {
-    case 1 * 4 + 0: return run_multi<1, 0>(s, l, m, rows, total, x, batch, cols);
-    case 1 * 4 + 1: return run_multi<1, 1>(s, l, m, rows, total, x, batch, cols);
-    case 1 * 4 + 2: return run_multi<1, 2>(s, l, m, rows, total, x, batch, cols);
-    case 4 * 4 + 0: return run_multi<4, 0>(s, l, m, rows, total, x, batch, cols);
-    case 4 * 4 + 1: return run_multi<4, 1>(s, l, m, rows, total, x, batch, cols);
-    case 4 * 4 + 2: return run_multi<4, 2>(s, l, m, rows, total, x, batch, cols);
-    case 16 * 4 + 0: return run_multi<16, 0>(s, l, m, rows, total, x, batch, cols);
-    default: return gpuErrorInvalidValue;
-  }
+  return with_launch(l, [&](auto bt, auto xm) {
+    return run_multi<decltype(bt)::value, decltype(xm)::value>(s, l, m, rows, total, x, batch, cols);
+  });
 }
 
 gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids, int64_t n, float* out,

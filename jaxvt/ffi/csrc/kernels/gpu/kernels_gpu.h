@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "common/attn.h"
+#include "common/gdn.h"
 #include "common/vendor.h"
 
 namespace jaxvt::gpu {
@@ -85,6 +87,10 @@ gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, in
 // E <= route::kMaxExperts, 1 <= k <= E.
 gpuError_t launch_moe_route(gpuStream_t s, const float* logits, int64_t T, int64_t E, int64_t k,
                             bool renormalise, int32_t* ids, float* weights);
+
+// The fused decode steps (gdn.h, kernels_gpu_gdn.cu; attn.h, kernels_gpu_attn.cu).
+gpuError_t launch_gdn_step(gpuStream_t s, const gdn::Dims& d, const gdn::Args& a);
+gpuError_t launch_attn_step(gpuStream_t s, const attn::Dims& d, const attn::Args& a);
 
 // Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink);
 // blocks <= 0: four per multiprocessor.

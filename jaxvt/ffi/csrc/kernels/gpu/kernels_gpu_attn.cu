@@ -26,6 +26,7 @@
 
 #include "common/attn.h"
 #include "common/vendor.h"
+#include "kernels/gpu/kernels_gpu.h"
 
 namespace jaxvt::gpu {
 namespace {

@@ -22,6 +22,7 @@
 
 #include "common/gdn.h"
 #include "common/vendor.h"
+#include "kernels/gpu/kernels_gpu.h"
 
 namespace jaxvt::gpu {
 namespace {

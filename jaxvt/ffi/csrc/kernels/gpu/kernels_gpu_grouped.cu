@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/formats.h"
+#include "kernels/gpu/bf16.cuh"
 #include "kernels/gpu/kernels_gpu.h"
 
 #if defined(JAXVT_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -113,18 +114,6 @@ __device__ void find_tile(const int32_t* offsets, int64_t experts, int64_t slots
     }
   }
   __syncthreads();
-}
-
-__device__ __forceinline__ void store_bf16x32(uint16_t* o, const float* wv) {
-  uint32_t p[16];
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-    p[j] = static_cast<uint32_t>(float_to_bf16(wv[2 * j])) |
-           (static_cast<uint32_t>(float_to_bf16(wv[2 * j + 1])) << 16);
-  uint4* o4 = reinterpret_cast<uint4*>(o);
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    o4[j] = make_uint4(p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
 }
 
 // acc (this thread's share of the kBM x kBN tile) += A[:, 0:kSub] . B[:, 0:kSub]^T.

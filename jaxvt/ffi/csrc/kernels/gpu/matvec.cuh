@@ -22,7 +22,7 @@
 //   * Under ggml's arithmetic the window's blocks are read with shared-state loads (ld.shared, not
 //     generic ones), as aligned 32-bit words funnel-shifted into place (the k-blocks of Q4_0 / Q8_0
 //     / Q6_K sit at 2-byte alignment) or as 128-bit words where a Q4_K / Q5_K matrix is 16-byte
-//     aligned (matvec_q8.cuh). Measured on the H200 (docs/BENCHMARKS.md, 2026-12-02 night): the
+//     aligned (matvec_q8.cuh). Measured on the H200 (docs/BENCHMARKS.md): the
 //     kernels are bound by their instructions per byte; more windows in flight per warp
 //     (kMvDepth 2), two units a lane unrolled (kMvUnroll 2) or three blocks an SM (kMvBlocks 3)
 //     were each slower.
