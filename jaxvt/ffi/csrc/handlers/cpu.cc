@@ -384,21 +384,16 @@ ffi::Error QMatmulGroupedCpu(NoStream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer 
 // The fused steps (steps.h) on the host: a copy is a memcpy, a kernel runs at once.
 struct CpuSteps {
   using Stream = NoStream;
+  static constexpr auto route = &cpu::moe_route;
+  static constexpr auto gdn = &cpu::gdn_step;
+  static constexpr auto attn = &cpu::attn_step;
+  template <typename Kernel, typename... A>
+  static ffi::Error run(Stream, const char*, Kernel kernel, const A&... a) {
+    kernel(a...);
+    return ffi::Error::Success();
+  }
   static ffi::Error copy(Stream, void* dst, const void* src, size_t nbytes, const char*) {
     std::memcpy(dst, src, nbytes);
-    return ffi::Error::Success();
-  }
-  static ffi::Error route(Stream, const float* logits, int64_t T, int64_t E, int64_t k,
-                          bool renormalise, int32_t* ids, float* weights) {
-    cpu::moe_route(logits, T, E, k, renormalise, ids, weights);
-    return ffi::Error::Success();
-  }
-  static ffi::Error gdn(Stream, const gdn::Dims& d, const gdn::Args& args) {
-    cpu::gdn_step(d, args);
-    return ffi::Error::Success();
-  }
-  static ffi::Error attn(Stream, const attn::Dims& d, const attn::Args& args) {
-    cpu::attn_step(d, args);
     return ffi::Error::Success();
   }
 };

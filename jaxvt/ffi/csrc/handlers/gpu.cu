@@ -201,19 +201,15 @@ ffi::Error QMatmulGroupedGpu(gpuStream_t s, ffi::Buffer<ffi::BF16> x, ffi::AnyBu
 // kernels_gpu_attn.cu; route.h, kernels_gpu_route.cu).
 struct GpuSteps {
   using Stream = gpuStream_t;
+  static constexpr auto route = &gpu::launch_moe_route;
+  static constexpr auto gdn = &gpu::launch_gdn_step;
+  static constexpr auto attn = &gpu::launch_attn_step;
+  template <typename Kernel, typename... A>
+  static ffi::Error run(Stream s, const char* op, Kernel kernel, const A&... a) {
+    return Status(kernel(s, a...), op);
+  }
   static ffi::Error copy(Stream s, void* dst, const void* src, size_t nbytes, const char* op) {
     return Status(gpuMemcpyAsync(dst, src, nbytes, gpuMemcpyDeviceToDevice, s), op);
-  }
-  static ffi::Error route(Stream s, const float* logits, int64_t T, int64_t E, int64_t k,
-                          bool renormalise, int32_t* ids, float* weights) {
-    return Status(gpu::launch_moe_route(s, logits, T, E, k, renormalise, ids, weights),
-                  "moe_route");
-  }
-  static ffi::Error gdn(Stream s, const gdn::Dims& d, const gdn::Args& args) {
-    return Status(gpu::launch_gdn_step(s, d, args), "gdn_step");
-  }
-  static ffi::Error attn(Stream s, const attn::Dims& d, const attn::Args& args) {
-    return Status(gpu::launch_attn_step(s, d, args), "attn_step");
   }
 };
 constexpr auto MoeRouteGpu = steps::MoeRoute<GpuSteps>;

@@ -1,11 +1,11 @@
 // The handlers of the fused steps (moe_route, gdn_step, attn_step), one body for every platform.
 // Each checks its operands against the op's contract (route.h, gdn.h, attn.h) and runs the
 // platform's kernel through a policy P (handlers/cpu.cc CpuSteps, handlers/gpu.cu GpuSteps):
-//   P::Stream                                   the handler's context (define.h)
-//   P::copy(s, dst, src, nbytes, op)            a copy within the platform's memory
-//   P::route(s, logits, T, E, k, renormalise, ids, weights)
-//   P::gdn(s, dims, args), P::attn(s, dims, args)
-// each returning an ffi::Error that names `op` or the step.
+//   P::Stream                          the handler's context (context.h)
+//   P::route, P::gdn, P::attn          the platform's kernels of the three steps
+//   P::run(s, op, kernel, args...)     runs one (on a GPU: launches it on s)
+//   P::copy(s, dst, src, nbytes, op)   a copy within the platform's memory
+// the last two returning an ffi::Error that names `op`.
 #ifndef JAXVT_FFI_CSRC_HANDLERS_STEPS_H_
 #define JAXVT_FFI_CSRC_HANDLERS_STEPS_H_
 
@@ -34,8 +34,8 @@ ffi::Error MoeRoute(typename P::Stream s, F32 logits, ffi::ResultBuffer<ffi::S32
   if (const char* err = route::check_shapes(n, E, static_cast<int64_t>(ids->element_count()), k,
                                             static_cast<int64_t>(weights->element_count())))
     return ffi::Error::InvalidArgument(err);
-  return P::route(s, logits.typed_data(), n / E, E, k, renormalise, ids->typed_data(),
-                  weights->typed_data());
+  return P::run(s, "moe_route", P::route, logits.typed_data(), n / E, E, k, renormalise,
+                ids->typed_data(), weights->typed_data());
 }
 
 // The fused Gated DeltaNet decode step (gdn.h); the attributes as jaxvt/ffi/gdn.py passes them.
@@ -62,7 +62,7 @@ ffi::Error GdnStep(typename P::Stream s, F32 mixed, F32 z, F32 beta, F32 alpha, 
                          "gdn_step");
         !e.success())
       return e;
-  return P::gdn(s, d, args);
+  return P::run(s, "gdn_step", P::gdn, d, args);
 }
 
 // The fused attention decode step (attn.h); the attributes as jaxvt/ffi/attn.py passes them.
@@ -89,7 +89,7 @@ ffi::Error AttnStep(typename P::Stream s, F32 q, F32 k, F32 v, F32 q_norm, F32 k
     if (auto e = P::copy(s, args.v_cache, v_cache.typed_data(), v_cache.size_bytes(), "attn_step");
         !e.success())
       return e;
-  return P::attn(s, d, args);
+  return P::run(s, "attn_step", P::attn, d, args);
 }
 
 }  // namespace jaxvt::steps
