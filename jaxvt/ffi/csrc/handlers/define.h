@@ -1,8 +1,9 @@
 // Defines the XLA FFI handler symbols of one handler file from the op table (ops.inc): include it
 // at the end of the file, after its implementations, with JAXVT_HANDLER_FILE_<name> defined (MAIN,
 // GGML or PREFETCH) and, in a GPU file, JAXVT_HANDLER_GPU. Every op whose platform column names
-// the file gets JaxvtStemCpu (jaxvt::StemCpu bound to the table's binding) or JaxvtStemGpu
-// (jaxvt::StemGpu, the stream first, with the command-buffer trait where the table gives it).
+// the file gets JaxvtStemCpu (jaxvt::StemCpu) or JaxvtStemGpu (jaxvt::StemGpu, with the
+// command-buffer trait where the table gives it), bound to the platform's context (context.h)
+// followed by the table's binding.
 //
 // A GPU file is compiled by nvcc or hipcc and a CPU file by the host compiler, so each expands
 // only its platform's handlers; the binding itself is the table's, written once.
