@@ -3,8 +3,8 @@
 // fetch: the handler works out on the host which layer the call asks for: fetch calls come in
 // the program's order, the first (attribute `first` >= 0) before the layers run and then one per
 // layer, so call c of a ring asks for schedule[c - 1] (prefetch.schedule); -1 enqueues nothing.
-// Where the host tier registered the table (memory.h prefetch_layer) and the layer's bytes are a live
-// host_alloc range, the copy is a DMA on a stream of jaxvt's own (one per device, the device's
+// Where the host tier registered the table (memory.h prefetch_layer) and the layer's bytes are a
+// live host_alloc range, the copy is a DMA on a stream of jaxvt's own (one per device, the device's
 // highest priority): a one-thread kernel on XLA's stream first checks the host's reckoning
 // against the device (the traced target and the table's address must agree) and writes the
 // ring's intent (target + 1, or 0 when they disagree: the ring is then never read), an event
@@ -331,7 +331,8 @@ ffi::Error PrefetchFetchGpu(gpuStream_t st, ffi::Buffer<ffi::U8> ring,
   int64_t nbytes = 0;
   uint64_t addr = 0;
   int32_t fmt = 0;
-  if (gpu_mem::prefetch_layer(reinterpret_cast<uintptr_t>(table.typed_data()), want, &addr, &fmt)) {
+  const uintptr_t table_addr = reinterpret_cast<uintptr_t>(table.typed_data());
+  if (gpu_mem::prefetch_layer(table_addr, want, &addr, &fmt)) {
     if (want < 0) return ffi::Error::Success();  // nothing asked: no work at all
     if (fmt & kHostBit) {
       src = addr;
