@@ -106,6 +106,7 @@ def time_scan(w: QWeight, batch: int, device, reps: int, staged: bool = False) -
 
 def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
   """The CPU GEMV kernel alone (no XLA), on the shapes that set jaxvt's CPU decode speed."""
+  dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
   ext = ffi.extension()
   rng = np.random.default_rng(0)
   n0 = ext.cpu_threads()
@@ -116,7 +117,7 @@ def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
         raw = random_matrix(rng, fmt, rows, cols)
         for b in (1, 4):
           iters = max(3, int(2e8 / raw.size))
-          t = min(ext.bench_cpu_gemv(fmt, raw.ctypes.data, rows, cols, b, iters) for _ in range(3))
+          t = min(dbg.bench_cpu_gemv(fmt, raw.ctypes.data, rows, cols, b, iters) for _ in range(3))
           print(f"CPU {ext.cpu_isa()} {th} thr {FORMATS[fmt].name} {rows}x{cols} batch {b}: "
                 f"{t * 1e6:8.1f} us  {raw.size / t / 1e9:5.2f} GB/s", flush=True)
   finally:
@@ -125,6 +126,7 @@ def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
 
 def main(args) -> None:
   """Prints one line per format, shape and tier (nothing is written to docs/BENCHMARKS.md)."""
+  dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
   if args.cpu_gemv:
     cpu_gemv()
     return
@@ -134,8 +136,8 @@ def main(args) -> None:
   print(f"device {device.device_kind} ({device.platform}); CPU kernels: {ext.cpu_isa()}, "
         f"{ext.cpu_threads()} threads")
   n = args.total_mib * MIB
-  dma = ext.measure_dma_h2d(n, 5)
-  zc = ext.measure_zero_copy_read(n, 5, args.coherent)
+  dma = dbg.measure_dma_h2d(n, 5)
+  zc = dbg.measure_zero_copy_read(n, 5, args.coherent)
   print(f"{'DMA H2D' if gpu else 'memcpy'} {dma:.1f} GB/s; streaming read of "
         f"{'mapped pinned' if gpu else 'host'} memory {zc:.1f} GB/s")
   rng = np.random.default_rng(0)

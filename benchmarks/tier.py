@@ -77,15 +77,16 @@ def crossover(rng, device, dma: float, rows: int = 4096, cols: int = 4096, layer
 def grid_sweep(ext, dma: float) -> str:
   """The matvec kernel alone (CUDA events, no XLA) against the streaming read, by grid size:
   which launch geometry reads host memory fastest (GPU only)."""
+  dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
   sms = ext.gpu_sm_count()
   caps = [0, sms, 4 * sms, 16 * sms]
   lines = ["### Grid-size probe (kernel alone, CUDA events; GB/s, % of cudaMemcpy)\n",
            "| kernel | " + " | ".join("default" if c == 0 else f"{c // sms}/SM" for c in caps)
            + " |", "|---|" + "---|" * len(caps)]
-  cells = [f"{ext.measure_zero_copy_read(256 * MIB, 10, False, c):.1f}" for c in caps]
+  cells = [f"{dbg.measure_zero_copy_read(256 * MIB, 10, False, c):.1f}" for c in caps]
   lines.append("| stream read 256 MiB | " + " | ".join(cells) + " |")
   try:  # the bulk-copy engine (CUDA sm_90+): 2 blocks per SM by default
-    cells = [f"{ext.measure_zero_copy_read(256 * MIB, 10, False, c, bulk=True):.1f}" for c in caps]
+    cells = [f"{dbg.measure_zero_copy_read(256 * MIB, 10, False, c, bulk=True):.1f}" for c in caps]
     lines.append("| bulk-copy read 256 MiB | " + " | ".join(cells) + " |")
   except RuntimeError as e:
     lines.append(f"| bulk-copy read 256 MiB | {str(e).splitlines()[0]} |" + " |" * (len(caps) - 1))
@@ -95,7 +96,7 @@ def grid_sweep(ext, dma: float) -> str:
     name = FORMATS[fmt].name
     cells = []
     for c in caps:
-      gbs = ext.measure_host_gemv(fmt, rows, cols, batch, copies=8, iters=24, grid_cap=c)
+      gbs = dbg.measure_host_gemv(fmt, rows, cols, batch, copies=8, iters=24, grid_cap=c)
       cells.append(f"{gbs:.1f} ({100 * gbs / dma:.0f}%)")
     lines.append(f"| {name} {rows}x{cols} b{batch} | " + " | ".join(cells) + " |")
   lines += ["", "### Device tier, kernel alone (batch 1)\n",
@@ -105,7 +106,7 @@ def grid_sweep(ext, dma: float) -> str:
     name, be, bb = FORMATS[fmt].name, FORMATS[fmt].block_elems, FORMATS[fmt].block_bytes
     mib = rows * cols // be * bb / MIB
     copies = max(2, min(16, int(1024 // mib)))
-    gbs = ext.measure_host_gemv(fmt, rows, cols, 1, copies=copies, iters=4 * copies,
+    gbs = dbg.measure_host_gemv(fmt, rows, cols, 1, copies=copies, iters=4 * copies,
                                 device_tier=True)
     lines.append(f"| {name} {rows}x{cols} | {mib:.1f} | {gbs:.0f} | {mib * MIB / gbs / 1e3:.1f} |")
   return "\n".join(lines)
@@ -115,19 +116,20 @@ def kinds_probe(ext) -> str:
   """Each way of allocating host-tier memory (HostTier kind): copy and streaming-read rates, at
   256 MiB and at a small matrix's size, and the matvec kernel alone on the shapes that read
   slowest (GPU only). % is of the best 256 MiB cudaMemcpy of any kind."""
+  dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
   small = 2048 * 512 // 256 * 144  # a Q4_K 2048 x 512 matrix's bytes
   shapes = [(12, 4096, 14336), (14, 4096, 4096), (12, 14336, 4096), (12, 2048, 512)]
   rows = {}
   for kind, k in KINDS.items():
-    r = [ext.measure_dma_h2d(256 * MIB, 5, k), ext.measure_zero_copy_read(256 * MIB, 10, False, 0, k),
-         ext.measure_dma_h2d(small, 200, k), ext.measure_zero_copy_read(small, 200, False, 0, k)]
+    r = [dbg.measure_dma_h2d(256 * MIB, 5, k), dbg.measure_zero_copy_read(256 * MIB, 10, False, 0, k),
+         dbg.measure_dma_h2d(small, 200, k), dbg.measure_zero_copy_read(small, 200, False, 0, k)]
     try:
-      r += [ext.measure_zero_copy_read(n, it, False, 0, k, bulk=True)
+      r += [dbg.measure_zero_copy_read(n, it, False, 0, k, bulk=True)
             for n, it in ((256 * MIB, 10), (small, 200))]
     except RuntimeError:  # no bulk-copy engine
       r += [float("nan")] * 2
-    r += [ext.measure_host_gemv(f, rr, c, 1, copies=8, iters=24, kind=k) for f, rr, c in shapes]
-    r += [ext.measure_host_gemv(12, 4096, 14336, b, copies=8, iters=24, kind=k) for b in (4, 16)]
+    r += [dbg.measure_host_gemv(f, rr, c, 1, copies=8, iters=24, kind=k) for f, rr, c in shapes]
+    r += [dbg.measure_host_gemv(12, 4096, 14336, b, copies=8, iters=24, kind=k) for b in (4, 16)]
     rows[kind] = r
   ref = max(r[0] for r in rows.values())
   names = ["cudaMemcpy 256 MiB", "stream read 256 MiB", f"cudaMemcpy {small / MIB:.2f} MiB",
@@ -144,6 +146,7 @@ def kinds_probe(ext) -> str:
 
 
 def main(args) -> str:
+  dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
   if getattr(args, "products", None):
     return products.main(args)
   ext = ffi.extension()
@@ -155,13 +158,13 @@ def main(args) -> str:
   if getattr(args, "grid", False):
     if not gpu:
       return "the grid-size probe needs a GPU"
-    dma = ext.measure_dma_h2d(256 * MIB, 5)
+    dma = dbg.measure_dma_h2d(256 * MIB, 5)
     return grid_sweep(ext, dma) + "\n\n" + crossover(np.random.default_rng(0),
                                                       jax.devices()[0], dma)
   device = jax.devices("gpu" if gpu else "cpu")[0]
   n = args.total_mib * MIB
-  dma = ext.measure_dma_h2d(n, 5)
-  zc = ext.measure_zero_copy_read(n, 5, False)
+  dma = dbg.measure_dma_h2d(n, 5)
+  zc = dbg.measure_zero_copy_read(n, 5, False)
   batches = (1, 4, 16)
   rng = np.random.default_rng(0)
   link = "cudaMemcpy H2D" if gpu else "memcpy"
@@ -190,7 +193,7 @@ def main(args) -> str:
           cells.append(f"{gbs:.1f} ({100 * gbs / dma:.0f}%)")
         del w
       if gpu:
-        alone = [ext.measure_host_gemv(fmt, rows, cols, b, copies=8, iters=24) for b in batches]
+        alone = [dbg.measure_host_gemv(fmt, rows, cols, b, copies=8, iters=24) for b in batches]
         cells.append(", ".join(f"{g:.1f} ({100 * g / dma:.0f}%)" for g in alone))
       out.append(f"| {name} | {rows} x {cols} | {raw.size / MIB:.1f} | " + " | ".join(cells)
                  + " |")

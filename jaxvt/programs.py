@@ -197,12 +197,7 @@ def cache_root(setting: bool | str | None, env: Mapping[str, str] = os.environ) 
 @functools.cache
 def ffi_targets() -> frozenset[str]:
   """Every custom-call target name of jaxvt's extension (any platform)."""
-  names = set(ffi.TARGETS) | set(ffi.GPU_TARGETS)
-  ext = ffi.extension()
-  if ext is not None:
-    for targets in ext.registrations().values():
-      names.update(targets)
-  return frozenset(names)
+  return ffi.targets()
 
 
 @functools.cache

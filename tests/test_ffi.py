@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+import re
 import zlib
 
 import jax
@@ -397,6 +399,26 @@ def test_available_and_register_are_idempotent():
   assert ffi.available("cpu")
   assert "cpu" in ffi.register() and ffi.register() == ffi.register()
   assert ffi.available("gpu") == ("CUDA" in ffi.extension().registrations())
+
+
+def test_targets_are_the_registrations_and_cover_every_call_site():
+  """Python's target names come from the extension's op table: each target a wrapper in
+  jaxvt/ffi/*.py calls is in the table, and registered on the CPU unless the table has it for
+  GPUs only."""
+  regs = ffi.extension().registrations()
+  assert ffi.targets("cpu") == set(regs["cpu"])
+  assert ffi.targets() == {name for names in regs.values() for name in names}
+  assert ffi.targets("tpu") == frozenset()
+  here = os.path.dirname(os.path.abspath(ffi.__file__))
+  called = set()
+  for name in os.listdir(here):
+    if name.endswith(".py"):
+      with open(os.path.join(here, name), encoding="utf-8") as f:
+        called |= set(re.findall(r'"(jaxvt_[a-z0-9_]+)"', f.read()))
+  with open(os.path.join(here, "csrc", "handlers", "ops.inc"), encoding="utf-8") as f:
+    rows = dict(re.findall(r"(?m)^JAXVT_OP\((\w+), *\w+, *(\w+),", f.read()))  # target: cpu
+  assert called and called <= set(rows)
+  assert called - ffi.targets("cpu") == {t for t, cpu in rows.items() if cpu == "0"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""One table of formats per language: jaxvt.gguf.formats (Python) and csrc/formats.h (C++, read
-through the extension) agree with each other and with the gguf package's ggml sizes."""
+"""One table of formats per language: jaxvt.gguf.formats (Python) and csrc/common/formats.h (C++,
+read through the extension) agree with each other and with the gguf package's ggml sizes."""
 
 from __future__ import annotations
 

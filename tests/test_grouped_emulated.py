@@ -27,9 +27,10 @@ import pytest
 from jaxvt import ffi
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(ffi.__file__)), "csrc")
+KERNEL = os.path.join(CSRC, "kernels", "gpu", "kernels_gpu_grouped.cu")
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(
-    not (ffi.available("cpu") and CXX and os.path.exists(os.path.join(CSRC, "kernels_gpu_grouped.cu"))),
+    not (ffi.available("cpu") and CXX and os.path.exists(KERNEL)),
     reason="needs jaxvt's extension, its C++ sources and a C++20 compiler")
 
 from test_ffi_cases import ALL, BF16, NAMES, Q4_0, Q4_K, Q6_K, Q8_0, make_stack  # noqa: E402
@@ -161,7 +162,7 @@ extern "C" int run_grouped(const uint8_t* data, int64_t stride, const uint32_t* 
 @pytest.fixture(scope="module", params=["fma", "wmma"])
 def kernel(request, tmp_path_factory):
   d = tmp_path_factory.mktemp("emulated")
-  src = open(os.path.join(CSRC, "kernels_gpu_grouped.cu")).read()
+  src = open(KERNEL).read()
   launch = re.search(r"qmatmul_grouped_kernel<<<grid, kThr, 0, s>>>\((.*?)\);", src, re.S)
   assert launch, "the kernel's launch statement changed: update this test's emulation"
   src = src.replace(launch.group(0), "emulate_launch(grid, kThr, [&] { qmatmul_grouped_kernel(%s); });"

@@ -76,6 +76,7 @@ class FakeExt(types.ModuleType):
 def test_run_probe_with_fake_extension(monkeypatch, tmp_path):
   ext = FakeExt((7.0, 4000.0))
   monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_ffi", ext)
+  monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_debug", ext)  # the link probes
   monkeypatch.setattr(probe, "time_qmatmul", lambda w, iters: 123.0)
   monkeypatch.setattr(probe, "platform_of", lambda device: "cuda")  # a link to measure
   closed = []
@@ -85,7 +86,13 @@ def test_run_probe_with_fake_extension(monkeypatch, tmp_path):
   assert (r.platform, r.dma_h2d_gbps, r.zero_copy_gbps) == ("cuda", 55.0, 50.0)
   assert r.measured_at.endswith(" UTC")
   assert (r.host_gemv_gbps, r.device_gemv_gbps, r.managed_migrates) == (123.0, 123.0, True)
+  monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_debug", None)  # no probes: a note, no rates
+  r = probe.run_probe(nbytes=1 << 16, iters=2,
+                      make_host_weight=lambda n: ("host weight", lambda: closed.append(n)))
+  assert r.dma_h2d_gbps is None and r.zero_copy_gbps is None and r.host_gemv_gbps == 123.0
+  assert any("no measurement module" in n for n in r.notes)
   monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_ffi", FakeExt(None))
+  monkeypatch.setitem(sys.modules, "jaxvt.ffi._jaxvt_debug", sys.modules["jaxvt.ffi._jaxvt_ffi"])
 
   def no_ops(w, iters):
     raise ImportError("No module named 'jaxvt.ffi.ops'")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CUDA extension for the lent H200's Python (3.12) on this machine, with no GPU: nvcc
 # (CUDA 13), CPython 3.12's headers and a 3.12 venv holding nanobind and jax (for the XLA FFI
-# headers). The result is byte-identical to the H200's own build of the same sources (checked on
-# 2026-12-01), so device time is not spent building: carry
-# jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so to the device call.
+# headers). The result is byte-identical to the H200's own build of the same sources,
+# so device time is not spent building: carry jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so
+# and jaxvt/ffi/_jaxvt_debug.cpython-312-x86_64-linux-gnu.so (the probes) to the device call.
 #
 #   bash tools/build_cuda_here.sh [PYTHON3.12]   # default: pyenv's 3.12, venv in /tmp/venv312
 set -euo pipefail
@@ -21,5 +21,6 @@ B=${BUILD_DIR:-/tmp/jaxvt-cuda-build}
 cmake -S . -B "$B" -G Ninja -DJAXVT_GPU=CUDA -DJAXVT_CUDA_ARCHS=90 \
   -DPython_EXECUTABLE="$V/bin/python" > /dev/null
 cmake --build "$B" -j "$(nproc)"
-cp "$B"/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so jaxvt/ffi/
-echo "built jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so"
+cp "$B"/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so "$B"/_jaxvt_debug.cpython-312-x86_64-linux-gnu.so \
+  jaxvt/ffi/
+echo "built jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so and _jaxvt_debug (the probes)"

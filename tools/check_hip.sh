@@ -33,7 +33,7 @@ xla_inc="$(python -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 src=jaxvt/ffi/csrc
-files=($(cd "$src" && ls *.cu))  # every GPU source the CMake build compiles
+files=($(cd "$src" && find . -name '*.cu' | sed 's|^\./||' | sort))  # every GPU source CMake compiles
 flags=(-x hip -std=c++17 -O3 -fPIC -DJAXVT_GPU_HIP=1 -DJAXVT_WITH_GPU=1 -I"$src" -I"$xla_inc")
 bitcode=/usr/lib/x86_64-linux-gnu/amdgcn/bitcode  # Debian's rocm-device-libs
 
@@ -70,15 +70,15 @@ for arch in "${archs[@]}"; do
   pids=()
   for f in "${files[@]}"; do
     echo "${cxx[0]} --offload-arch=$arch $src/$f"
-    "${cxx[@]}" "${flags[@]}" -c "$src/$f" -o "$out/${f%.cu}-$arch.o" \
-      > "$out/${f%.cu}-$arch.log" 2>&1 &
+    o="$out/$(echo "${f%.cu}" | tr / _)-$arch"
+    "${cxx[@]}" "${flags[@]}" -c "$src/$f" -o "$o.o" > "$o.log" 2>&1 &
     pids+=($!)
   done
   failed=0
   for i in "${!files[@]}"; do
     if ! wait "${pids[$i]}"; then
       echo "check_hip: ${files[$i]} failed for $arch:"
-      cat "$out/${files[$i]%.cu}-$arch.log"
+      cat "$out/$(echo "${files[$i]%.cu}" | tr / _)-$arch.log"
       failed=1
     fi
   done

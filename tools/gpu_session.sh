@@ -44,17 +44,19 @@ setup() {  # the carried gguf wheel on PYTHONPATH, then the extension (carried, 
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-  if [ -z "${JAXVT_REBUILD:-}" ] && python3 -c "
-from jaxvt import ffi; from jaxvt.ffi import _jaxvt_ffi as e
+  # a carried build must register every GPU op of this checkout's op table and come with its
+  # debug module
+  if [ -z "${JAXVT_REBUILD:-}" ] && python3 -c "import re; from jaxvt.ffi import _jaxvt_ffi as e, _jaxvt_debug
 assert e.gpu_device_count() > 0
-assert set(ffi.GPU_TARGETS) <= set(e.registrations().get(e.gpu_platform(), {}))" 2>/dev/null; then
+ops = re.findall(r'(?m)^JAXVT_OP\((\w+), *\w+, *\w+, *(\w+),', open('jaxvt/ffi/csrc/handlers/ops.inc').read())
+assert {t for t, gpu in ops if gpu != '0'} <= set(e.registrations().get(e.gpu_platform(), {}))" 2>/dev/null; then
     echo "prebuilt extension: $(ls jaxvt/ffi/_jaxvt_ffi*.so)"
   else
     local t=$(date +%s)
     cmake -S . -B /tmp/build -G Ninja -DJAXVT_GPU=CUDA -DJAXVT_CUDA_ARCHS=90 \
       -DPython_EXECUTABLE="$(which python3)" > "$OUT/build.log" 2>&1 &&
       cmake --build /tmp/build -j 16 >> "$OUT/build.log" 2>&1 &&
-      cp /tmp/build/_jaxvt_ffi*.so jaxvt/ffi/ || { tail -30 "$OUT/build.log"; exit 1; }
+      cp /tmp/build/_jaxvt_ffi*.so /tmp/build/_jaxvt_debug*.so jaxvt/ffi/ || { tail -30 "$OUT/build.log"; exit 1; }
     echo "extension built in $(( $(date +%s) - t )) s"
   fi
 }

@@ -1,9 +1,12 @@
 """jaxvt's XLA FFI kernels over GGUF block formats.
 
 The compiled extension `jaxvt.ffi._jaxvt_ffi` holds the handlers (platform "cpu" always, "CUDA"
-or "ROCM" when built with a GPU toolchain), the host-tier allocator and the bandwidth probes.
-`jaxvt.ffi.ops` has the ops and their jnp references; importing it registers the handlers with
-JAX once (`register()`, idempotent). Nothing here is imported by `import jaxvt`.
+or "ROCM" when built with a GPU toolchain) and the host-tier allocator; its op table
+(csrc/handlers/ops.inc) is the one list of custom-call targets, read here through
+`registrations()` (`targets()`). The debug module `jaxvt.ffi._jaxvt_debug` holds the measurement
+probes (`debug_extension()`). `jaxvt.ffi.ops` has the ops and their jnp references; importing it
+registers the handlers with JAX once (`register()`, idempotent). Nothing here is imported by
+`import jaxvt`.
 """
 
 from __future__ import annotations
@@ -14,17 +17,6 @@ from types import ModuleType
 
 import jax
 
-TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
-           "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_qmatmul_grouped",
-           "jaxvt_moe_route", "jaxvt_gdn_step", "jaxvt_attn_step", "jaxvt_prefetch_fetch",
-           "jaxvt_prefetch_take", "jaxvt_prefetch_join", "jaxvt_prefetch_experts",
-           "jaxvt_prefetch_experts_inline")
-# The targets a GPU build registers for its platform ("CUDA" or "ROCM").
-GPU_TARGETS = ("jaxvt_qmatmul", "jaxvt_qmatmul_experts", "jaxvt_qembed", "jaxvt_qdequant",
-               "jaxvt_qmatmul_grouped", "jaxvt_qmatmul_multi", "jaxvt_qmatmul_experts2",
-               "jaxvt_qmatmul_q8", "jaxvt_qmatmul_experts_q8", "jaxvt_moe_route",
-               "jaxvt_gdn_step", "jaxvt_attn_step", "jaxvt_prefetch_fetch", "jaxvt_prefetch_take",
-               "jaxvt_prefetch_join", "jaxvt_prefetch_experts", "jaxvt_prefetch_experts_inline")
 _lock = threading.Lock()
 _registered: set[str] = set()
 
@@ -37,6 +29,16 @@ def extension() -> ModuleType | None:
   except ImportError:
     return None
   return _jaxvt_ffi
+
+
+@functools.cache
+def debug_extension() -> ModuleType | None:
+  """The debug module (measurement probes), or None when jaxvt was installed without it."""
+  try:
+    from jaxvt.ffi import _jaxvt_debug
+  except ImportError:
+    return None
+  return _jaxvt_debug
 
 
 def _platform_key(platform: str) -> str:
@@ -52,6 +54,18 @@ def available(platform: str = "cpu") -> bool:
   """Whether kernels exist for `platform` ("cpu", "cuda"/"gpu", "rocm"; any case)."""
   ext = extension()
   return ext is not None and _platform_key(platform) in ext.registrations()
+
+
+def targets(platform: str | None = None) -> frozenset[str]:
+  """The custom-call target names the extension registers for `platform` ("cpu", "cuda"/"gpu",
+  "rocm"; any case), or for any platform when None; empty without the extension."""
+  ext = extension()
+  if ext is None:
+    return frozenset()
+  regs = ext.registrations()
+  if platform is not None:
+    return frozenset(regs.get(_platform_key(platform), {}))
+  return frozenset(name for names in regs.values() for name in names)
 
 
 def register() -> tuple[str, ...]:

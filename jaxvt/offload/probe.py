@@ -171,6 +171,14 @@ def _extension():
   return _jaxvt_ffi
 
 
+def _probes():
+  """The extension's debug module (the link probes), or None where it was not built."""
+  try:
+    return importlib.import_module("jaxvt.ffi._jaxvt_debug")  # honours sys.modules
+  except ImportError:
+    return None
+
+
 def time_qmatmul(w, iters: int = 20) -> float:
   """GB/s of `jaxvt.ffi.ops.qmatmul` reading the single layer of QWeight `w` at batch 1."""
   m = w.meta
@@ -257,10 +265,13 @@ def run_probe(device=None, nbytes: int = 1 << 30, iters: int = 10,
   kw = {"measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
   if platform == "cpu":
     notes.append(NO_LINK)
+  elif (probes := _probes()) is None:
+    notes.append("no measurement module (jaxvt.ffi._jaxvt_debug): the link's rates are not "
+                 "measured; rebuild the extension to measure them")
   else:
-    kw["dma_h2d_gbps"] = float(ext.measure_dma_h2d(nbytes, iters))
-    kw["zero_copy_gbps"] = float(ext.measure_zero_copy_read(nbytes, iters))
-    managed = ext.measure_managed(nbytes)
+    kw["dma_h2d_gbps"] = float(probes.measure_dma_h2d(nbytes, iters))
+    kw["zero_copy_gbps"] = float(probes.measure_zero_copy_read(nbytes, iters))
+    managed = probes.measure_managed(nbytes)
     if managed is None:
       notes.append("no managed allocator: placement never uses managed memory")
     else:

@@ -1,17 +1,18 @@
 """Reads the extension's sources and flags from CMakeLists.txt, for the Bazel build.
 
-CMakeLists.txt is the one place that says what `jaxvt.ffi._jaxvt_ffi` is built from; Bazel reads
-it (through the @jaxvt_cmake repository, tools/bazel/cmake_lists.bzl) instead of repeating it:
+CMakeLists.txt is the one place that says what `jaxvt.ffi._jaxvt_ffi` and its debug module
+`jaxvt.ffi._jaxvt_debug` are built from; Bazel reads it (through the @jaxvt_cmake repository,
+tools/bazel/cmake_lists.bzl) instead of repeating it:
 
   python tools/bazel/cmake_sources.py CMakeLists.txt          # prints the generated sources.bzl
 
-It understands the subset of CMake that CMakeLists.txt uses for the `_jaxvt_ffi` target --
+It understands the subset of CMake that CMakeLists.txt uses for the two module targets --
 set(), if()/elseif()/else()/endif(), nanobind_add_module(), target_sources(),
 target_compile_options(), target_compile_definitions(), set_source_files_properties(... PROPERTIES
 COMPILE_OPTIONS ...) -- unconditionally or inside the x86-64 block (`if(CMAKE_SYSTEM_PROCESSOR
 MATCHES "x86_64...")`); commands inside `JAXVT_GPU` blocks are the CUDA/HIP build, which Bazel does
-not do. Anything else aimed at `_jaxvt_ffi` stops it with an error naming the command, so a change
-to CMakeLists.txt cannot silently make the two builds differ.
+not do. Anything else aimed at a module target stops it with an error naming the command, so a
+change to CMakeLists.txt cannot silently make the two builds differ.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import re
 import sys
 
-TARGET = "_jaxvt_ffi"
+# module target -> the prefix of its variables in sources.bzl
+TARGETS = {"_jaxvt_ffi": "FFI", "_jaxvt_debug": "DEBUG"}
 SRC_PREFIX = "${CMAKE_CURRENT_SOURCE_DIR}/"
 # Commands on the target that carry nothing the Bazel build has to mirror (it sets them itself:
 # the include directories are the csrc/ directory and the XLA FFI headers, the threads library is
@@ -128,7 +130,9 @@ def _src(path: str, line: int) -> str:
   return path[len(SRC_PREFIX):]
 
 
-def parse(text: str) -> dict[str, list[str]]:
+def parse(text: str, target: str = "_jaxvt_ffi") -> dict[str, list[str]]:
+  """The sources and flags of module `target` (a nanobind_add_module of CMakeLists.txt)."""
+  TARGET = target  # noqa: N806 (the messages name it as the constant they always named)
   env: dict[str, str] = {"CMAKE_CURRENT_SOURCE_DIR": SRC_PREFIX.rstrip("/")}
   out = {k: [] for k in ("srcs", "copts", "defines", "x86_srcs", "x86_copts", "x86_defines",
                          "gpu_srcs", "nanobind_options")}
@@ -188,8 +192,8 @@ def parse(text: str) -> dict[str, list[str]]:
       if not props or props[0] != "COMPILE_OPTIONS" or where != "x86":
         raise CMakeError(f"line {line}: only COMPILE_OPTIONS in the x86-64 block are understood")
       x86 = set(out["x86_srcs"])
-      if not all(_src(f, line) in x86 for f in files):
-        raise CMakeError(f"line {line}: COMPILE_OPTIONS on sources outside the x86-64 sources")
+      if not any(_src(f, line) in x86 for f in files):  # another module's sources
+        continue
       out["x86_copts"] += props[1:]
       continue
     if not mentions_target:
@@ -221,22 +225,24 @@ def parse(text: str) -> dict[str, list[str]]:
   return out
 
 
-def render(info: dict[str, list[str]], origin: str) -> str:
-  doc = {
-      "srcs": "nanobind_add_module(_jaxvt_ffi ...) sources (+ unconditional target_sources)",
-      "copts": "target_compile_options(_jaxvt_ffi ...), C++ only",
-      "defines": "target_compile_definitions(_jaxvt_ffi ...)",
-      "x86_srcs": "x86-64 only: the AVX2 translation units",
-      "x86_copts": "x86-64 only: their set_source_files_properties(... COMPILE_OPTIONS ...)",
-      "x86_defines": "x86-64 only: target_compile_definitions(_jaxvt_ffi ...) (every unit)",
-      "gpu_srcs": "GPU_SOURCES (CUDA/HIP; not built by Bazel)",
-      "nanobind_options": "nanobind_add_module options",
-  }
+def render(infos: dict[str, dict[str, list[str]]], origin: str) -> str:
+  """sources.bzl: PREFIX_KEY = [...] for each module target (TARGETS) and key."""
   lines = [f'"""Generated from {origin} by tools/bazel/cmake_sources.py; do not edit."""', ""]
-  for key in doc:
-    lines.append(f"# {doc[key]}")
-    lines.append(f"FFI_{key.upper()} = {info[key]!r}")
-    lines.append("")
+  for target, info in infos.items():
+    doc = {
+        "srcs": f"nanobind_add_module({target} ...) sources (+ unconditional target_sources)",
+        "copts": f"target_compile_options({target} ...), C++ only",
+        "defines": f"target_compile_definitions({target} ...)",
+        "x86_srcs": "x86-64 only: the AVX2 translation units",
+        "x86_copts": "x86-64 only: their set_source_files_properties(... COMPILE_OPTIONS ...)",
+        "x86_defines": f"x86-64 only: target_compile_definitions({target} ...) (every unit)",
+        "gpu_srcs": "GPU_SOURCES (CUDA/HIP; not built by Bazel)",
+        "nanobind_options": "nanobind_add_module options",
+    }
+    for key in doc:
+      lines.append(f"# {doc[key]}")
+      lines.append(f"{TARGETS[target]}_{key.upper()} = {info[key]!r}")
+      lines.append("")
   return "\n".join(lines)
 
 
@@ -246,11 +252,12 @@ def main(argv: list[str]) -> int:
     return 2
   try:
     with open(argv[1], encoding="utf-8") as f:
-      info = parse(f.read())
+      text = f.read()
+    infos = {target: parse(text, target) for target in TARGETS}
   except CMakeError as e:
     print(f"cmake_sources: {argv[1]}: {e}", file=sys.stderr)
     return 1
-  print(render(info, "CMakeLists.txt"))
+  print(render(infos, "CMakeLists.txt"))
   return 0
 
 

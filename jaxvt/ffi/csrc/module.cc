@@ -1,5 +1,6 @@
-// nanobind module jaxvt.ffi._jaxvt_ffi: the XLA FFI handler capsules by platform, the host-tier
-// allocator, and the raw measurement primitives the bandwidth probe calls.
+// nanobind module jaxvt.ffi._jaxvt_ffi: the XLA FFI handler capsules by platform (from the op
+// table, handlers/ops.inc), the host-tier allocator, the file reader and the CPU kernels'
+// settings. The probes are the debug module's (debug/module.cc).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
@@ -12,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -24,10 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "formats.h"
-#include "handlers.h"
-#include "kernels_cpu.h"
-#include "memory.h"
+#include "common/formats.h"
+#include "handlers/handlers.h"
+#include "handlers/select.h"
+#include "kernels/cpu/kernels_cpu.h"
+#include "memory/memory.h"
 
 namespace nb = nanobind;
 
@@ -46,47 +47,20 @@ constexpr const char* kGpuPlatform = JAXVT_GPU_PLATFORM;
 constexpr const char* kGpuPlatform = "";
 #endif
 
+// {platform: {target: capsule}}, expanded from the op table (handlers/ops.inc).
 nb::dict Registrations() {
   nb::dict out, cpu;
-  cpu["jaxvt_qmatmul"] = Capsule(JaxvtQMatmulCpu);
-  cpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsCpu);
-  cpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedCpu);
-  cpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantCpu);
-  cpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Cpu);
-  cpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Cpu);
-  cpu["jaxvt_rms_norm"] = Capsule(JaxvtRmsNormCpu);
-  cpu["jaxvt_swiglu"] = Capsule(JaxvtSwigluCpu);
-  cpu["jaxvt_rope"] = Capsule(JaxvtRopeCpu);
-  cpu["jaxvt_attention"] = Capsule(JaxvtAttentionCpu);
-  cpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedCpu);
-  cpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteCpu);
-  cpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepCpu);
-  cpu["jaxvt_attn_step"] = Capsule(JaxvtAttnStepCpu);
-  cpu["jaxvt_prefetch_fetch"] = Capsule(JaxvtPrefetchFetchCpu);
-  cpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeCpu);
-  cpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinCpu);
-  cpu["jaxvt_prefetch_experts"] = Capsule(JaxvtPrefetchExpertsCpu);
-  cpu["jaxvt_prefetch_experts_inline"] = Capsule(JaxvtPrefetchExpertsCpu);  // one copy on a CPU
+#define JAXVT_OP(target, Stem, on_cpu, on_gpu, cmd, ...) \
+  JAXVT_IF(on_cpu, cpu[#target] = Capsule(Jaxvt##Stem##Cpu);)
+#include "handlers/ops.inc"
+#undef JAXVT_OP
   out["cpu"] = cpu;
 #if defined(JAXVT_WITH_GPU)
   nb::dict gpu;
-  gpu["jaxvt_qmatmul"] = Capsule(JaxvtQMatmulGpu);
-  gpu["jaxvt_qmatmul_experts"] = Capsule(JaxvtQMatmulExpertsGpu);
-  gpu["jaxvt_qembed"] = Capsule(JaxvtQEmbedGpu);
-  gpu["jaxvt_qdequant"] = Capsule(JaxvtQDequantGpu);
-  gpu["jaxvt_qmatmul_multi"] = Capsule(JaxvtQMatmulMultiGpu);
-  gpu["jaxvt_qmatmul_experts2"] = Capsule(JaxvtQMatmulExperts2Gpu);
-  gpu["jaxvt_qmatmul_q8"] = Capsule(JaxvtQMatmulQ8Gpu);
-  gpu["jaxvt_qmatmul_experts_q8"] = Capsule(JaxvtQMatmulExpertsQ8Gpu);
-  gpu["jaxvt_qmatmul_grouped"] = Capsule(JaxvtQMatmulGroupedGpu);
-  gpu["jaxvt_moe_route"] = Capsule(JaxvtMoeRouteGpu);
-  gpu["jaxvt_gdn_step"] = Capsule(JaxvtGdnStepGpu);
-  gpu["jaxvt_attn_step"] = Capsule(JaxvtAttnStepGpu);
-  gpu["jaxvt_prefetch_fetch"] = Capsule(JaxvtPrefetchFetchGpu);
-  gpu["jaxvt_prefetch_take"] = Capsule(JaxvtPrefetchTakeGpu);
-  gpu["jaxvt_prefetch_join"] = Capsule(JaxvtPrefetchJoinGpu);
-  gpu["jaxvt_prefetch_experts"] = Capsule(JaxvtPrefetchExpertsGpu);
-  gpu["jaxvt_prefetch_experts_inline"] = Capsule(JaxvtPrefetchExpertsInlineGpu);
+#define JAXVT_OP(target, Stem, on_cpu, on_gpu, cmd, ...) \
+  JAXVT_IF(on_gpu, gpu[#target] = Capsule(Jaxvt##Stem##Gpu);)
+#include "handlers/ops.inc"
+#undef JAXVT_OP
   out[kGpuPlatform] = gpu;
 #endif
   return out;
@@ -161,50 +135,6 @@ void ManagedFree(uintptr_t p) {
 #else
   (void)p;
 #endif
-}
-
-// ---- measurement primitives (GB/s = 1e9 bytes/s) -----------------------------------------------
-
-double Seconds(std::chrono::steady_clock::duration d) {
-  return std::chrono::duration<double>(d).count();
-}
-
-struct HostBuf {
-  void* p;
-  explicit HostBuf(size_t n) : p(std::aligned_alloc(kPage, (n + kPage - 1) / kPage * kPage)) {
-    if (!p) throw std::runtime_error("out of host memory");
-    std::memset(p, 1, n);
-  }
-  ~HostBuf() { std::free(p); }
-};
-
-double CpuCopy(size_t nbytes, int iters) {
-  HostBuf a(nbytes), b(nbytes);
-  std::memcpy(b.p, a.p, nbytes);
-  auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) std::memcpy(b.p, a.p, nbytes);
-  return static_cast<double>(nbytes) * iters / 1e9 / Seconds(std::chrono::steady_clock::now() - t0);
-}
-
-double CpuRead(size_t nbytes, int iters) {
-  HostBuf a(nbytes);
-  const uint64_t* p = static_cast<const uint64_t*>(a.p);
-  const size_t n = nbytes / 8;
-  volatile uint64_t sink = 0;
-  auto t0 = std::chrono::steady_clock::now();
-  for (int it = 0; it < iters; ++it) {
-    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-      s0 ^= p[i];
-      s1 ^= p[i + 1];
-      s2 ^= p[i + 2];
-      s3 ^= p[i + 3];
-    }
-    for (; i < n; ++i) s0 ^= p[i];
-    sink = sink + (s0 ^ s1 ^ s2 ^ s3);
-  }
-  return static_cast<double>(n) * 8 * iters / 1e9 / Seconds(std::chrono::steady_clock::now() - t0);
 }
 
 // dst: a device array's buffer (gpu: on GPU `device`; else host memory, the CPU backend's),
@@ -289,105 +219,10 @@ int64_t ReadRanges(int fd, const std::vector<Range>& ranges, int threads, int64_
   return short_at;
 }
 
-double MeasureDmaH2D(size_t nbytes, int iters, int kind) {
-  if (iters < 1) iters = 1;
-#if defined(JAXVT_WITH_GPU)
-  if (UseGpu()) {
-    std::string err;
-    double v = jaxvt::gpu_mem::measure_dma_h2d(nbytes, iters, kind, &err);
-    if (v < 0) throw std::runtime_error(err);
-    return v;
-  }
-#endif
-  return CpuCopy(nbytes, iters);
-}
-
-double MeasureZeroCopyRead(size_t nbytes, int iters, bool coherent, int64_t blocks, int kind,
-                           bool bulk) {
-  if (iters < 1) iters = 1;
-#if defined(JAXVT_WITH_GPU)
-  if (UseGpu()) {
-    std::string err;
-    double v = jaxvt::gpu_mem::measure_zero_copy_read(nbytes, iters, coherent, blocks, kind, bulk,
-                                                      &err);
-    if (v < 0) throw std::runtime_error(err);
-    return v;
-  }
-#endif
-  (void)coherent, (void)blocks, (void)kind, (void)bulk;
-  return CpuRead(nbytes, iters);
-}
-
-std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
-#if defined(JAXVT_WITH_GPU)
-  if (UseGpu()) {
-    double first = 0, repeat = 0;
-    std::string err;
-    if (jaxvt::gpu_mem::measure_managed(nbytes, &first, &repeat, &err))
-      return std::make_pair(first, repeat);
-    if (!err.empty()) throw std::runtime_error(err);
-  }
-#endif
-  (void)nbytes;
-  return std::nullopt;
-}
-
-// GPU-only probes of the host-tier matvec kernel (memory.h); GB/s of weight bytes read.
-double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int copies, int iters,
-                       int64_t grid_cap, bool device_tier, int kind) {
-#if defined(JAXVT_WITH_GPU)
-  if (UseGpu()) {
-    if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
-      throw std::invalid_argument("unsupported format or shape");
-    std::string err;
-    const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
-    double v = jaxvt::gpu_mem::measure_host_gemv(fmt, rows, cols, rb, batch, copies, iters,
-                                                 grid_cap, device_tier, kind, &err);
-    if (v < 0) throw std::runtime_error(err);
-    return v;
-  }
-#endif
-  (void)fmt, (void)rows, (void)cols, (void)batch, (void)copies, (void)iters, (void)grid_cap;
-  (void)device_tier, (void)kind;
-  throw std::runtime_error("measure_host_gemv needs a GPU build and a GPU");
-}
-
-// Times the CPU GEMV kernel alone (no XLA): weights at `addr` (rows x cols of format fmt), batch
-// rows of x = 1/cols; returns seconds per call.
-double BenchCpuGemv(int fmt, uintptr_t addr, int64_t rows, int64_t cols, int64_t batch, int iters) {
-  if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
-    throw std::invalid_argument("unsupported format or shape");
-  std::vector<float> x(batch * cols, 1.0f / static_cast<float>(cols)), y(batch * rows);
-  std::vector<float> s16(batch * cols / 16), s32(batch * cols / 32);
-  std::vector<const float*> xr(batch), p16(batch), p32(batch);
-  std::vector<float*> yr(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    xr[b] = x.data() + b * cols;
-    p16[b] = s16.data() + b * cols / 16;
-    p32[b] = s32.data() + b * cols / 32;
-    yr[b] = y.data() + b * rows;
-    jaxvt::cpu::x_sums(xr[b], cols, s16.data() + b * cols / 16, s32.data() + b * cols / 32);
-  }
-  jaxvt::cpu::Batch bt{batch, xr.data(), p16.data(), p32.data(), yr.data()};
-  const auto* w = reinterpret_cast<const uint8_t*>(addr);
-  const int64_t per = std::max<int64_t>(16, (rows + 4 * jaxvt::cpu::num_threads() - 1) /
-                                                (4 * jaxvt::cpu::num_threads()));
-  auto run = [&] {
-    auto task = [&](int64_t t) {
-      jaxvt::cpu::gemv_rows(fmt, w, cols, bt, t * per, std::min(rows, (t + 1) * per));
-    };
-    jaxvt::cpu::parallel_for((rows + per - 1) / per, task);
-  };
-  run();
-  auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) run();
-  return Seconds(std::chrono::steady_clock::now() - t0) / std::max(iters, 1);
-}
-
 }  // namespace
 
 NB_MODULE(_jaxvt_ffi, m) {
-  m.doc() = "jaxvt's XLA FFI kernels (GGUF block formats), host-tier allocator and probes.";
+  m.doc() = "jaxvt's XLA FFI kernels (GGUF block formats) and host-tier allocator.";
   m.def("registrations", &Registrations,
         "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
   m.def("formats", [] {
@@ -432,38 +267,6 @@ NB_MODULE(_jaxvt_ffi, m) {
         nb::arg("piece") = int64_t{64} << 20,
         "Reads each (file offset, destination address, bytes) of fd in pieces on native "
         "threads, the GIL released; -1 when all was read, else where the file ended early.");
-  m.def("measure_dma_h2d", &MeasureDmaH2D, nb::arg("nbytes"), nb::arg("iters"), nb::arg("kind") = 0,
-        "GB/s of pinned host -> device copies (memcpy GB/s on CPU).");
-  m.def("measure_zero_copy_read", &MeasureZeroCopyRead, nb::arg("nbytes"), nb::arg("iters"),
-        nb::arg("coherent") = false, nb::arg("blocks") = 0, nb::arg("kind") = 0,
-        nb::arg("bulk") = false,
-        "GB/s of a kernel streaming mapped pinned host memory (plain read GB/s on CPU); blocks:"
-        " its grid (0: four per multiprocessor); kind: the memory's HostKind; bulk: read with"
-        " the bulk-copy engine (CUDA sm_90+; raises elsewhere).");
-  m.def("measure_host_gemv", &MeasureHostGemv, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
-        nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
-        nb::arg("device_tier") = false, nb::arg("kind") = 0,
-        "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid cap.");
-  m.def("set_experts_slot_max", [](int64_t slots) -> int64_t {
-#if defined(JAXVT_WITH_GPU)
-    if (UseGpu()) return jaxvt::gpu::set_experts_slot_max(slots);
-#endif
-    (void)slots;
-    return 0;
-  }, nb::arg("slots"),
-        "GPU probe: routed-expert calls of at most `slots` slots take the per-slot kernel (< 0: "
-        "the default); returns the previous value (0 without a GPU).");
-  m.def("set_grid_waves", [](int64_t waves) -> int64_t {
-#if defined(JAXVT_WITH_GPU)
-    if (UseGpu()) return jaxvt::gpu::set_grid_waves(waves);
-#endif
-    (void)waves;
-    return 0;
-  }, nb::arg("waves"),
-        "GPU probe: the matvec and per-slot experts launches' grids in waves of resident blocks "
-        "(< 1: 1, the default); returns the previous value (0 without a GPU).");
-  m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
-        "(first, repeat) device-read GB/s of host-written managed memory, or None.");
   m.def("cpu_threads", &jaxvt::cpu::num_threads, "Threads the CPU kernels use (caller included).");
   m.def("set_cpu_threads", &jaxvt::cpu::set_num_threads, nb::arg("n"),
         "Set the CPU kernels' thread count (n <= 0: the CPUs this process may use). Not while a "
@@ -474,7 +277,4 @@ NB_MODULE(_jaxvt_ffi, m) {
           if (isa != "auto" && isa != "generic") throw std::invalid_argument("isa must be 'auto' or 'generic'");
           jaxvt::cpu::force_generic(isa == "generic");
         }, nb::arg("isa"), "'generic' forces the portable CPU path (for tests); 'auto' undoes it.");
-  m.def("bench_cpu_gemv", &BenchCpuGemv, nb::arg("fmt"), nb::arg("addr"), nb::arg("rows"),
-        nb::arg("cols"), nb::arg("batch"), nb::arg("iters"),
-        "Seconds per call of the CPU GEMV kernel alone on the matrix at addr.");
 }

@@ -1,0 +1,92 @@
+// ggml-exact CPU ops (kernels_cpu_ggml.h): the portable copy of ggml_ops_impl.h, the run-time
+// choice of the AVX2 copy, and the split of the work across the thread pool (rows, tokens or
+// (row, token, head) units are independent, so the split changes no bits).
+#include "kernels/cpu/kernels_cpu_ggml.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#define JAXVT_FORMATS_INTERNAL_LINKAGE 1
+#include "common/formats.h"
+#include "kernels/cpu/kernels_cpu.h"
+
+namespace jaxvt::cpu::ggml {
+namespace portable {
+namespace {
+#include "kernels/cpu/ggml_ops_impl.h"
+}  // namespace
+}  // namespace portable
+
+namespace {
+
+bool fast() {
+#if defined(JAXVT_HAVE_AVX2_TU)
+  return use_avx2();
+#else
+  return false;
+#endif
+}
+
+// Runs fn(i0, i1) over [0, n) in pieces of at least `grain`, on the pool when it pays.
+template <class F>
+void split(int64_t n, int64_t grain, F&& fn) {
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(n / std::max<int64_t>(grain, 1),
+                                                                4 * num_threads()));
+  if (pieces <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  auto task = [&](int64_t t) { fn(t * n / pieces, (t + 1) * n / pieces); };
+  parallel_for(pieces, task);
+}
+
+}  // namespace
+
+void rms_norm(const float* x, const float* w, int64_t n, int64_t d, float eps, float* y) {
+  split(n, std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
+#if defined(JAXVT_HAVE_AVX2_TU)
+    if (fast()) return avx2::rms_norm(x, w, d, eps, y, r0, r1);
+#endif
+    portable::rms_norm_rows(x, w, d, eps, y, r0, r1);
+  });
+}
+
+void swiglu(const float* g, const float* u, int64_t n, int64_t d, float* y) {
+  split(n, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
+#if defined(JAXVT_HAVE_AVX2_TU)
+    if (fast()) return avx2::swiglu(g, u, d, y, r0, r1);
+#endif
+    portable::swiglu_rows(g, u, d, y, r0, r1);
+  });
+}
+
+void rope(const float* x, const int32_t* pos, int64_t ntok, int64_t nh, int64_t hd,
+          int64_t n_dims, float base, bool neox, float* y) {
+  split(ntok, std::max<int64_t>(1, 16384 / std::max<int64_t>(nh * hd, 1)),
+        [&](int64_t t0, int64_t t1) {
+#if defined(JAXVT_HAVE_AVX2_TU)
+          if (fast()) return avx2::rope(x, pos, nh, hd, n_dims, base, neox, y, t0, t1);
+#endif
+          portable::rope_tokens(x, pos, nh, hd, n_dims, base, neox, y, t0, t1);
+        });
+}
+
+void attention(const AttnArgs& a, bool half_cache) {
+  const int64_t units = a.B * a.T * a.H;
+  const int64_t work = std::max<int64_t>(1, a.kv_len * (a.D + a.Dv));
+  split(units, std::max<int64_t>(1, 65536 / work), [&](int64_t u0, int64_t u1) {
+#if defined(JAXVT_HAVE_AVX2_TU)
+    if (fast()) return avx2::attention(a, half_cache, u0, u1);
+#endif
+    std::vector<float> scratch(a.kv_len + a.D);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t h = u % a.H, ti = (u / a.H) % a.T, bi = u / (a.H * a.T);
+      if (half_cache) portable::attend_one<true>(a, bi, ti, h, scratch.data());
+      else portable::attend_one<false>(a, bi, ti, h, scratch.data());
+    }
+  });
+}
+
+}  // namespace jaxvt::cpu::ggml
