@@ -158,7 +158,8 @@ def test_two_rows_per_warp_give_the_same_bits_in_either_tier(fmt, rng, device, t
   if fmt not in (Q4_K, Q6_K):
     return
   # the routed experts' down product of the 35B shape: 8 slots, experts of 2048 x 512
-  e = make_stack(rng, [fmt, fmt], 2048, 512, experts=16, host=(1,), tier=tier)
+  raw = random_blocks(rng, fmt, 16 * 2048, 512)  # the same experts in both layers
+  e = make_stack(rng, [fmt, fmt], 2048, 512, experts=16, host=(1,), tier=tier, raws=[raw, raw])
   we = put(e.w, device)
   ids = rng.choice(16, (1, 8), replace=False).astype(np.int32)
   xe = rng.standard_normal((1, 8, 512)).astype(np.float32)
