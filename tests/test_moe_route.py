@@ -1,4 +1,4 @@
-"""The MoE router as one custom call (ops.moe_route, csrc/route.h) against its jnp reference
+"""The MoE router as one custom call (ops.moe_route, csrc/common/route.h) against its jnp reference
 (ops.moe_route_ref: softmax in float32, lax.top_k, renormalisation), which always runs on the
 CPU backend: the same ids and weights to float32 rounding on random logits without near-ties,
 exact ties to the lower expert index (across lanes and registers of the GPU kernel), NaN rows,
@@ -138,7 +138,7 @@ def _targets(lowered) -> set[str]:
 
 
 def test_wide_routers_and_bad_k():
-  """Routers wider than csrc/route.h's kMaxExperts run the reference; k outside 1 .. E is a
+  """Routers wider than csrc/common/route.h's kMaxExperts run the reference; k outside 1 .. E is a
   user error."""
   narrow = jax.ShapeDtypeStruct((3, ops.ROUTE_MAX_EXPERTS), jnp.float32)
   wide = jax.ShapeDtypeStruct((3, ops.ROUTE_MAX_EXPERTS + 1), jnp.float32)

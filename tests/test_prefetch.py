@@ -1,6 +1,6 @@
 """Host-tier layers copied ahead of their turn (jaxvt.ffi.prefetch: fetch / take / join) on CPU.
 
-The contract (csrc/prefetch.h): fetch copies a host-tier layer's bytes into a ring; take gives a
+The contract (csrc/common/prefetch.h): fetch copies a host-tier layer's bytes into a ring; take gives a
 table that points the kernels at the ring for that layer only, and leaves every other layer where
 it lives; a fetch of -1 leaves the ring as it is, a fetch of a device-tier layer empties it. The
 reference is the identity: the kernels' results through take's table equal, bit for bit, those

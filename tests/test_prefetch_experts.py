@@ -1,4 +1,4 @@
-"""Decode's predicted experts copied ahead (jaxvt.ffi.prefetch.fetch_experts, csrc/prefetch.h
+"""Decode's predicted experts copied ahead (jaxvt.ffi.prefetch.fetch_experts, csrc/common/prefetch.h
 XHeader) and the experts kernels reading them from the ring, on CPU.
 
 The contract: a fetch of a host-tier layer copies the first n predicted experts' bytes into the

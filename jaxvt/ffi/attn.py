@@ -1,4 +1,4 @@
-"""The fused attention decode step: one custom call (`jaxvt_attn_step`, csrc/attn.h) for
+"""The fused attention decode step: one custom call (`jaxvt_attn_step`, csrc/common/attn.h) for
 everything between an attention layer's q/k/v projections and its output projection at t == 1,
 on whole cache stacks: it reads layer `layer` of the norm stacks and writes the new keys and
 values into layer `layer` of the cache stacks in place (the stacks are aliased to the results:
@@ -101,7 +101,7 @@ def attn_step(q, k, v, q_norm, k_norm, k_cache, v_cache, layer, positions, *, kv
          jax.ShapeDtypeStruct(v_cache.shape, jnp.float32),
          jax.ShapeDtypeStruct((b * K * splits * G * (Dv + 2),), jnp.float32))  # the partials
   # Both stacks are updated in place (layer `layer`, each row's position only): the block that
-  # writes a position is the only one that reads it (csrc/attn.h).
+  # writes a position is the only one that reads it (csrc/common/attn.h).
   call = jax.ffi.ffi_call("jaxvt_attn_step", out, input_output_aliases={6: 1, 7: 2},
                           vmap_method="sequential")
   o, k_cache, v_cache, _ = call(

@@ -1,4 +1,4 @@
-"""The fused Gated DeltaNet decode step: one custom call (`jaxvt_gdn_step`, csrc/gdn.h) for
+"""The fused Gated DeltaNet decode step: one custom call (`jaxvt_gdn_step`, csrc/common/gdn.h) for
 everything between a DeltaNet layer's input projections and its output projection at t == 1, on
 whole stacks: it reads layer `layer` of the weight stacks and updates layer `layer` of the state
 stacks in place (the stacks are aliased to the results: no slice or update-slice around it).
@@ -72,7 +72,7 @@ def gdn_step(mixed, z, beta_raw, alpha_raw, a, dt_bias, conv_w, norm_w, conv_sta
          jax.ShapeDtypeStruct(ssm_state.shape, jnp.float32),
          jax.ShapeDtypeStruct((b, conv_dim), jnp.float32))  # conv_out: the kernels' scratch
   # Both stacks are updated in place (layer `layer` only): the conv phase finishes before the
-  # heads read its output (csrc/gdn.h), so no head reads a conv state another has written.
+  # heads read its output (csrc/common/gdn.h), so no head reads a conv state another has written.
   call = jax.ffi.ffi_call("jaxvt_gdn_step", out, input_output_aliases={8: 1, 9: 2},
                           vmap_method="sequential")
   y, conv_state, ssm_state, _ = call(

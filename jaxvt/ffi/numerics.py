@@ -6,7 +6,7 @@ Three modes (`MODES`):
 - "ggml" (default): what llama.cpp's CPU backend computes. Before a product with a weight matrix
   of format F, each activation row is converted to F's ggml vec-dot type (`VEC_TYPE`): Q8_0 for
   Q4_0/Q8_0, Q8_1 for Q4_1, Q8_K for the K formats, F16/BF16 for F16/BF16 weights, nothing for
-  F32 (block recipes in jaxvt/ffi/csrc/act.h). Quantized blocks are dotted in integers and scaled
+  F32 (block recipes in jaxvt/ffi/csrc/common/act.h). Quantized blocks are dotted in integers and scaled
   in float32: y = sum_b (d_w * d_x) * isum_b  (+ sum_b m_w * s_x for Q4_1; per 256-block
   d_x*d_w * sum_j sc_j isum_j - d_x*dmin_w * sum_j m_j bsum_j for Q4_K/Q5_K). The CPU kernels
   add in ggml's AVX2 order; this reference adds in XLA's order (same integers, float32 rounding
@@ -53,7 +53,7 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def act_row_bytes(fmt: int, cols: int) -> int:
-  """Bytes of one activation row in the kernels' scratch layout (csrc/act.h)."""
+  """Bytes of one activation row in the kernels' scratch layout (csrc/common/act.h)."""
   vt = VEC_TYPE[fmt]
   if vt in ("Q8_0", "Q8_1"):
     return cols // 32 * 40

@@ -4,7 +4,7 @@ Kernels (XLA FFI custom calls, `jaxvt.ffi._jaxvt_ffi`) read a layer's raw GGUF b
 are: device-tier layers inside `w.data`, host-tier layers in place in pinned host memory at the
 address in `w.table`. The layer index is an operand the kernel reads on the device, so every op
 works inside `lax.scan` / `fori_loop` with a traced layer and under CUDA-graph replay. All
-accumulation is float32 (see csrc/kernels_cpu.h and csrc/matvec.cuh for the order).
+accumulation is float32 (see csrc/kernels_cpu.h and csrc/kernels/gpu/matvec.cuh for the order).
 
 Arithmetic (`mode`, jaxvt.ffi.numerics): "ggml" (default) is llama.cpp's CPU arithmetic: each
 activation row is quantized to the weight format's ggml vec-dot type (Q8_0 for Q4_0/Q8_0, Q8_1
@@ -486,7 +486,7 @@ def qdequant_ref(w: QWeight, layer) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # MoE router
 
-ROUTE_MAX_EXPERTS = 512  # csrc/route.h kMaxExperts: wider routers run moe_route_ref
+ROUTE_MAX_EXPERTS = 512  # csrc/common/route.h kMaxExperts: wider routers run moe_route_ref
 
 
 def moe_route_ref(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
@@ -500,7 +500,7 @@ def moe_route_ref(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Arr
 
 
 def moe_route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-  """moe_route_ref as one custom call (csrc/route.h): the same ids where no two probabilities
+  """moe_route_ref as one custom call (csrc/common/route.h): the same ids where no two probabilities
   are within float32 rounding of each other, the weights to float32 rounding. A row whose
   softmax is NaN (a NaN or +inf logit, or all -inf) gives ids 0 .. k-1 with NaN weights, as the
   reference does."""

@@ -1,4 +1,4 @@
-"""Host-tier layers copied to the device ahead of use: a ring per stack (csrc/prefetch.h).
+"""Host-tier layers copied to the device ahead of use: a ring per stack (csrc/common/prefetch.h).
 
 In prefill every routed expert of a layer is read (512 tokens choose nearly all 256), so a
 host-tier layer costs its whole bytes over the bus. Read in place, the kernels wait on the bus

@@ -3,7 +3,7 @@
 A row of `cols` elements in a format is `cols // block_elems` consecutive blocks of `block_bytes`
 bytes (sizes are ggml's). The kernels walk rows in k-blocks: the format's own block for the
 quantized formats (32 or 256 elements), 32 elements for F32 / F16 / BF16, so a matrix the
-kernels read needs `cols % 32 == 0`. C++ keeps the same table once, in jaxvt/ffi/csrc/formats.h;
+kernels read needs `cols % 32 == 0`. C++ keeps the same table once, in jaxvt/ffi/csrc/common/formats.h;
 tests/test_formats.py compares the two through the extension.
 
 This module needs neither JAX nor the `gguf` package (jaxvt.gguf.quants adds dequantization and
