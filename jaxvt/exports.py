@@ -155,6 +155,27 @@ class ExportStore:
       self.written += 1
 
 
+  def get_json(self, key: str, kind: str):
+    """What put_json kept for `key` under `kind` (a small JSON value), or None: absent, cut short
+    or not JSON."""
+    try:
+      with open(os.path.join(self.root, f"{key}.{kind}.json")) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return None
+
+  def put_json(self, key: str, kind: str, value) -> None:
+    """Keeps a small JSON value beside the program of `key` (written atomically; an unwritable
+    store keeps nothing)."""
+    try:
+      fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".part-")
+      with os.fdopen(fd, "w") as f:
+        json.dump(value, f)
+      os.replace(tmp, os.path.join(self.root, f"{key}.{kind}.json"))
+    except OSError:
+      return
+
+
 def open_store(path: str) -> ExportStore | None:
   """The store in directory `path` (made if absent; the caller keys it by the extension's
   build), or None where it cannot be (no flatbuffers for jax.export's serialization, an

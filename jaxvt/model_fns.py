@@ -118,20 +118,32 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
   return out, cache, key, last
 
 
+MEMORY_KIND = "memory"  # the export store's record of a program's workspace bytes
+
+
 def xla_workspace_bytes(eng) -> int | None:
   """XLA's memory analysis of the largest prefill program `eng` can run (temporaries plus
   outputs not aliased to inputs), compiled ahead of time; None where XLA gives no analysis.
   That program is a whole chunk (eng.prefill_chunk tokens) reading the whole KV cache (the last
-  chunk of a prompt that fills --max-context)."""
+  chunk of a prompt that fills --max-context). With the export store on (the compile cache's
+  switches) the figure is kept under the program's key, so a later run with the same program
+  reads it instead of tracing and compiling."""
   T = max(T for _, _, T in prefill_chunks(eng.max_context, 0, eng.prefill_chunk, eng.max_context))
   spec = jax.ShapeDtypeStruct
   i32 = lambda shape: spec(shape, jnp.int32)
   cache = jax.eval_shape(lambda: eng.new_cache(1))
-  lowered = prefill_fn.lower(eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool),
-                             i32((1,)), cfg=eng.cfg, ex=eng.ex,
-                             kv_len=eng.kv_len(eng.max_context))
-  ma = lowered.compile().memory_analysis()
+  args = (eng.weights, cache, i32((1, T)), i32((1, T)), spec((1, T), bool), i32((1,)))
+  kw = dict(cfg=eng.cfg, ex=eng.ex, kv_len=eng.kv_len(eng.max_context))
+  store, key = programs.export_store(), prefill_fn.file_key(*args, **kw)
+  if key is not None:
+    kept = store.get_json(key, MEMORY_KIND)
+    if isinstance(kept, int) and kept >= 0:
+      return kept
+  ma = prefill_fn.lower(*args, **kw).compile().memory_analysis()
   if ma is None:
     return None
-  return int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) -
-                                          int(ma.alias_size_in_bytes))
+  ws = int(ma.temp_size_in_bytes) + max(0, int(ma.output_size_in_bytes) -
+                                        int(ma.alias_size_in_bytes))
+  if key is not None:
+    store.put_json(key, MEMORY_KIND, ws)
+  return ws

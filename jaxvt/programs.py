@@ -112,6 +112,28 @@ class Program:
       return self.lower(*args, **kwargs).compile()
     return self._compile(store, k, args, kwargs)
 
+  def file_key(self, *args, **kwargs) -> str | None:
+    """The export store's key of these arguments' program (what decides it before tracing:
+    jaxvt.exports.file_key), or None without a store or where they cannot be keyed."""
+    ex = kwargs.get("ex")
+    if export_store() is None or getattr(getattr(ex, "par", None), "size", 1) > 1:
+      return None
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    keys, dev = [], None
+    for x in leaves:
+      k = exports.leaf_key(x)
+      if k is None and isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        k = (tuple(x.shape), str(x.dtype), bool(x.weak_type), "unplaced")  # a shape alone
+      elif k is not None and dev is None:
+        dev = next(iter(x.sharding.device_set))
+      if k is None:
+        return None
+      keys.append(k)
+    if dev is None:
+      return None
+    return exports.file_key(self._fun, compiler_options(*self._mode(kwargs)), kwargs, treedef,
+                            keys, dev)
+
   def _compile(self, store, k, args, kwargs) -> jax.stages.Compiled:
     key, leaf_keys, treedef = k
     got = self._compiled.get(key)

@@ -181,3 +181,43 @@ def test_the_store_opens_beside_the_cache_and_the_environment_turns_it_off():
     assert os.path.isdir(s.root)
   finally:
     programs._store[0] = saved  # pylint: disable=protected-access
+
+
+def test_the_memory_check_is_kept_under_the_programs_key(tmp_path, monkeypatch):
+  """xla_workspace_bytes (load's XLA memory check) compiles the largest prefill once: a second
+  check of the same program reads the figure the store kept (no lowering), a different program
+  (another context) compiles again, and a damaged record is compiled again, not an error;
+  without a store it always compiles. Every answer equals the compiled program's analysis."""
+  import jaxvt
+  from jaxvt import ffi, model_fns, synth
+  if not ffi.available("cpu"):
+    pytest.skip("needs the jaxvt extension")
+  path = str(tmp_path / "moe.gguf")
+  synth.write_model(path, synth.tiny_config("qwen35moe"), "q4_k_m", seed=2)
+  s = exports.open_store(str(tmp_path / "exported"))
+  lowered = []
+  real_lower = model_fns.prefill_fn.lower
+
+  def counting_lower(*a, **k):
+    lowered.append(1)
+    return real_lower(*a, **k)
+
+  monkeypatch.setattr(model_fns.prefill_fn, "lower", counting_lower)
+  with jaxvt.load(path, offload_gb=1.0, max_context=64) as eng:
+    lowered.clear()  # the load's own check
+    monkeypatch.setattr(programs, "export_store", lambda: None)
+    want = model_fns.xla_workspace_bytes(eng)  # no store: compiled
+    assert want is not None and want > 0 and len(lowered) == 1
+    monkeypatch.setattr(programs, "export_store", lambda: s)
+    assert model_fns.xla_workspace_bytes(eng) == want and len(lowered) == 2  # kept
+    assert model_fns.xla_workspace_bytes(eng) == want and len(lowered) == 2  # read back
+    records = [f for f in os.listdir(s.root) if f.endswith(f".{model_fns.MEMORY_KIND}.json")]
+    assert len(records) == 1
+    with open(os.path.join(s.root, records[0]), "w") as f:
+      f.write("{cut")
+    assert model_fns.xla_workspace_bytes(eng) == want and len(lowered) == 3  # damaged: compiled
+    assert model_fns.xla_workspace_bytes(eng) == want and len(lowered) == 3
+  n = len(lowered)
+  with jaxvt.load(path, offload_gb=1.0, max_context=128) as other:
+    assert len(lowered) == n + 1  # the load's check of another program: not the kept figure
+    assert model_fns.xla_workspace_bytes(other) > want and len(lowered) == n + 1
