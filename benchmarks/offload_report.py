@@ -1,7 +1,8 @@
 """The offload sweep's rows, its budget points, its table, its goal verdicts and its plot.
 
 Pure functions over `Run` rows (no JAX, no GPU), so tests check them on synthetic rows. The
-goals: decode ms/token <= 1.15x the roofline at every safe budget; tok/s never rising with the
+goals: decode ms/token <= 1.15x the roofline at every safe budget; the plan's predicted ms within
+15% of the measured at every safe budget; tok/s never rising with the
 budget inside the safe range; `--offload-gb auto` within 5% of the best safe point; jaxvt >= 2x
 JAX's pinned_host arm; prefill with offload >= 50% of all-device; and the jaxvt / llama.cpp
 ratios of decode and prefill (`peer_goals`).
@@ -16,6 +17,7 @@ ROOFLINE_MAX = 1.15
 AUTO_WITHIN = 0.05
 PINNED_MIN = 2.0
 PREFILL_MIN = 0.5
+PREDICT_WITHIN = 0.15  # the cost model's prediction of decode ms against the measured
 NOISE = 0.01  # a rise of tok/s below this fraction counts as measurement noise (and is listed)
 
 
@@ -139,6 +141,12 @@ def goals(runs: list[Run], rates: dict) -> list[tuple[str, str, str]]:
                 f"worst {worst:.2f}x; " + ", ".join(f"{b:.2f} GiB {x:.2f}x" for b, x in ratios)))
   else:
     out.append(("decode <= 1.15x roofline", "NOT RUN", "no safe point or no same-run rates"))
+  preds = [(r.budget_gib, r.predicted_ms / r.ms - 1) for r in sw if r.predicted_ms and r.ms]
+  if preds:
+    worst = max(abs(x) for _, x in preds)
+    out.append((f"the plan's predicted decode within {PREDICT_WITHIN:.0%} of the measured rate "
+                "at every safe budget", "MET" if worst <= PREDICT_WITHIN else "MISSED",
+                f"worst {worst:.1%}; " + ", ".join(f"{b:.2f} GiB {x:+.1%}" for b, x in preds)))
   if len(sw) >= 2:
     rises = [(a.budget_gib, b.budget_gib, b.decode_tok_s / a.decode_tok_s - 1)
              for a, b in zip(sw, sw[1:]) if b.decode_tok_s > a.decode_tok_s]

@@ -55,17 +55,23 @@ class Rates:
 # Platform defaults, used until the probe has measured the device (and said so in `source`).
 # Where each number was measured: docs/BENCHMARKS.md, "Measurements behind the defaults".
 DEFAULT_RATES: dict[str, Rates] = {
-    # An H200: the Q4_K matrix kernel reading HBM; the host tier's rate on scattered routed-expert
-    # slices (the MoE case); the DMA and streaming reads; managed memory migrates. step_ms:
-    # generate's host work per token (its ms/token less that of back-to-back decode steps).
-    "cuda": Rates("cuda", 451.0, 47.5, 4.0, 54.9, 50.6, True,
-                  "default for cuda: an H200's figures, not this device", step_ms=3.0),
+    # An H200, fitted to decode of the Qwen3.6-35B-A3B-shaped file at four budgets (all in HBM,
+    # auto, 7 GiB, every routed expert in the host tier: tests/reference/decode_rates.json):
+    # weights read from HBM at 2 TB/s, the host tier's routed experts at 50 GB/s (the link), and
+    # a step's fixed cost of 2.8 ms (decode runs 16 steps a program, in XLA's command buffers: a
+    # matrix call 2 us, one of XLA's small kernels 1 us, 0.9 ms the rest). DMA and streaming
+    # reads are informational; managed memory migrates.
+    "cuda": Rates("cuda", 2000.0, 50.0, 2.0, 54.9, 50.6, True,
+                  "default for cuda: an H200's figures, not this device", op_us=1.0,
+                  step_ms=0.9),
     # An RX 9060 XT (gfx1200): a GEMM from host memory, the streaming read, GDDR6 at ~80%.
     "rocm": Rates("rocm", 250.0, 8.0, 8.0, None, 23.0, False,
                   "default for rocm: an RX 9060 XT's figures, not this device"),
-    # CPU: both tiers are host DRAM; a conservative two-core rate.
-    "cpu": Rates("cpu", 10.0, 10.0, 2.0, None, None, None,
-                 "default for cpu: both tiers in host DRAM, not measured"),
+    # CPU: both tiers are host DRAM; fitted to decode on a 2-core x86-64 machine (the default
+    # model and a small MoE file: tests/reference/decode_rates.json).
+    "cpu": Rates("cpu", 9.0, 9.0, 1.0, None, None, None,
+                 "default for cpu: a 2-core machine's figures, both tiers in host DRAM",
+                 op_us=0.12, step_ms=0.8),
 }
 
 
