@@ -49,3 +49,17 @@ def test_bad_input_gives_openai_error(url, content, status):
   r = httpx.post(url + "/v1/completions", content=content, timeout=60)
   assert r.status_code == status and r.json()["error"]["message"]
   assert httpx.get(url + "/health").status_code == 200
+
+
+def test_eight_concurrent_clients_equal_their_solo_answers(url):
+  from concurrent.futures import ThreadPoolExecutor
+  prompts = [f"Count from {i}:" for i in range(8)]
+
+  def ask(p):
+    r = httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 8}, timeout=120)
+    return r.json()["choices"][0]["text"]
+
+  solo = [ask(p) for p in prompts]
+  with ThreadPoolExecutor(8) as ex:
+    together = list(ex.map(ask, prompts))
+  assert together == solo

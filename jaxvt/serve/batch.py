@@ -38,9 +38,11 @@ class BatchSession:
     """One step: `tokens` maps slot -> the token to feed at its position. Returns logits
     float32 [B, vocab] (rows of slots not in `tokens` are meaningless)."""
     toks = np.zeros((self.batch, 1), np.int32)
-    pos = np.zeros((self.batch, 1), np.int32)
+    # A row not fed this step still writes a K/V row: put it at that slot's next position (masked
+    # until the slot decodes there and overwrites it), never over a row the slot holds already.
+    pos = np.minimum(self.positions, self.engine.max_context - 1)[:, None].astype(np.int32)
     for s, t in tokens.items():
-      toks[s, 0], pos[s, 0] = t, self.positions[s]
+      toks[s, 0] = t
     e = self.engine
     kv_len = e.kv_len(int(pos.max()) + 1)
     logits, self.cache = decode_fn(e.weights, self.cache, jnp.asarray(toks), jnp.asarray(pos),
