@@ -420,16 +420,15 @@ def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: in
 
 
 def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True) -> Exec:
-  """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU, where
-  it makes jaxvt agree with llama.cpp; on GPUs ggml's integer products with every other step in
-  float32 ("q8", numerics.default_mode), and GPU prefill's products of many rows take the tile
-  kernels or staging by the device's row of jaxvt.ffi.tuning.TUNING (Exec.products). `deterministic` fixes XLA's
-  algorithm choices (jaxvt.programs). On one GPU decode compiles with XLA's concurrent
-  command-buffer scheduling (Exec.concurrent; meshes keep XLA's default)."""
+  """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU (where
+  jaxvt agrees with llama.cpp), ggml's integer products and float32 elsewhere on GPUs ("q8",
+  numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
+  host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
+  (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling."""
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
-              products=products_for(platform) if kernels else Products(), deterministic=deterministic,
-              concurrent=gpu and getattr(par, "size", 1) == 1,
+              products=products_for(platform) if kernels else Products(),
+              deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
               schedule=ExpertSchedule() if kernels else None)
 
 
