@@ -24,14 +24,14 @@ import warnings
 
 from absl import flags
 
-from jaxvt import inputs, usage
-from jaxvt.errors import JaxvtError, JaxvtWarning, escape, out_of_memory
+from jaxvt import cli, inputs, usage
+from jaxvt.cli import Bar, normalize_argv, quiet
+from jaxvt.errors import JaxvtError, escape, out_of_memory
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_string("model", None, "GGUF file to run (default: the embedded SmolLM2-135M-Instruct "
-                    "Q4_1).", flag_values=FLAGS)
+cli.define_model_flags(FLAGS)
 flags.DEFINE_string("prompt", None, "Prompt text; a PROMPT argument after the flags is the same "
                     f"(default: {DEFAULT_PROMPT!r}).", flag_values=FLAGS)
 flags.DEFINE_boolean("chat", None, "Wrap the prompt in the model file's chat template as a user "
@@ -45,39 +45,8 @@ flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0, or a 
                      flag_values=FLAGS)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Random seed for sampling.", flag_values=FLAGS)
-flags.DEFINE_integer("max_context", 2048, "Context length to allocate (prompt + generation).",
-                     flag_values=FLAGS)
-flags.DEFINE_string("offload_gb", "0", "GiB of weights to keep in the pinned host tier, read in "
-                    "place by the kernels; 'auto' picks the best safe budget. With --mesh, per "
-                    "device (as vLLM's --cpu-offload-gb).", flag_values=FLAGS)
-flags.DEFINE_multi_string("offload_pattern", [], "Put the weights whose label "
-                          "('blk.3.moe.w_up') or GGUF name ('blk.3.ffn_up_exps.weight') matches "
-                          "REGEX in that tier (host when no kind is given); repeat the flag for "
-                          "several patterns. Forced host bytes count against --offload-gb.",
-                          flag_values=FLAGS)
-flags.DEFINE_float("device_gb", None, "Behave as if the device (each device of --mesh) had this "
-                   "many GiB.", flag_values=FLAGS)
-flags.DEFINE_string("mesh", None, "Shard the model over local devices: 'tp=N' (attention heads, "
-                    "FFN columns, experts), 'ep=N' (experts only), or 'tp=N,ep=M'.",
-                    flag_values=FLAGS)
-flags.DEFINE_string("coordinator", None, "Several hosts: HOST:PORT of process 0 "
-                    "(jax.distributed.initialize); with --num-processes and --process-id.",
-                    flag_values=FLAGS)
-flags.DEFINE_integer("num_processes", 1, "Several hosts: how many processes (one per host).",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("process_id", 0, "Several hosts: this process's index.", flag_values=FLAGS)
-flags.DEFINE_boolean("force", False, "Run a budget the planner calls unsafe.", flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
                      "generate.", flag_values=FLAGS)
-flags.DEFINE_boolean("deterministic", None, "Compile with XLA's algorithm choices fixed, so every "
-                     "run and every --offload-gb gives the same tokens (default: on; "
-                     "JAXVT_DETERMINISTIC=0 turns it off).", flag_values=FLAGS)
-flags.DEFINE_boolean("compile_cache", None, "Keep compiled programs in JAX's persistent cache "
-                     "under $XDG_CACHE_HOME/jaxvt or ~/.cache/jaxvt (default: on; "
-                     "JAXVT_COMPILE_CACHE=0 turns it off, =DIR moves it).", flag_values=FLAGS)
-flags.DEFINE_boolean("verbose", False, "Also show what XLA and JAX log (compiler messages, their "
-                     "warnings); by default only jaxvt's own lines reach stderr.", short_name="v",
-                     flag_values=FLAGS)
 flags.DEFINE_boolean("help", False, "Print this help and exit.", short_name="h",
                      flag_values=FLAGS)
 flags.DEFINE_boolean("helpfull", False, "Print this help and the environment variables jaxvt "
@@ -93,58 +62,10 @@ def _validate(F, prompt: str | None) -> float | str:
   inputs.max_tokens(F.max_tokens, cli=True)
   inputs.sampling(F.temperature, F.top_k, F.top_p, cli=True)
   inputs.seed(F.seed, cli=True)
-  inputs.max_context(F.max_context, cli=True)
-  inputs.device_gb(F.device_gb, cli=True)
-  offload = inputs.offload_gb(F.offload_gb, cli=True)
+  offload = cli.validate_model_flags(F)
   if prompt is not None:
     inputs.text(prompt, "the prompt" if F.prompt is None else "--prompt")
-  if F.model is not None and not F.model:
-    raise JaxvtError("--model is empty; pass --model PATH to a .gguf file (or leave it out for "
-                     "the default model)")
-  if F.offload_pattern:
-    from jaxvt.offload.plan import parse_overrides
-    parse_overrides(F.offload_pattern)
-  if F.mesh is not None:
-    from jaxvt.parallel import mesh
-    mesh.parse(F.mesh)
-  if F.coordinator is None and (F.num_processes != 1 or F.process_id != 0):
-    raise JaxvtError("--num-processes / --process-id need --coordinator HOST:PORT")
-  inputs.processes(F.num_processes, F.process_id, cli=True)
   return offload
-
-
-class _Bar:
-  """A progress bar on stderr while weights load; silent where stderr is not a terminal (a log
-  gets no redraws: the load line after it says how long loading took)."""
-
-  def __init__(self, total: int, tty: bool | None = None):
-    self.total, self.done, self.shown = max(total, 1), 0, -1
-    if not (sys.stderr.isatty() if tty is None else tty):
-      self.shown = -2
-
-  def __call__(self, nbytes: int) -> None:
-    self.done += nbytes
-    if self.shown == -2:
-      return
-    pct = min(100, int(100 * self.done / self.total))
-    if pct != self.shown:
-      self.shown = pct
-      bar = "#" * (pct // 4)
-      sys.stderr.write(f"\rloading weights [{bar:<25}] {pct:3d}%")
-      if pct == 100:
-        self.finish()
-      sys.stderr.flush()
-
-  def finish(self, done: bool = False) -> None:
-    """Ends the bar's line (once), so what follows starts on a line of its own; `done`: the
-    load finished, so the bar shows 100% (weights a run does not place, such as an MTP block,
-    never reach it)."""
-    if done and 0 <= self.shown < 100:
-      sys.stderr.write(f"\rloading weights [{'#' * 25}] 100%")
-    if self.shown >= 0 and self.shown != -2:
-      sys.stderr.write("\n")
-      sys.stderr.flush()
-    self.shown = -2
 
 
 def _n(count: int, noun: str) -> str:
@@ -183,20 +104,6 @@ def timing_report(eng, out, compiled: int, cached: int, store=None) -> str:
       f"{s.prefill_tok_s:.1f} tok/s",
       f"decode   {s.decode_seconds:8.3f} s for {_n(n_dec, 'token')}: {s.decode_tok_s:.1f} tok/s "
       f"({s.generated_tokens} generated, stop: {out.stopped_by}{steps})"])
-
-
-def normalize_argv(argv: list[str]) -> list[str]:
-  """Accepts --max-tokens as well as absl's --max_tokens spelling (not after "--", where
-  everything is the prompt)."""
-  out = argv[:1]
-  for i, a in enumerate(argv[1:]):
-    if a == "--":
-      return out + argv[1 + i:]
-    if a.startswith("--") and len(a) > 2:
-      name, eq, val = a[2:].partition("=")
-      a = "--" + name.replace("-", "_") + eq + val
-    out.append(a)
-  return out
 
 
 class _Interrupts:
@@ -335,43 +242,6 @@ def _print_escaped(text: str, file=None) -> None:
   print("\n".join(escape(line, None) for line in text.split("\n")), file=file)
 
 
-def _show_note(message, category, filename, lineno, file=None, line=None) -> None:
-  """warnings.showwarning while main runs: jaxvt's own warnings as one `jaxvt: note:` line
-  each; others (only shown with --verbose) as Python shows them."""
-  if issubclass(category, JaxvtWarning):
-    print(f"jaxvt: note: {escape(message, 2000)}", file=sys.stderr)
-  else:
-    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-
-@contextlib.contextmanager
-def quiet(verbose: bool):
-  """While main runs, only jaxvt's own lines reach stderr unless `verbose`: XLA's C++ logs
-  (TF_CPP_MIN_LOG_LEVEL=3, read when JAX starts: errors such as a scheduler's byte-size
-  complaint and warnings such as rematerialization's), JAX's Python warnings (a read-only cache
-  directory warns three times a run) and JAX's log records. jaxvt's warnings show as
-  `jaxvt: note:` lines, once each. Undone on the way out (tests call main in-process)."""
-  old_env = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
-  jax_log = logging.getLogger("jax")
-  old_level = jax_log.level
-  with warnings.catch_warnings():
-    warnings.showwarning = _show_note
-    if not verbose:
-      os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # FATAL only
-      warnings.simplefilter("ignore")
-      jax_log.setLevel(logging.CRITICAL)
-    warnings.simplefilter("default", JaxvtWarning)
-    try:
-      yield
-    finally:
-      if not verbose:
-        jax_log.setLevel(old_level)
-        if old_env is None:
-          os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
-        else:
-          os.environ["TF_CPP_MIN_LOG_LEVEL"] = old_env
-
-
 def _preflight(path: str, prompt: str, chat: bool | None, plan: bool):
   """Before JAX starts: the file's header and config are checked, then (unless only a `plan` is
   asked for) its tokenizer is built, and with `chat` (None: where the file has a chat template)
@@ -464,18 +334,13 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
         raise JaxvtError(f"the plan above is unsafe ({unsafe[0][len('UNSAFE: '):]}); use a safe "
                          "budget, or pass --force to accept it")
       return 0
-    bar = interrupts.bar = _Bar(nbytes) if nbytes else None
+    bar = interrupts.bar = Bar(nbytes) if nbytes else None
 
     def show_plan(placed):
       _print_escaped(placed.report(), file=sys.stderr)
 
     from jaxvt import programs
     counter = programs.compile_counter()
-    deterministic = (F.deterministic if F.deterministic is not None else
-                     programs.env_flag(os.environ, "JAXVT_DETERMINISTIC"))
-    cache = F.compile_cache  # None: JAXVT_COMPILE_CACHE or the default directory
-    if cache:  # on even where the environment says off; in its directory if it names one
-      cache = programs.cache_root(None, os.environ) or True
     params = SamplingParams(F.temperature, F.top_k, F.top_p)
 
     marks = []  # CompileCounter snapshots around the compiles of the first token and generate
@@ -487,11 +352,8 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
       early.warm_up(len(early.encode_prompt(prompt)), 1, params)
       marks.append(counter.snapshot())
 
-    eng = engine_mod.load(path, max_context=F.max_context, offload_gb=offload,
-                          device_gb=F.device_gb, force=F.force, progress=bar, on_plan=show_plan,
-                          mesh=F.mesh, offload_pattern=tuple(F.offload_pattern),
-                          deterministic=deterministic, compile_cache=cache,
-                          while_loading=first_token_programs, tokenizer=tokenizer)
+    eng = engine_mod.load(path, progress=bar, on_plan=show_plan, tokenizer=tokenizer,
+                          while_loading=first_token_programs, **cli.load_options(F))
     interrupts.engine = eng
     if bar:
       bar.finish(done=True)

@@ -1,5 +1,7 @@
-"""Token sampling: greedy, temperature, top-k, top-p (nucleus), as pure jittable functions; and
-what a generation returns (Generation, GenerationStats: jaxvt.engine.Engine.generate)."""
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus), as pure jittable functions (one
+set of parameters for every row: `sample`; each row its own, as a server's batch needs:
+`sample_rows`); and what a generation returns (Generation, GenerationStats:
+jaxvt.engine.Engine.generate)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,42 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x < cutoff, -jnp.inf, x)
   return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+@jax.jit
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+                top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Each row sampled with its own parameters: logits float32 [b, vocab]; seeds uint32 [b, 2]
+  (a 64-bit seed as low and high words) and counters int32 [b] (the row's token index: the key
+  is the seed's folded with it, so a row's draws do not depend on the other rows); temperature
+  float32 [b] (0: greedy, the argmax), top_k int32 [b] (0: off), top_p float32 [b] (1: off).
+  Returns token ids int32 [b]. The cuts are `sample`'s: top-k first, then the smallest
+  most-likely prefix whose mass reaches top_p (at least one token)."""
+  vocab = logits.shape[-1]
+  hot = temperature > 0
+  x = logits.astype(jnp.float32) / jnp.where(hot, temperature, 1.0)[:, None]
+  desc = jnp.sort(x, axis=-1)[:, ::-1]
+  k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+  kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+  x = jnp.where(x < kth, -jnp.inf, x)
+  desc = jnp.where(desc < kth, -jnp.inf, desc)
+  probs = jax.nn.softmax(desc, axis=-1)
+  keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+  cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+  x = jnp.where(x < cutoff, -jnp.inf, x)
+
+  def draw(seed, counter, row):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), counter)
+    return jax.random.categorical(key, row)
+
+  drawn = jax.vmap(draw)(seeds, counters, x)
+  return jnp.where(hot, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+  """A 64-bit seed (any Python int in the signed 64-bit range) as sample_rows' two uint32 words."""
+  u = seed & (2**64 - 1)
+  return u & 0xFFFFFFFF, u >> 32
 
 
 @dataclasses.dataclass

@@ -99,14 +99,15 @@ def _rows(pairs, indent: int = INDENT) -> list[str]:
   return out
 
 
-def help_text(flag_values: flags.FlagValues, full: bool = False) -> str:
+def help_text(flag_values: flags.FlagValues, full: bool = False, *, usage: str = USAGE,
+              summary: str = SUMMARY, examples=EXAMPLES, groups=GROUPS) -> str:
   """--help: usage, what the CLI does, examples, the flags in groups (and with `full`, the
-  environment variables it reads)."""
-  lines = [USAGE, "", *textwrap.wrap(SUMMARY, WIDTH), "", "examples:"]
-  for cmd, what in EXAMPLES:
+  environment variables it reads). The defaults are jaxvt.run's page; jaxvt.serve passes its own."""
+  lines = [usage, "", *textwrap.wrap(summary, WIDTH), "", "examples:"]
+  for cmd, what in examples:
     lines += [f"  # {what}", f"  {cmd}"]
   shown = set()
-  for title, names in GROUPS:
+  for title, names in groups:
     lines += ["", f"{title}:"]
     present = [flag_values[n] for n in names if n in flag_values]
     shown.update(f.name for f in present)
@@ -115,10 +116,12 @@ def help_text(flag_values: flags.FlagValues, full: bool = False) -> str:
           and flag_values[n].name == n and n not in ("flagfile", "undefok")]
   if rest:
     lines += ["", "other:"] + _rows((_entry(f), _text(f)) for f in rest)
+  prompt = (" a PROMPT after the flags is the same as --prompt (after --, everything is the "
+            "prompt)." if "prompt" in flag_values else "")
   lines += [""] + textwrap.wrap(
-      "Flags take --max-tokens or --max_tokens spellings, and --flag=value or --flag value; a "
-      "PROMPT after the flags is the same as --prompt (after --, everything is the prompt)."
-      + ("" if full else " --helpfull also lists the environment variables jaxvt reads."), WIDTH)
+      "Flags take --max-tokens or --max_tokens spellings, and --flag=value or --flag value;"
+      + prompt + ("" if full else " --helpfull also lists the environment variables jaxvt reads."),
+      WIDTH)
   if full:
     lines += ["", "environment:"] + _rows(ENVIRONMENT)
   return "\n".join(lines) + "\n"

@@ -174,7 +174,7 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys):
 def test_bar_reaches_100_percent(monkeypatch):
   err = io.StringIO()
   monkeypatch.setattr(sys, "stderr", err)
-  bar = run._Bar(1000, tty=True)  # pylint: disable=protected-access
+  bar = run.Bar(1000, tty=True)
   for _ in range(9):
     bar(100)  # a weight the run never places: 90% when the load ends
   bar.finish(done=True)

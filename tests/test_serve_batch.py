@@ -18,7 +18,7 @@ def eng():
 
 
 def _greedy(s: BatchSession, slots: dict[int, list[int]]) -> dict[int, list[int]]:
-  out = {k: [int(np.argmax(s.prefill(k, p)))] for k, p in slots.items()}
+  out = {k: [int(np.argmax(s.prefill(k, p)[0]))] for k, p in slots.items()}
   for _ in range(STEPS):
     logits = np.asarray(s.decode({k: v[-1] for k, v in out.items()}))
     for k in out:

@@ -1,8 +1,15 @@
-"""Requests submitted together to the engine loop get the engine's solo greedy tokens."""
+"""The engine loop: requests submitted together get the engine's solo greedy tokens (the default
+model, and a hybrid Gated-DeltaNet MoE file whose recurrent state a padded row must not touch);
+a seeded sampled request gets the same tokens alone and in a batch; a chat's next turn reuses
+the first turn's state (prefix cache) and gets the tokens of a run without reuse; a request
+cancelled mid-way frees its slot for the next."""
 
 import numpy as np
+import pytest
 
 from jaxvt import engine as engine_mod
+from jaxvt import synth
+from jaxvt.prefix import PrefixCache
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import Request
 
@@ -10,24 +17,91 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):", "Once upon 
 N = 8
 
 
-def _alone(eng, prompt):
+@pytest.fixture(scope="module")
+def smol():
+  e = engine_mod.load(max_context=128)
+  yield e
+  e.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("loop") / "qwen35moe.gguf")
+  synth.write_model(path, synth.tiny_config("qwen35moe"), "q8_0", seed=12)
+  e = engine_mod.load(path, max_context=128)
+  yield e
+  e.close()
+
+
+def _alone(eng, prompt, n=N):
+  """The engine's own single-sequence path (prefill + decode_step), greedy."""
   logits, cache = eng.prefill(prompt)
   out = [int(np.argmax(logits))]
-  for i in range(N - 1):
+  for i in range(n - 1):
     logits, cache = eng.decode_step(cache, out[-1], len(prompt) + i)
     out.append(int(np.argmax(logits)))
   return out
 
 
-def test_concurrent_requests_equal_solo_greedy():
-  eng = engine_mod.load(max_context=128)
+def _run(loop, reqs, timeout=300):
+  events = [loop.submit(r) for r in reqs]
+  assert all(ev.wait(timeout) for ev in events)
+  return reqs
+
+
+@pytest.mark.parametrize("which", ["smol", "hybrid"])
+def test_concurrent_requests_equal_solo_greedy(which, request):
+  eng = request.getfixturevalue(which)
+  loop = EngineLoop(eng, max_batch=3, max_queue=8)  # 5 requests, 3 slots: two join later
   try:
-    loop = EngineLoop(eng, max_batch=3, max_queue=8)  # 5 requests, 3 slots: two join later
-    reqs = [Request(prompt=eng.encode_prompt(p), max_tokens=N) for p in PROMPTS]
-    events = [loop.submit(r) for r in reqs]
-    assert all(ev.wait(120) for ev in events)
-    loop.close()
-    for r in reqs:
-      assert r.finish_reason == "length" and r.tokens == _alone(eng, r.prompt)
+    ids = [eng.encode_prompt(p) if which == "smol" else
+           np.random.default_rng(i).integers(5, eng.cfg.vocab_size, 9 + 3 * i).tolist()
+           for i, p in enumerate(PROMPTS)]
+    reqs = _run(loop, [Request(prompt=p, max_tokens=N) for p in ids])
   finally:
-    eng.close()
+    assert loop.close()
+  for r in reqs:
+    assert r.finish_reason == "length" and r.tokens == _alone(eng, r.prompt), r.id
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(smol):
+  loop = EngineLoop(smol, max_batch=4, max_queue=8)
+  try:
+    kw = dict(max_tokens=N, temperature=0.9, top_p=0.95, seed=1234)
+    alone = _run(loop, [Request(prompt=smol.encode_prompt(PROMPTS[0]), **kw)])[0]
+    batch = _run(loop, [Request(prompt=smol.encode_prompt(p), **kw) for p in PROMPTS[:4]])
+    other = _run(loop, [Request(prompt=smol.encode_prompt(PROMPTS[0]), **{**kw, "seed": 1})])[0]
+  finally:
+    loop.close()
+  assert batch[0].tokens == alone.tokens and other.tokens != alone.tokens
+
+
+@pytest.mark.parametrize("which", ["smol", "hybrid"])
+def test_next_turn_reuses_the_finished_sequence(which, request):
+  eng = request.getfixturevalue(which)
+  prefix = PrefixCache(eng, budget_bytes=1 << 30, interval=16)
+  loop = EngineLoop(eng, max_batch=2, max_queue=4, prefix=prefix)
+  try:
+    first = np.random.default_rng(5).integers(5, eng.cfg.vocab_size, 21).tolist()
+    r1 = _run(loop, [Request(prompt=first, max_tokens=N)])[0]
+    turn2 = r1.fed + np.random.default_rng(6).integers(5, eng.cfg.vocab_size, 7).tolist()
+    r2 = _run(loop, [Request(prompt=turn2, max_tokens=N)])[0]
+  finally:
+    loop.close()
+  assert r1.cached == 0 and r2.cached == len(r1.fed)  # everything the first turn's cache held
+  assert r2.tokens == _alone(eng, turn2)
+
+
+def test_a_cancelled_request_frees_its_slot(smol):
+  loop = EngineLoop(smol, max_batch=1, max_queue=4)
+  try:
+    seen = []
+    long = Request(prompt=smol.encode_prompt(PROMPTS[0]), max_tokens=100)
+    long.listener = lambda r: seen.append(len(r.tokens)) or (len(r.tokens) == 3 and
+                                                             loop.cancel(r))
+    short = Request(prompt=smol.encode_prompt(PROMPTS[1]), max_tokens=4)
+    _run(loop, [long, short])
+  finally:
+    loop.close()
+  assert long.finish_reason == "cancelled" and len(long.tokens) <= 4
+  assert short.finish_reason == "length" and short.tokens == _alone(smol, short.prompt, 4)

@@ -13,7 +13,7 @@ def _req(n=3, **kw):
 
 def test_fifo_admission_up_to_max_batch_and_queue_bound():
   s = sch.Scheduler(max_batch=2, max_queue=3)
-  reqs = [_req() for _ in range(3)]
+  reqs = [_req() for _ in range(5)]  # two take the free slots at the next admission, three wait
   for r in reqs:
     s.submit(r)
   with pytest.raises(sch.QueueFull):
@@ -22,6 +22,35 @@ def test_fifo_admission_up_to_max_batch_and_queue_bound():
   assert [r.slot for r in reqs[:2]] == [0, 1]
   assert list(s.queue) == reqs[2:]
   assert s.admit() == []  # no free slot
+  with pytest.raises(sch.QueueFull):  # no slot free and three waiting already
+    s.submit(_req())
+
+
+def test_release_holds_back_what_a_stop_string_may_still_cut():
+  s = sch.Scheduler(max_batch=1, max_queue=0)
+  r = _req(9, stop=("STOP",))
+  s.submit(r)
+  s.admit()
+  released = []
+  for piece in ("ab", "cS", "T", "x", "ST", "OP", "zz"):
+    if not r.done:
+      s.step({0: (7, piece)})
+      released.append(r.release())
+  # "S" and "ST" may begin "STOP" (held back); "STx" cannot (released)
+  assert released == ["ab", "c", "", "STx", "", ""] and r.text == "abcSTx"
+  assert "".join(released) == r.text and r.finish_reason == "stop"
+
+
+def test_fed_is_what_the_cache_holds():
+  s = sch.Scheduler(max_batch=2, max_queue=0)
+  a, b = _req(2), _req(9, eos_ids=frozenset({0}))
+  s.submit(a)
+  s.submit(b)
+  s.admit()
+  s.step({0: (5, "x"), 1: (6, "y")})
+  s.step({0: (7, "x"), 1: (0, "")})
+  assert a.fed == [1, 2, 5]  # the last token at max_tokens is never fed back
+  assert b.fed == [1, 2, 6]  # everything before the eos was
 
 
 def test_finish_reasons_and_slot_reuse():

@@ -256,3 +256,48 @@ def read_mem_available(path: str = "/proc/meminfo") -> int | None:
   except (OSError, ValueError, IndexError):
     return None
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeMemory:
+  """How a server uses the device memory the plan leaves: `batch` sequences decoded together
+  and `prefix_bytes` for the prefix cache's stored rows and recurrent-state snapshots."""
+  batch: int
+  prefix_bytes: int
+  sequence_bytes: int  # one sequence's cache (K/V for the whole context, recurrent state)
+  available: int  # what the batch and the prefix cache share
+
+
+def serve_memory(bd: Breakdown, sequence_bytes: int, max_batch: int | None = None,
+                 prefix_bytes: int | None = None, batch_cap: int = 8) -> ServeMemory:
+  """The batch and prefix-cache bytes that fit beside the plan `bd` (which counted one
+  sequence's cache, for prefill, and keeps its slack): a server holds the batch's cache of
+  `batch` x `sequence_bytes`, the one b=1 cache a prefill fills, and the prefix cache.
+
+  `max_batch` None: as many sequences as half of what is available holds, at most `batch_cap`
+  and at least 1; `prefix_bytes` None: the rest. A `max_batch` (or both together) that does not
+  fit is a JaxvtError naming the figures and the fix."""
+  if sequence_bytes <= 0:
+    raise ValueError(f"sequence_bytes {sequence_bytes} must be positive")
+  # The plan counted one sequence's K/V and state at its own estimate; the server's b=1 prefill
+  # cache is `sequence_bytes` exactly.
+  available = max(0, bd.free + bd.kv_cache + bd.state - sequence_bytes)
+  if max_batch is None:
+    batch = max(1, min(batch_cap, available // (2 * sequence_bytes)))
+  else:
+    batch = max_batch
+  rest = available - batch * sequence_bytes
+  if max_batch is not None and rest < 0:
+    raise JaxvtError(
+        f"--max-batch {max_batch} needs {batch * sequence_bytes / GiB:.2f} GiB of device memory "
+        f"for its sequences' caches ({sequence_bytes / GiB:.3f} GiB each) and "
+        f"{available / GiB:.2f} GiB is free beside the plan; lower --max-batch or --max-context, "
+        "or raise --offload-gb")
+  if prefix_bytes is None:
+    prefix_bytes = max(0, rest)
+  elif prefix_bytes > max(0, rest):
+    raise JaxvtError(
+        f"--prefix-cache-gb {prefix_bytes / GiB:.2f} does not fit: {max(0, rest) / GiB:.2f} GiB "
+        f"is free beside the plan and {batch} sequences; lower it or --max-batch, or raise "
+        "--offload-gb")
+  return ServeMemory(batch, int(prefix_bytes), int(sequence_bytes), int(available))

@@ -1,52 +1,188 @@
-"""python -m jaxvt.serve: one resident model behind an OpenAI-compatible API (uvicorn)."""
+"""python -m jaxvt.serve: one resident model behind an OpenAI-compatible API (uvicorn).
+
+It takes jaxvt.run's model and placement flags (jaxvt.cli), checks them before JAX starts, and
+answers a mistake with one line on stderr and exit status 2. SIGTERM or Ctrl-C stops accepting
+connections, lets the requests in flight finish (at most --drain-seconds), frees the host tier
+and exits 0."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import sys
 
-import uvicorn
-from absl import app as absl_app
 from absl import flags
 
-from jaxvt import engine as engine_mod
-from jaxvt.serve.app import build
-from jaxvt.serve.loop import EngineLoop
+from jaxvt import cli, inputs, usage
+from jaxvt.errors import JaxvtError, escape, out_of_memory
 
-flags.DEFINE_string("model", None, "GGUF file (default: the embedded SmolLM2)")
-flags.DEFINE_integer("max_context", 2048, "tokens per request (prompt + output)")
-flags.DEFINE_string("host", "127.0.0.1", "address to bind")
-flags.DEFINE_integer("port", 8000, "port to bind")
-flags.DEFINE_integer("max_batch", 8, "requests decoded together")
-flags.DEFINE_integer("max_queue", 64, "requests waiting for a slot before 429")
-F = flags.FLAGS
+GiB = 1 << 30
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+USAGE = ("usage: python -m jaxvt.serve [--model PATH] [--offload-gb N|auto] [--port 8000] "
+         "[flags...]")
+SUMMARY = ("Keeps one GGUF model loaded and answers the OpenAI API (/v1/chat/completions, "
+           "/v1/completions, /v1/models, /health) on --host:--port. Requests that arrive together "
+           "are decoded together on the device, and a prompt that repeats an earlier one's start "
+           "(a chat's next turn) prefills only what is new.")
+EXAMPLES = (
+    ("python -m jaxvt.serve", "the default model on http://127.0.0.1:8000/v1"),
+    ("python -m jaxvt.serve --model big.gguf --offload-gb 7 --max-batch 8",
+     "7 GiB of weights in the host tier, 8 requests decoded together"),
+    ("python -m jaxvt.serve --host 0.0.0.0 --api-key $KEY",
+     "on every interface; every request needs Authorization: Bearer $KEY"),
+)
+GROUPS = (
+    ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
+                             "device_gb", "force", "mesh", "coordinator", "num_processes",
+                             "process_id")),
+    ("server", ("host", "port", "api_key", "max_batch", "max_queue", "prefix_cache_gb",
+                "drain_seconds")),
+    ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
+)
+
+FLAGS = flags.FlagValues()
+cli.define_model_flags(FLAGS)
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on; anything but loopback is "
+                    "reachable from the network (pair it with --api-key).", flag_values=FLAGS)
+flags.DEFINE_integer("port", 8000, "Port to listen on.", flag_values=FLAGS)
+flags.DEFINE_string("api_key", None, "Every /v1 request must send Authorization: Bearer KEY.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("max_batch", None, "Requests decoded together (default: what the device "
+                     "memory beside the plan holds, at most 8).", flag_values=FLAGS)
+flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a free slot; one more gets "
+                     "429 with Retry-After.", flag_values=FLAGS)
+flags.DEFINE_float("prefix_cache_gb", None, "Device GiB for earlier prompts' states, reused by "
+                   "the prompts that start the same way (default: what the batch leaves; 0: off).",
+                   flag_values=FLAGS)
+flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, how long requests in flight may take to "
+                   "finish before the server exits anyway.", flag_values=FLAGS)
+flags.DEFINE_boolean("help", False, "Print this help and exit.", short_name="h",
+                     flag_values=FLAGS)
+flags.DEFINE_boolean("helpfull", False, "Print this help and the environment variables jaxvt "
+                     "reads, and exit.", flag_values=FLAGS)
+flags.DEFINE_boolean("version", False, "Print the versions of jaxvt, jax and jaxlib and the "
+                     "extension's build, and exit (JAX is not started).", flag_values=FLAGS)
+log = logging.getLogger("jaxvt.serve")
 
 
-class _Server(uvicorn.Server):
-  """uvicorn's server without its own signal capture, which re-raises SIGTERM after shutdown
-  (exit status -15); our handlers set should_exit instead."""
-
-  @contextlib.contextmanager
-  def capture_signals(self):
-    yield
+def _help(full: bool) -> str:
+  return usage.help_text(FLAGS, full, usage=USAGE, summary=SUMMARY, examples=EXAMPLES,
+                         groups=GROUPS)
 
 
-def main(_):
-  logging.basicConfig(level=logging.INFO)
-  eng = engine_mod.load(F.model, max_context=F.max_context)
-  loop = EngineLoop(eng, F.max_batch, F.max_queue)
+def _parse(argv: list[str]) -> int | None:
+  """Parses argv into FLAGS; an exit status where the command has answered already."""
   try:
-    server = _Server(uvicorn.Config(build(eng, loop, F.model or "smollm2"), host=F.host,
-                                    port=F.port, log_level="warning"))
-    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish, then we exit 0.
+    FLAGS.unparse_flags()
+    rest = FLAGS(cli.normalize_argv(argv))[1:]
+  except flags.Error as e:
+    if any(a in usage.HELP_FLAGS for a in argv[1:]):
+      sys.stdout.write(_help("--helpfull" in argv[1:]))
+      return 0
+    if isinstance(e, flags.UnrecognizedFlagError):
+      print(f"jaxvt: error: {usage.unknown_flag(e, FLAGS)}", file=sys.stderr)
+    else:
+      print(f"jaxvt: error: {escape(e, 2000)}; see --help", file=sys.stderr)
+    return 2
+  if FLAGS.help or FLAGS.helpfull:
+    sys.stdout.write(_help(FLAGS.helpfull))
+    return 0
+  if FLAGS.version:
+    sys.stdout.write(usage.version_text())
+    return 0
+  if rest:
+    print(f"jaxvt: error: the server takes no arguments, got {escape(' '.join(rest), 80)}; "
+          "see --help", file=sys.stderr)
+    return 2
+  return None
+
+
+def _validate(F) -> None:
+  cli.validate_model_flags(F)
+  inputs.whole("--port", F.port, 0, 65535)
+  inputs.whole("--max-queue", F.max_queue, 0, 1 << 20)
+  if F.max_batch is not None:
+    inputs.whole("--max-batch", F.max_batch, 1, 1 << 10)
+  if F.prefix_cache_gb is not None:
+    inputs.number("--prefix-cache-gb", F.prefix_cache_gb, lo=0.0, hi=inputs.MAX_GIB)
+  inputs.number("--drain-seconds", F.drain_seconds, lo=0.0, hi=86400.0)
+  if F.api_key is not None and not F.api_key:
+    raise JaxvtError("--api-key is empty; pass a key, or leave the flag out")
+  if F.mesh is not None:
+    raise JaxvtError("the server runs on one device; leave out --mesh (python -m jaxvt.run "
+                     "takes it)")
+
+
+def _serve(F) -> int:
+  import uvicorn
+
+  from jaxvt import engine as engine_mod
+  from jaxvt.offload.memory import serve_memory
+  from jaxvt.prefix import PrefixCache
+  from jaxvt.serve.app import build
+  from jaxvt.serve.batch import sequence_bytes
+  from jaxvt.serve.loop import EngineLoop
+
+  class Server(uvicorn.Server):
+    """uvicorn's server without its own signal capture, which re-raises SIGTERM after shutdown
+    (exit status -15); our handlers set should_exit instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+      yield
+
+  if F.host not in LOOPBACK and F.api_key is None:
+    print(f"jaxvt: warning: listening on {escape(F.host, 80)} with no authentication: anyone "
+          "who can reach this port can use the model; pass --api-key KEY", file=sys.stderr)
+  eng = engine_mod.load(F.model, **cli.load_options(F))
+  try:
+    mem = serve_memory(eng.plan.breakdown, sequence_bytes(eng), F.max_batch,
+                       None if F.prefix_cache_gb is None else int(F.prefix_cache_gb * GiB))
+    prefix = PrefixCache(eng, mem.prefix_bytes) if mem.prefix_bytes else None
+    loop = EngineLoop(eng, mem.batch, F.max_queue, prefix)
+    print(f"jaxvt: serving {escape(eng.path, 200)} on http://{escape(F.host, 80)}:{F.port}/v1: "
+          f"{mem.batch} sequences decoded together, {mem.prefix_bytes / GiB:.2f} GiB for prompt "
+          f"reuse", file=sys.stderr)
+    server = Server(uvicorn.Config(build(eng, loop, _model_id(F), F.api_key), host=F.host,
+                                   port=F.port, log_level="warning",
+                                   timeout_graceful_shutdown=F.drain_seconds))
+    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish, then we exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-    server.run()
+    try:
+      server.run()
+    finally:
+      loop.close(F.drain_seconds)
   finally:
-    loop.close()
     eng.close()
+  if not server.started:
+    raise JaxvtError(f"could not listen on {F.host}:{F.port} (in use, or not this machine's "
+                     "address); pick another --port or --host")
+  return 0
+
+
+def _model_id(F) -> str:
+  return os.path.basename(F.model) if F.model else "smollm2-135m-instruct"
+
+
+def main(argv: list[str]) -> int:
+  status = _parse(argv)
+  if status is not None:
+    return status
+  logging.basicConfig(level=logging.INFO, format="jaxvt: %(message)s")
+  with cli.quiet(FLAGS.verbose):
+    try:
+      _validate(FLAGS)
+      return _serve(FLAGS)
+    except Exception as e:  # pylint: disable=broad-except  (re-raised unless it is the user's)
+      error = e if isinstance(e, JaxvtError) else out_of_memory(e)
+      if error is None:
+        raise
+      print(f"jaxvt: error: {error}", file=sys.stderr)
+      return 2
 
 
 if __name__ == "__main__":
-  absl_app.run(main)
+  sys.exit(main(sys.argv))

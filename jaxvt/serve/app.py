@@ -1,26 +1,36 @@
-"""Starlette routes of the OpenAI-compatible API over an EngineLoop: /health, /v1/models,
-/v1/completions and /v1/chat/completions (non-streaming, greedy), with OpenAI-style errors."""
+"""Starlette routes of the OpenAI-compatible API over an EngineLoop: GET /health and /v1/models,
+POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
+`"stream": true`), with OpenAI-style JSON errors. Every request is checked as the CLI checks its
+flags (jaxvt.inputs); a refused request is one log line and an error body, and the server goes on
+serving the others."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
+import secrets
 import time
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from jaxvt import inputs
+from jaxvt.errors import JaxvtError
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import QueueFull, Request
 
 log = logging.getLogger("jaxvt.serve")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-          "user"}
+          "stream_options", "user"}
 MAX_BODY = 1 << 20
+MAX_STOPS = 4
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
 class ApiError(Exception):
@@ -36,7 +46,7 @@ def _error(e: ApiError) -> JSONResponse:
                       status_code=e.status, headers=headers)
 
 
-def _finite(x):
+def _finite(x: Any) -> None:
   if isinstance(x, float) and not math.isfinite(x):
     raise ApiError(400, "numbers must be finite")
   if isinstance(x, dict):
@@ -47,11 +57,46 @@ def _finite(x):
       _finite(v)
 
 
-def build(engine, loop: EngineLoop, model_id: str) -> Starlette:
+def _text_of(content: Any) -> str:
+  """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
+  if isinstance(content, str):
+    return content
+  if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in content):
+    return "".join(p["text"] for p in content)
+  raise ApiError(400, "a message's content must be a string or a list of text parts")
+
+
+def _messages(data: dict) -> list[dict]:
+  msgs = data.get("messages")
+  if not isinstance(msgs, list) or not msgs or not all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+    raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
+  return [{**m, "content": _text_of(m.get("content"))} for m in msgs]
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+  stop = () if value is None else (value,) if isinstance(value, str) else value
+  if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or not all(
+      isinstance(s, str) and s for s in stop):
+    raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS}")
+  return tuple(stop)
+
+
+def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -> Starlette:
+  """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`."""
   tok = engine.tokenizer
-  eos = frozenset(getattr(tok, "eog_ids", ()) or ())
+  eos = frozenset(tok.stop_ids)
+
+  def authorize(req: HttpRequest) -> None:
+    if api_key is not None:
+      given = req.headers.get("authorization", "")
+      if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                       "authentication_error")
 
   async def body(req: HttpRequest, allowed: set[str]) -> dict:
+    authorize(req)
     raw = await req.body()
     if len(raw) > MAX_BODY:
       raise ApiError(413, f"the body has {len(raw)} bytes, more than {MAX_BODY}")
@@ -65,74 +110,143 @@ def build(engine, loop: EngineLoop, model_id: str) -> Starlette:
     if unknown:
       raise ApiError(400, f"unknown fields: {', '.join(unknown)}")
     _finite(data)
-    if data.get("stream"):
-      raise ApiError(400, "stream is not supported by this server yet")
     if data.get("n", 1) != 1:
       raise ApiError(400, "only n=1 is supported")
     return data
 
-  async def run(ids: list[int], data: dict) -> Request:
+  def request(ids: list[int], data: dict, default_tokens: int | None) -> Request:
     if len(ids) + 1 > engine.max_context:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, more than --max-context "
                      f"{engine.max_context} allows")
-    mt = data.get("max_tokens") or 16
-    if not isinstance(mt, int) or mt < 1:
-      raise ApiError(400, "max_tokens must be a positive integer")
-    mt = min(mt, engine.max_context - len(ids))
-    stop = data.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    r = Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=stop)
+    room = engine.max_context - len(ids)
     try:
-      ev = loop.submit(r)
+      mt = data.get("max_tokens")
+      mt = min(inputs.max_tokens(mt), room) if mt is not None else min(default_tokens or room,
+                                                                         room)
+      t, k, p = inputs.sampling(data.get("temperature", 1.0), data.get("top_k", 0),
+                                data.get("top_p", 1.0))
+      seed = (inputs.seed(data["seed"]) if data.get("seed") is not None else
+              secrets.randbits(63))
+    except JaxvtError as e:
+      raise ApiError(400, str(e)) from None
+    return Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=_stops(data.get("stop")),
+                   temperature=t, top_k=inputs.top_k_for(k, engine.cfg.vocab_size), top_p=p,
+                   seed=seed, decoder=tok.stream_decoder())
+
+  def submit(r: Request):
+    """Queues `r`; returns an asyncio queue that receives (new text, done) from the loop."""
+    aloop, q = asyncio.get_running_loop(), asyncio.Queue()
+    r.listener = lambda r: aloop.call_soon_threadsafe(q.put_nowait, (r.release(), r.done))
+    try:
+      loop.submit(r)
     except QueueFull as e:
       raise ApiError(429, str(e), "rate_limit_error") from None
-    await asyncio.get_running_loop().run_in_executor(None, ev.wait)
-    return r
+    except RuntimeError as e:
+      raise ApiError(503, str(e), "server_error") from None
+    return q
 
   def usage(r: Request) -> dict:
     return {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens),
             "total_tokens": len(r.prompt) + len(r.tokens),
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": r.cached}}
+
+  def finish_reason(r: Request) -> str:
+    if r.finish_reason == "error":
+      raise ApiError(500, f"the engine failed: {loop.error}", "server_error")
+    return r.finish_reason
+
+  async def respond(r: Request, data: dict, chat: bool):
+    q = submit(r)
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
+            "model": model_id}
+    if not data.get("stream"):
+      while not (await q.get())[1]:
+        pass
+      choice = {"index": 0, "finish_reason": finish_reason(r)}
+      if chat:
+        choice["message"] = {"role": "assistant", "content": r.text}
+      else:
+        choice.update(text=r.text, logprobs=None)
+      return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                           "choices": [choice], "usage": usage(r)})
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    with_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+
+    def chunk(piece: str | None, reason: str | None, delta: dict | None = None) -> str:
+      if chat:
+        choice = {"index": 0, "delta": delta or ({} if piece is None else {"content": piece}),
+                  "finish_reason": reason}
+      else:
+        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+      return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
+
+    async def events():
+      try:
+        if chat:
+          yield chunk(None, None, {"role": "assistant", "content": ""})
+        while True:
+          piece, done = await q.get()
+          if piece:
+            yield chunk(piece, None)
+          if done:
+            break
+        try:
+          yield chunk(None, finish_reason(r))
+        except ApiError as e:
+          yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
+        if with_usage:
+          yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage(r)})}\n\n"
+        yield "data: [DONE]\n\n"
+      finally:
+        if not r.done:  # the client went away mid-stream
+          log.info("request %d cancelled: the client disconnected", r.id)
+          loop.cancel(r)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
   async def completions(req: HttpRequest):
     try:
       data = await body(req, COMMON | {"prompt"})
-      if not isinstance(data.get("prompt"), str):
-        raise ApiError(400, "prompt must be a string")
-      r = await run(engine.encode_prompt(data["prompt"]), data)
+      prompt = data.get("prompt")
+      if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = inputs.token_ids(prompt, engine.cfg.vocab_size, "prompt")
+      elif isinstance(prompt, str) and prompt:
+        ids = tok.encode(prompt)
+      else:
+        raise ApiError(400, "prompt must be a non-empty string or list of token ids")
+      return await respond(request(ids, data, COMPLETION_DEFAULT_TOKENS), data, chat=False)
+    except JaxvtError as e:
+      return _error(ApiError(400, str(e)))
     except ApiError as e:
       return _error(e)
-    return JSONResponse({"id": f"cmpl-{r.id}", "object": "text_completion",
-                         "created": int(time.time()), "model": model_id,
-                         "choices": [{"index": 0, "text": tok.decode(r.tokens),
-                                      "finish_reason": r.finish_reason, "logprobs": None}],
-                         "usage": usage(r)})
 
   async def chat(req: HttpRequest):
     try:
       data = await body(req, COMMON | {"messages"})
-      msgs = data.get("messages")
-      if not isinstance(msgs, list) or not msgs or not all(
-          isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-      ids = tok.encode(tok.apply_chat_template(msgs))
-      r = await run(ids, data)
+      msgs = _messages(data)
+      # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
+      text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
+                                                              msgs)
+      return await respond(request(tok.encode(text), data, None), data, chat=True)
+    except JaxvtError as e:
+      return _error(ApiError(400, str(e)))
     except ApiError as e:
       return _error(e)
-    return JSONResponse({"id": f"chatcmpl-{r.id}", "object": "chat.completion",
-                         "created": int(time.time()), "model": model_id,
-                         "choices": [{"index": 0, "finish_reason": r.finish_reason,
-                                      "message": {"role": "assistant",
-                                                  "content": tok.decode(r.tokens)}}],
-                         "usage": usage(r)})
 
-  async def models(_):
+  async def models(req: HttpRequest):
+    try:
+      authorize(req)
+    except ApiError as e:
+      return _error(e)
     return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model",
                                                      "owned_by": "jaxvt", "created": 0}]})
 
   async def health(_):
+    if loop.error is not None:
+      return JSONResponse({"status": "error", "error": str(loop.error)}, status_code=503)
     return JSONResponse({"status": "ok"})
 
   return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                            Route("/v1/completions", completions, methods=["POST"]),
                            Route("/v1/chat/completions", chat, methods=["POST"])])
+

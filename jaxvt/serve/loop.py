@@ -1,50 +1,107 @@
-"""The engine loop: one thread owns the device; it admits queued requests into free slots
-(prefill, b=1, into the slot), then runs one decode step over all active slots, and hands each
-request its tokens through a callback. Greedy decoding (argmax of each row's logits)."""
+"""The engine loop: one thread owns the device. Before each decode program it admits queued
+requests into free slots (each prefilled alone, b=1, into its slot, from the longest prefix the
+prefix cache holds) and samples their first tokens; then one decode program steps every active
+slot, each row sampled with its request's own parameters (jaxvt.sampling.sample_rows).
+
+A request learns of its progress through `Request.listener` (called on this thread with the
+request after each new token, and once more when it is done) and through the event `submit`
+returns (set when it is done). `cancel` (a client gone) frees its slot at the next step."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Callable
 
 import numpy as np
 
-from jaxvt.serve.batch import BatchSession
+from jaxvt.prefix import PrefixCache
+from jaxvt.serve.batch import BatchSession, sample
 from jaxvt.serve.scheduler import Request, Scheduler
+
+log = logging.getLogger("jaxvt.serve")
 
 
 class EngineLoop:
-  """`submit` from any thread; `on_done(req)` is called from the loop thread when a request
-  finishes (its `tokens`, `text` and `finish_reason` are final)."""
+  """`submit` and `cancel` from any thread; the device work runs on the loop's own thread."""
 
-  def __init__(self, engine, max_batch: int, max_queue: int,
-               decode_text: Callable[[int], str] = lambda t: ""):
-    self.session = BatchSession(engine, max_batch)
+  def __init__(self, engine, max_batch: int, max_queue: int, prefix: PrefixCache | None = None):
+    self.engine = engine
+    self.session = BatchSession(engine, max_batch, prefix)
     self.sched = Scheduler(max_batch, max_queue)
-    self.decode_text = decode_text
     self._cv = threading.Condition()
     self._stop = False
     self._done: dict[int, threading.Event] = {}
-    self._next: dict[int, int] = {}
+    self.error: BaseException | None = None  # what stopped the loop, if anything did
     self.thread = threading.Thread(target=self._run, name="jaxvt-engine", daemon=True)
     self.thread.start()
 
   def submit(self, req: Request) -> threading.Event:
-    """Queues `req` (QueueFull when the queue is full); the event is set when it finishes."""
+    """Queues `req` (QueueFull when neither a slot nor the queue has room; RuntimeError once the
+    loop is closing); the event is set when it is done."""
     with self._cv:
+      if self._stop:
+        raise RuntimeError("the server is shutting down")
       self.sched.submit(req)
       ev = self._done[req.id] = threading.Event()
       self._cv.notify()
     return ev
 
-  def close(self, timeout: float = 30.0) -> None:
-    """Lets in-flight and queued requests finish (bounded by `timeout`), then stops."""
+  def cancel(self, req: Request) -> None:
+    """Drops `req` (its client is gone): out of the queue, or its slot freed for the next one."""
+    with self._cv:
+      if not req.done:
+        self.sched.cancel(req)
+        self._finish(req)
+
+  def close(self, timeout: float = 30.0) -> bool:
+    """Refuses new requests, lets the ones in flight and queued finish (bounded by `timeout`
+    seconds), then stops; False where the loop was still busy at the timeout."""
     with self._cv:
       self._stop = True
       self._cv.notify()
     self.thread.join(timeout)
+    return not self.thread.is_alive()
+
+  def _finish(self, req: Request) -> None:
+    """With the lock held: tells the request's waiters it is done."""
+    ev = self._done.pop(req.id, None)
+    if req.listener:
+      req.listener(req)
+    if ev:
+      ev.set()
+
+  def _record(self, sampled: dict[int, int]) -> None:
+    """Feeds one step's tokens (slot -> token) to the scheduler and the requests' listeners;
+    stores finished sequences for prefix reuse."""
+    with self._cv:
+      reqs = {s: self.sched.slots[s] for s in sampled if self.sched.slots[s] is not None}
+      pieces = {s: (t, "" if t in r.eos_ids else r.decoder.push(t) if r.decoder else "")
+                for s, t in sampled.items() if (r := reqs.get(s)) is not None}
+      finished = self.sched.step(pieces)
+      for r in reqs.values():
+        if r.done and r.decoder and (r.eos or r.finish_reason == "length"):  # not cut by a stop
+          r.text += r.decoder.flush()
+        if r.listener and not r.done:
+          r.listener(r)
+      for r in finished:
+        self._finish(r)
+    for r in finished:
+      self.session.finish(r.slot, r.fed)
 
   def _run(self) -> None:
+    try:
+      self._loop()
+    except BaseException as e:  # pylint: disable=broad-except  (every waiter must hear of it)
+      log.exception("the engine loop stopped")
+      with self._cv:
+        self.error = e
+        self._stop = True
+        for r in list(self.sched.queue) + self.sched.active():
+          self.sched.cancel(r)
+          r.finish_reason = "error"
+          self._finish(r)
+
+  def _loop(self) -> None:
     while True:
       with self._cv:
         while self.sched.idle() and not self._stop:
@@ -52,20 +109,19 @@ class EngineLoop:
         if self.sched.idle() and self._stop:
           return
         admitted = self.sched.admit()
-      sampled = {}
+      first = {}
       for req in admitted:
-        logits = self.session.prefill(req.slot, req.prompt)
-        sampled[req.slot] = int(np.argmax(np.asarray(logits)))
-      feed = {r.slot: self._next[r.id] for r in self.sched.active() if r.id in self._next}
-      if feed:
-        logits = np.asarray(self.session.decode(feed))
-        for s in feed:
-          sampled[s] = int(np.argmax(logits[s]))
+        logits, req.cached = self.session.prefill(req.slot, req.prompt)
+        first[req.slot] = sample(logits[None], {0: _params(req)})[0]
+      self._record(first)
       with self._cv:
-        by_slot = {s: self.sched.slots[s] for s in sampled}
-        finished = self.sched.step({s: (t, self.decode_text(t)) for s, t in sampled.items()})
-      for s, t in sampled.items():
-        self._next[by_slot[s].id] = t
-      for req in finished:
-        self._next.pop(req.id, None)
-        self._done.pop(req.id).set()
+        active = self.sched.active()
+      if not active:
+        continue
+      logits = self.session.decode({r.slot: r.tokens[-1] for r in active})
+      self._record(sample(logits, {r.slot: _params(r) for r in active}))
+
+
+def _params(r: Request) -> tuple[float, int, float, int, int]:
+  """sample's row parameters of `r`'s next token (its index: how many it has made)."""
+  return r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens)

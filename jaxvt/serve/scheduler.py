@@ -3,8 +3,10 @@
 The engine loop asks it, before each device program, which queued requests join the batch
 (`admit`), feeds it each step's sampled token per active slot (`step`), and it says which
 requests finished (eos, a stop string, max_tokens) and frees their slots. Requests that arrive
-while others decode wait in a bounded FIFO queue and take the next free slot; a full queue is
-refused at once (`QueueFull`: the server answers 429 with Retry-After).
+while others decode wait in a bounded FIFO queue and take the next free slot; a request that
+finds neither a free slot nor room in the queue is refused at once (`QueueFull`: the server
+answers 429 with Retry-After). Text is released to a stream (`Request.release`) only where no
+stop string can still begin, so a streamed answer never shows the start of a stop string.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from typing import Any, Callable
 
 
 class QueueFull(Exception):
@@ -25,15 +28,38 @@ class Request:
   max_tokens: int
   eos_ids: frozenset[int] = frozenset()
   stop: tuple[str, ...] = ()
+  temperature: float = 0.0  # 0: greedy
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   tokens: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
   finish_reason: str | None = None  # "stop" | "length" | "cancelled" once done
   slot: int | None = None
+  cached: int = 0  # prompt tokens taken from the prefix cache, not computed
+  sent: int = 0  # characters of `text` released so far
+  eos: bool = False  # ended by an end-of-generation token (not part of `tokens`)
+  decoder: Any = None  # the engine loop's incremental detokenizer (push(id) -> text)
+  listener: Callable[["Request"], None] | None = None  # told of new text and of the end
 
   @property
   def done(self) -> bool:
     return self.finish_reason is not None
+
+  @property
+  def fed(self) -> list[int]:
+    """The tokens its cache holds once it is done: the prompt and every generated token fed
+    back (the last one sampled at max_tokens never is)."""
+    out = self.tokens if self.eos else self.tokens[:-1]
+    return self.prompt + out
+
+  def release(self) -> str:
+    """The text not released yet that no stop string can still cut (all of it once done)."""
+    end = len(self.text) - (0 if self.done else _stop_start(self.text, self.stop))
+    piece = self.text[self.sent:end] if end > self.sent else ""
+    self.sent += len(piece)
+    return piece
 
 
 class Scheduler:
@@ -48,9 +74,12 @@ class Scheduler:
     self.slots: list[Request | None] = [None] * max_batch
 
   def submit(self, req: Request) -> None:
-    """Queues `req`; raises QueueFull when `max_queue` requests wait already."""
-    if len(self.queue) >= self.max_queue:
-      raise QueueFull(f"{len(self.queue)} requests are waiting (--max-queue {self.max_queue})")
+    """Queues `req`; raises QueueFull when it would wait behind `max_queue` requests already
+    waiting (requests that the free slots take at the next admission do not wait)."""
+    free = sum(r is None for r in self.slots)
+    if len(self.queue) >= self.max_queue + free:
+      raise QueueFull(f"{len(self.queue)} requests are waiting for {self.max_batch} slots "
+                      f"(--max-queue {self.max_queue}); retry later")
     self.queue.append(req)
 
   def active(self) -> list[Request]:
@@ -78,7 +107,7 @@ class Scheduler:
       if req is None:
         continue
       if tok in req.eos_ids:
-        req.finish_reason = "stop"
+        req.finish_reason, req.eos = "stop", True
       else:
         req.tokens.append(tok)
         req.text += piece
@@ -103,6 +132,18 @@ class Scheduler:
 
   def idle(self) -> bool:
     return not self.queue and all(r is None for r in self.slots)
+
+
+def _stop_start(text: str, stops: tuple[str, ...]) -> int:
+  """The length of the longest end of `text` that begins some stop string (which the next
+  tokens may complete)."""
+  held = 0
+  for s in stops:
+    for k in range(min(len(s) - 1, len(text)), held, -1):
+      if text.endswith(s[:k]):
+        held = k
+        break
+  return held
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -1,0 +1,82 @@
+"""sample_rows (each row its own temperature, top-k, top-p and seed) against a float64 numpy
+reference of the distribution it must draw from."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxvt.sampling import SamplingParams, sample, sample_rows, seed_words
+
+V = 12
+
+
+def _reference(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+  """The probabilities after the temperature, the top-k cut and the nucleus cut, in float64."""
+  x = logits.astype(np.float64) / t
+  V = x.shape[-1]
+  order = np.argsort(-x, kind="stable")
+  keep = np.zeros(V, bool)
+  keep[order[:k or V]] = True
+  probs = np.where(keep, np.exp(x - x.max()), 0.0)
+  probs /= probs.sum()
+  mass, nucleus = 0.0, np.zeros(V, bool)
+  for i in order:
+    if not keep[i] or mass >= p:
+      break
+    nucleus[i] = True
+    mass += probs[i]
+  out = np.where(nucleus, probs, 0.0)
+  return out / out.sum()
+
+
+def _draw(logits, rows, n):
+  """n draws of each row: rows is a list of (temperature, top_k, top_p, seed)."""
+  b = len(rows)
+  t = np.asarray([r[0] for r in rows], np.float32)
+  k = np.asarray([r[1] for r in rows], np.int32)
+  p = np.asarray([r[2] for r in rows], np.float32)
+  seeds = np.asarray([seed_words(r[3]) for r in rows], np.uint32)
+  draw = jax.jit(jax.vmap(lambda c: sample_rows(logits, seeds, jax.numpy.full(b, c, np.int32), t, k, p)))
+  return np.asarray(draw(np.arange(n, dtype=np.int32)))  # [n, b]
+
+
+def test_each_row_draws_from_its_own_distribution():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 2, (4, V)).astype(np.float32)
+  rows = [(1.0, 0, 1.0, 1), (0.7, 3, 1.0, 2), (1.3, 0, 0.6, 3), (0.0, 0, 1.0, 4)]
+  n = 4000
+  got = _draw(logits, rows, n)
+  for i, (t, k, p, _) in enumerate(rows):
+    if t == 0:
+      assert (got[:, i] == np.argmax(logits[i])).all()
+      continue
+    want = _reference(logits[i], t, k, p)
+    freq = np.bincount(got[:, i], minlength=V) / n
+    assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want))  # never outside the cut
+    # within 5 standard errors of each probability
+    assert np.all(np.abs(freq - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9), (i, freq, want)
+
+
+def test_a_rows_draws_depend_on_its_seed_and_counter_only():
+  rng = np.random.default_rng(1)
+  logits = rng.normal(0, 1, (3, V)).astype(np.float32)
+  alone = _draw(logits[:1], [(1.0, 0, 1.0, 99)], 50)[:, 0]
+  together = _draw(logits, [(1.0, 0, 1.0, 99), (0.5, 2, 1.0, 5), (2.0, 0, 0.9, 7)], 50)[:, 0]
+  assert (alone == together).all()
+  other = _draw(logits[:1], [(1.0, 0, 1.0, 100)], 50)[:, 0]
+  assert (other != alone).any()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, 5, 0.9)])
+def test_greedy_and_cuts_match_sample(params):
+  """With one row, sample_rows keeps exactly the tokens `sample` keeps (greedy: the same one)."""
+  rng = np.random.default_rng(2)
+  logits = rng.normal(0, 3, (1, 400)).astype(np.float32)
+  key = jax.random.key(3)
+  ours = set(_draw(logits, [(params.temperature, params.top_k, params.top_p, 3)], 300)[:, 0])
+  theirs = {int(sample(logits, k, params)[0]) for k in jax.random.split(key, 300)}
+  if params.greedy:
+    assert ours == theirs == {int(np.argmax(logits))}
+  else:
+    assert ours <= set(np.flatnonzero(_reference(logits[0], 0.8, 5, 0.9)))
+    assert theirs <= set(np.flatnonzero(_reference(logits[0], 0.8, 5, 0.9)))
