@@ -9,6 +9,17 @@ model (jaxvt.model) calls only these ops and never names a kernel or a tuning kn
   route(logits, k, renormalise, ex)  router logits [T, E] -> (ids [T, k], weights [T, k])
   experts(ex, n_tokens, k, E)      fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
   fused(step, ex)                  whether a decode step ("attn", "gdn") is one custom call
+  fusion_barrier(x)                x, kept out of the fusion that forms it where the backend's
+                                   compiler would otherwise fuse the next product into it
+
+and the other steps in ggml's rounding (jaxvt.ffi.steps: the CPU kernels, or their jnp formulas):
+
+  rms_norm(x, w, eps, ex)          x f32 [..., d], w [d] or None -> f32 [..., d]
+  rope(x, positions, n_dims, base, neox, ex)  x f32 [..., T, H, hd] rotated at positions [..., T]
+  attention(q, k_cache, v_cache, layer, positions, n_query, kv_len, scale, ex)
+                                   causal attention of q [b, t, H, D] over a stacked KV cache's
+                                   layer `layer` -> f32 [b, t, H, Dv]
+  swiglu(g, u, ex)                 silu(g) * u, f32 [..., d]
 
 Which kernel a product takes by its rows (matvec, tiled, staged; per slot or grouped experts)
 is the Exec's tuning row (jaxvt.ffi.tuning.Products).
@@ -18,18 +29,43 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import grouped, numerics, ops
+from jaxvt.ffi import grouped, numerics, ops, steps
 from jaxvt.gguf import quants
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
 
 
+class _GgmlSteps:
+  """The ops in ggml's rounding (jaxvt.ffi.steps), which the model calls under "ggml" numerics:
+  the CPU kernels where `step_kernels` (on other platforms their jnp formulas), else the jnp
+  formulas everywhere."""
+
+  step_kernels: ClassVar[bool]
+
+  def rms_norm(self, x, w, eps: float, ex):
+    return steps.rms_norm(x, w, eps, kernels=self.step_kernels)
+
+  def rope(self, x, positions, n_dims: int, base: float, neox: bool, ex):
+    return steps.rope(x, positions, n_dims, base, neox, kernels=self.step_kernels)
+
+  def attention(self, q, k_cache, v_cache, layer, positions, n_query, kv_len: int, scale: float,
+                ex):
+    return steps.attention(q, k_cache, v_cache, layer, positions, n_query, kv_len, scale,
+                           kernels=self.step_kernels)
+
+  def swiglu(self, g, u, ex):
+    return steps.swiglu(g, u, kernels=self.step_kernels)
+
+
 @dataclasses.dataclass(frozen=True)
-class Reference:
+class Reference(_GgmlSteps):
   """The jnp references of every op (the default where no extension is built)."""
+
+  step_kernels: ClassVar[bool] = False
 
   def matmul(self, x, w, layer, ex):
     return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
@@ -55,13 +91,18 @@ class Reference:
   def fused(self, step: str, ex) -> bool:
     return False
 
+  def fusion_barrier(self, x):
+    return x
+
 
 _FUSED = {"attn": "attn_fused", "gdn": "gdn_fused", "route": "fused_route"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Kernels:
+class Kernels(_GgmlSteps):
   """jaxvt's custom calls, each product on the path the Exec's tuning row gives for its rows."""
+
+  step_kernels: ClassVar[bool] = True
 
   def matmul(self, x, w, layer, ex):
     path = ex.products.dense(x.size // x.shape[-1], w.meta)
@@ -98,6 +139,11 @@ class Kernels:
 
   def fused(self, step: str, ex) -> bool:
     return bool(getattr(ex.products, _FUSED[step]))
+
+  def fusion_barrier(self, x):
+    """x through an optimization barrier: XLA:GPU would otherwise fuse a dot reading x into the
+    fusion that forms x (a slower multi-output reduction); the value is the same."""
+    return jax.lax.optimization_barrier(x)
 
 
 REFERENCE = Reference()

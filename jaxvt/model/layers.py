@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.ffi import attn as attn_ffi, steps  # importing registers the custom calls
+from jaxvt.ffi import attn as attn_ffi  # importing registers the custom calls
 from jaxvt.ffi.backend import KERNELS, REFERENCE
 from jaxvt.ffi.tuning import Products
 from jaxvt.model.config import ModelConfig
@@ -108,9 +108,9 @@ def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = None) -> jax.Array:
   """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
-  With a ggml-numerics `ex`, ggml's rounding (jaxvt.ffi.steps.rms_norm)."""
+  With a ggml-numerics `ex`, ggml's rounding (the backend's rms_norm)."""
   if ex is not None and ex.ggml:
-    return steps.rms_norm(x, w, eps, kernels=ex.kernels)
+    return ex.backend.rms_norm(x, w, eps, ex)
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y if w is None else y * w
@@ -122,10 +122,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,
 
   x [b, t, h, d], positions int32 [b, t]. `interleaved` rotates pairs (2i, 2i+1) (llama GGUF,
   whose converter permuted q/k rows); otherwise pairs (i, i + rope_dim/2) (NEOX, Qwen). With a
-  ggml-numerics `ex`, ggml_rope_ext's angles and rounding (jaxvt.ffi.steps.rope).
+  ggml-numerics `ex`, ggml_rope_ext's angles and rounding (the backend's rope).
   """
   if ex is not None and ex.ggml:
-    return steps.rope(x, positions, rope_dim, theta, neox=not interleaved, kernels=ex.kernels)
+    return ex.backend.rope(x, positions, rope_dim, theta, not interleaved, ex)
   half = rope_dim // 2
   inv = jnp.asarray(attn_ffi.inv_freq(theta, rope_dim))  # the fused step's constants too
   ang = positions.astype(jnp.float32)[..., None, None] * inv  # [b, t, 1, half]
@@ -208,8 +208,8 @@ def attend(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, kv_len: 
   if ex.ggml:
     nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
-    o = steps.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
-                      kernels=ex.kernels).reshape(b, t, H * Dv)
+    o = ex.backend.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
+                             ex).reshape(b, t, H * Dv)
   else:
     zero = jnp.zeros((), jnp.int32)
     ks = jax.lax.dynamic_slice(k_cache, (ai, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
@@ -256,7 +256,7 @@ def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
 def swiglu_down(g: jax.Array, u: jax.Array, w_down: QWeight, li, ex: Exec) -> jax.Array:
   """The second half of swiglu: down(silu(g) * u) from the gate and up products."""
   if ex.ggml:
-    h = steps.swiglu(g, u, kernels=ex.kernels)
+    h = ex.backend.swiglu(g, u, ex)
   else:
     h = jax.nn.silu(g) * u
   return linear(h, w_down, li, ex)

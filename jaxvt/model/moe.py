@@ -77,9 +77,9 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None,
   if cfg.shared_ffn_dim:
     with jax.named_scope("shared_expert"):
       s = layers.swiglu_down(gu[0], gu[1], w["shexp.w_down"], li, ex)
-      # x through a barrier: XLA:GPU otherwise fuses this dot into the fusion that forms x (the
-      # residual's norm), a slower multi-output reduction; the value is the same
-      xg = jax.lax.optimization_barrier(x) if ex.kernels else x
+      # x through the backend's barrier: with kernels XLA:GPU otherwise fuses this dot into the
+      # fusion that forms x (the residual's norm), a slower multi-output reduction
+      xg = ex.backend.fusion_barrier(x)
       gate = jax.nn.sigmoid(jnp.dot(xg, w["shexp.gate"][li].astype(jnp.float32),
                                     precision=jax.lax.Precision.HIGHEST))  # [T]
       if ex.par is not None and ex.par.ep > 1:  # s is split over tp only, the experts over both
