@@ -52,14 +52,17 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
 
 @jax.jit
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-                top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+                top_k: jax.Array, top_p: jax.Array, bias: jax.Array | None = None) -> jax.Array:
   """Each row sampled with its own parameters: logits float32 [b, vocab]; seeds uint32 [b, 2]
   (a 64-bit seed as low and high words) and counters int32 [b] (the row's token index: the key
   is the seed's folded with it, so a row's draws do not depend on the other rows); temperature
   float32 [b] (0: greedy, the argmax), top_k int32 [b] (0: off), top_p float32 [b] (1: off).
-  Returns token ids int32 [b]. The cuts are `sample`'s: top-k first, then the smallest
-  most-likely prefix whose mass reaches top_p (at least one token)."""
+  `bias` float32 [b, vocab] (OpenAI's logit_bias) is added to the logits first. Returns token ids
+  int32 [b]. The cuts are `sample`'s: top-k first, then the smallest most-likely prefix whose
+  mass reaches top_p (at least one token)."""
   vocab = logits.shape[-1]
+  if bias is not None:
+    logits = logits.astype(jnp.float32) + bias
   hot = temperature > 0
   x = logits.astype(jnp.float32) / jnp.where(hot, temperature, 1.0)[:, None]
   desc = jnp.sort(x, axis=-1)[:, ::-1]

@@ -80,3 +80,15 @@ def test_greedy_and_cuts_match_sample(params):
   else:
     assert ours <= set(np.flatnonzero(_reference(logits[0], 0.8, 5, 0.9)))
     assert theirs <= set(np.flatnonzero(_reference(logits[0], 0.8, 5, 0.9)))
+
+
+def test_logit_bias_moves_the_choice():
+  rng = np.random.default_rng(4)
+  logits = rng.normal(0, 1, (2, V)).astype(np.float32)
+  top = np.argmax(logits, -1)
+  bias = np.zeros((2, V), np.float32)
+  bias[0, top[0]] = -100.0
+  z = np.zeros(2, np.float32)
+  got = np.asarray(sample_rows(logits, np.zeros((2, 2), np.uint32), np.zeros(2, np.int32), z,
+                               np.zeros(2, np.int32), np.ones(2, np.float32), bias))
+  assert got[0] == np.argsort(-logits[0])[1] and got[1] == top[1]

@@ -269,13 +269,15 @@ class ServeMemory:
 
 
 def serve_memory(bd: Breakdown, sequence_bytes: int, max_batch: int | None = None,
-                 prefix_bytes: int | None = None, batch_cap: int = 8) -> ServeMemory:
+                 prefix_bytes: int | None = None, batch_cap: int = 8,
+                 prefix_cap_sequences: int = 16) -> ServeMemory:
   """The batch and prefix-cache bytes that fit beside the plan `bd` (which counted one
   sequence's cache, for prefill, and keeps its slack): a server holds the batch's cache of
   `batch` x `sequence_bytes`, the one b=1 cache a prefill fills, and the prefix cache.
 
   `max_batch` None: as many sequences as half of what is available holds, at most `batch_cap`
-  and at least 1; `prefix_bytes` None: the rest. A `max_batch` (or both together) that does not
+  and at least 1; `prefix_bytes` None: the rest, at most `prefix_cap_sequences` sequences' worth
+  (a CPU's "device" is the host's memory: the store need not take all of it). A `max_batch` (or both together) that does not
   fit is a JaxvtError naming the figures and the fix."""
   if sequence_bytes <= 0:
     raise ValueError(f"sequence_bytes {sequence_bytes} must be positive")
@@ -294,7 +296,7 @@ def serve_memory(bd: Breakdown, sequence_bytes: int, max_batch: int | None = Non
         f"{available / GiB:.2f} GiB is free beside the plan; lower --max-batch or --max-context, "
         "or raise --offload-gb")
   if prefix_bytes is None:
-    prefix_bytes = max(0, rest)
+    prefix_bytes = max(0, min(rest, prefix_cap_sequences * sequence_bytes))
   elif prefix_bytes > max(0, rest):
     raise JaxvtError(
         f"--prefix-cache-gb {prefix_bytes / GiB:.2f} does not fit: {max(0, rest) / GiB:.2f} GiB "

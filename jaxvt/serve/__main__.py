@@ -171,7 +171,11 @@ def main(argv: list[str]) -> int:
   status = _parse(argv)
   if status is not None:
     return status
-  logging.basicConfig(level=logging.INFO, format="jaxvt: %(message)s")
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("jaxvt: %(message)s"))
+  log.addHandler(handler)
+  log.setLevel(logging.INFO)
+  log.propagate = False
   with cli.quiet(FLAGS.verbose):
     try:
       _validate(FLAGS)

@@ -27,7 +27,7 @@ from jaxvt.serve.scheduler import QueueFull, Request
 
 log = logging.getLogger("jaxvt.serve")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-          "stream_options", "user"}
+          "stream_options", "user", "logit_bias"}
 MAX_BODY = 1 << 20
 MAX_STOPS = 4
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -83,6 +83,22 @@ def _stops(value: Any) -> tuple[str, ...]:
   return tuple(stop)
 
 
+def _logit_bias(value: Any, vocab: int) -> dict[int, float]:
+  """OpenAI's logit_bias: {"token id": bias in [-100, 100]}."""
+  if value is None:
+    return {}
+  if not isinstance(value, dict):
+    raise ApiError(400, "logit_bias must be an object of token id -> bias")
+  out = {}
+  for k, v in value.items():
+    if not (k.isdigit() and int(k) < vocab) or isinstance(v, bool) or not isinstance(
+        v, (int, float)) or not -100 <= v <= 100:
+      raise ApiError(400, f"logit_bias: {k!r}: {v!r} must map a token id below {vocab} to a "
+                     "number in [-100, 100]")
+    out[int(k)] = float(v)
+  return out
+
+
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -> Starlette:
   """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`."""
   tok = engine.tokenizer
@@ -131,7 +147,8 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -
       raise ApiError(400, str(e)) from None
     return Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=_stops(data.get("stop")),
                    temperature=t, top_k=inputs.top_k_for(k, engine.cfg.vocab_size), top_p=p,
-                   seed=seed, decoder=tok.stream_decoder())
+                   seed=seed, decoder=tok.stream_decoder(),
+                   logit_bias=_logit_bias(data.get("logit_bias"), engine.cfg.vocab_size))
 
   def submit(r: Request):
     """Queues `r`; returns an asyncio queue that receives (new text, done) from the loop."""
@@ -244,7 +261,7 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -
   async def health(_):
     if loop.error is not None:
       return JSONResponse({"status": "error", "error": str(loop.error)}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "requests": loop.counts()})
 
   return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                            Route("/v1/completions", completions, methods=["POST"]),

@@ -80,15 +80,19 @@ class BatchSession:
     return logits
 
 
-def sample(logits: jax.Array, rows: dict[int, tuple[float, int, float, int, int]]) -> dict[int, int]:
+def sample(logits: jax.Array, rows: dict[int, tuple]) -> dict[int, int]:
   """Samples each row of `logits` [B or 1, vocab] named in `rows`: row -> (temperature, top_k,
-  top_p, seed, token index). Returns row -> token id."""
+  top_p, seed, token index, logit bias {token id: bias}). Returns row -> token id."""
   if not rows:
     return {}
   b = logits.shape[0]
   t, k, p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
   seeds, counters = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32)
-  for r, (temp, top_k, top_p, seed, index) in rows.items():
+  bias = None
+  for r, (temp, top_k, top_p, seed, index, row_bias) in rows.items():
     t[r], k[r], p[r], seeds[r], counters[r] = temp, top_k, top_p, seed_words(seed), index
-  out = np.asarray(sample_rows(logits, seeds, counters, t, k, p))
+    if row_bias:
+      bias = np.zeros(logits.shape, np.float32) if bias is None else bias
+      bias[r, list(row_bias)] = list(row_bias.values())
+  out = np.asarray(sample_rows(logits, seeds, counters, t, k, p, bias))
   return {r: int(out[r]) for r in rows}

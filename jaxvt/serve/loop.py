@@ -53,6 +53,11 @@ class EngineLoop:
         self.sched.cancel(req)
         self._finish(req)
 
+  def counts(self) -> dict[str, int]:
+    """Requests decoding now and waiting for a slot."""
+    with self._cv:
+      return {"active": len(self.sched.active()), "queued": len(self.sched.queue)}
+
   def close(self, timeout: float = 30.0) -> bool:
     """Refuses new requests, lets the ones in flight and queued finish (bounded by `timeout`
     seconds), then stops; False where the loop was still busy at the timeout."""
@@ -122,6 +127,6 @@ class EngineLoop:
       self._record(sample(logits, {r.slot: _params(r) for r in active}))
 
 
-def _params(r: Request) -> tuple[float, int, float, int, int]:
+def _params(r: Request) -> tuple:
   """sample's row parameters of `r`'s next token (its index: how many it has made)."""
-  return r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens)
+  return r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens), r.logit_bias

@@ -32,6 +32,7 @@ class Request:
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
+  logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # added to the logits
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   tokens: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
