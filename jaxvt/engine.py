@@ -184,12 +184,16 @@ class Engine:
   # ---- generation ----------------------------------------------------------------------
   def generate(self, prompt: str | list[int], max_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), seed: int = 0, chat: bool = False,
-               on_text: Callable[[str], None] | None = None) -> Generation:
+               on_text: Callable[[str], None] | None = None, prefix=None) -> Generation:
     """Generates up to `max_tokens` after `prompt` (text, or token ids), stopping early at the
     tokenizer's end-of-generation tokens; streams via on_text. The arguments are checked as the
     CLI checks its flags (jaxvt.inputs): a text prompt must be valid UTF-8 (str, or UTF-8
     bytes), ids must be in the vocabulary, and a `sampling.top_k` at or above the vocabulary
-    keeps every token (it becomes 0)."""
+    keeps every token (it becomes 0). `prefix` (a jaxvt.prefix.PrefixCache of this engine):
+    prefill only what the stored sequences do not cover (stats.cached_tokens) and store the
+    prompt for the next call. The answer is not stored: decode runs past its end, and rows a
+    decode computed differ from a prefill's by rounding (prefix reuse of prompts alone is a
+    full prefill's result to rounding: tests/test_prefix.py)."""
     self._check_open()
     max_tokens = inputs.max_tokens(max_tokens)
     seed = inputs.seed(seed)
@@ -209,7 +213,10 @@ class Engine:
     stream = tok.stream_decoder()
 
     t0 = time.perf_counter()
-    logits, cache = self.prefill(ids)
+    if prefix is None:
+      logits, cache = self.prefill(ids)
+    else:
+      logits, cache, stats.cached_tokens = prefix.prefill(ids)
     nxt, key = first_token_fn(logits, key, params=sampling)
     nxt = int(nxt)
     stats.prefill_seconds = time.perf_counter() - t0

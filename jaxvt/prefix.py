@@ -44,6 +44,12 @@ class _Entry:
     self.nbytes = sum(a.nbytes for a in leaves)
 
 
+def sequence_bytes(engine) -> int:
+  """Device bytes of one sequence's cache (K/V for max_context positions, recurrent state)."""
+  shapes = jax.eval_shape(lambda: engine.new_cache(1))
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+
 def _common(a: tuple[int, ...], b: list[int]) -> int:
   n = min(len(a), len(b))
   i = 0

@@ -14,19 +14,21 @@ reaches the terminal (generated text keeps its newlines and tabs).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import signal
 import sys
 import threading
-import warnings
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from absl import flags
 
 from jaxvt import cli, inputs, usage
 from jaxvt.cli import Bar, normalize_argv, quiet
 from jaxvt.errors import JaxvtError, escape, out_of_memory
+
+if TYPE_CHECKING:  # the CLI imports JAX only once it runs
+  from jaxvt.prefix import PrefixCache
+  from jaxvt.sampling import Generation, SamplingParams
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -45,6 +47,10 @@ flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0, or a 
                      flag_values=FLAGS)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Random seed for sampling.", flag_values=FLAGS)
+flags.DEFINE_boolean("interactive", False, "A conversation: each line on stdin is a user turn "
+                     "answered in the chat template, and each turn prefills only what is new "
+                     "(an empty line or end of input ends it).", short_name="i",
+                     flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
                      "generate.", flag_values=FLAGS)
 flags.DEFINE_boolean("help", False, "Print this help and exit.", short_name="h",
@@ -315,10 +321,12 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
     from jaxvt.model.presets import PRESETS
 
     path = F.model if F.model is not None else default_model_path()
+    first = [prompt] if prompt is not None else []  # --interactive's first turn, if given
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
     tokenizer, nbytes = None, 0
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
-      prompt, tokenizer, nbytes = _preflight(path, prompt, F.chat, F.plan)
+      prompt, tokenizer, nbytes = _preflight(path, prompt, False if F.interactive else F.chat,
+                                                F.plan)
     if F.coordinator is not None and not F.plan:
       from jaxvt.parallel import mesh
       mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
@@ -353,7 +361,8 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
       marks.append(counter.snapshot())
 
     eng = engine_mod.load(path, progress=bar, on_plan=show_plan, tokenizer=tokenizer,
-                          while_loading=first_token_programs, **cli.load_options(F))
+                          while_loading=None if F.interactive else first_token_programs,
+                          **cli.load_options(F))
     interrupts.engine = eng
     if bar:
       bar.finish(done=True)
@@ -364,6 +373,8 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
         sys.stdout.flush()
         interrupts.stdout_open = not text.endswith("\n")
 
+      if F.interactive:
+        return _converse(eng, F, params, first, emit, interrupts)
       marks.append(counter.snapshot())
       out = eng.generate(prompt, max_tokens=F.max_tokens, sampling=params, seed=F.seed,
                          on_text=emit)  # the chat template was applied by _preflight
@@ -386,6 +397,72 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
       sys.stdout.flush()
     print(f"jaxvt: error: {error}", file=sys.stderr)
     return 2
+  return 0
+
+
+PREFIX_SEQUENCES = 4  # the prefix cache's budget, in whole sequences' caches
+
+
+def turns(engine, lines: Iterable[str], *, max_tokens: int, sampling: SamplingParams,
+          seed: int = 0, on_text: Callable[[str], None] | None = None,
+          prefix: PrefixCache | None = None) -> Iterator[Generation]:
+  """--interactive's conversation, as llama-cli's conversation mode: the answer to each line of
+  `lines` (a user turn each, until an empty one). The whole conversation is rendered through the
+  file's chat template (in its limited child process) and generated from; a prefix cache
+  (`prefix`, default PREFIX_SEQUENCES sequences' worth) keeps what the earlier prompts computed,
+  so a turn prefills only the previous answer and the new line, and its logits are a full
+  prefill's to rounding (an answer's own rows are not kept: decode runs a few steps past its end,
+  and rows a decode computed differ from a prefill's by rounding)."""
+  from jaxvt.prefix import PrefixCache, sequence_bytes
+  if prefix is None:
+    prefix = PrefixCache(engine, PREFIX_SEQUENCES * sequence_bytes(engine))
+  tok = engine.tokenizer
+  if tok.chat_template is None:
+    raise JaxvtError(f"{engine.path} has no chat template, which --interactive needs; use "
+                     "--prompt for a single completion")
+  messages: list[dict] = []
+  for n, line in enumerate(lines):
+    line = line.rstrip("\n")
+    if not line.strip():
+      return
+    messages.append({"role": "user", "content": line})
+    ids = tok.encode(tok.apply_chat_template(messages))
+    room = engine.max_context - len(ids)
+    if room < 1:
+      raise JaxvtError(f"the conversation has {len(ids)} tokens, more than --max-context "
+                       f"{engine.max_context}; start again with a larger --max-context")
+    out = engine.generate(ids, max_tokens=min(max_tokens, room), sampling=sampling,
+                          seed=seed + n, on_text=on_text, prefix=prefix)
+    messages.append({"role": "assistant", "content": out.text})
+    yield out
+
+
+def _converse(eng, F, params, first: list[str], emit, interrupts: _Interrupts) -> int:
+  """--interactive: turns from `first` then stdin (a "> " prompt on stderr where stdin is a
+  terminal), answers on stdout, a line of figures per turn on stderr."""
+
+  def lines():
+    yield from first
+    while True:
+      if sys.stdin.isatty():
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+      line = sys.stdin.readline()
+      if not line:
+        return
+      yield line
+
+  print(f"jaxvt: a conversation with {escape(os.path.basename(eng.path), 200)}: type a turn and "
+        "press Enter; an empty line or Ctrl-D ends it", file=sys.stderr)
+  for out in turns(eng, lines(), max_tokens=F.max_tokens, sampling=params,
+                               seed=F.seed, on_text=emit):
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    interrupts.stdout_open = False
+    st = out.stats
+    print(f"jaxvt: {st.cached_tokens} of {st.prompt_tokens} prompt tokens reused, "
+          f"{st.prompt_tokens - st.cached_tokens} prefilled in {st.prefill_seconds:.2f} s; "
+          f"{st.generated_tokens} generated at {st.decode_tok_s:.1f} tok/s", file=sys.stderr)
   return 0
 
 

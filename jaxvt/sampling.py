@@ -95,6 +95,7 @@ class GenerationStats:
   engine (prefill's before it runs, each decode program when first needed) is
   `compile_seconds`, counted apart."""
   prompt_tokens: int = 0
+  cached_tokens: int = 0  # of the prompt, taken from a prefix cache instead of prefilled
   generated_tokens: int = 0
   prefill_seconds: float = 0.0
   decode_seconds: float = 0.0
@@ -103,7 +104,8 @@ class GenerationStats:
 
   @property
   def prefill_tok_s(self) -> float:
-    return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+    n = self.prompt_tokens - self.cached_tokens  # the tokens prefill computed
+    return n / self.prefill_seconds if self.prefill_seconds else 0.0
 
   @property
   def decode_tok_s(self) -> float:

@@ -33,6 +33,7 @@ EXAMPLES = (
     ('python -m jaxvt.run --model path/to/model.gguf --temperature 0.7 --top-p 0.9 "Hello"',
      "sampled"),
     ("python -m jaxvt.run --model big.gguf --offload-gb 7", "7 GiB of weights in the host tier"),
+    ("python -m jaxvt.run --interactive", "a conversation; each turn prefills only what is new"),
     ("python -m jaxvt.run --model big.gguf --offload-gb auto --plan",
      "print the plan, don't generate"),
 )
@@ -40,7 +41,7 @@ GROUPS = (
     ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
                              "device_gb", "force", "plan", "mesh", "coordinator",
                              "num_processes", "process_id")),
-    ("generation", ("prompt", "chat", "max_tokens")),
+    ("generation", ("prompt", "chat", "interactive", "max_tokens")),
     ("sampling", ("temperature", "top_k", "top_p", "seed")),
     ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
 )

@@ -120,9 +120,8 @@ def _serve(F) -> int:
 
   from jaxvt import engine as engine_mod
   from jaxvt.offload.memory import serve_memory
-  from jaxvt.prefix import PrefixCache
+  from jaxvt.prefix import PrefixCache, sequence_bytes
   from jaxvt.serve.app import build
-  from jaxvt.serve.batch import sequence_bytes
   from jaxvt.serve.loop import EngineLoop
 
   class Server(uvicorn.Server):

@@ -16,12 +16,6 @@ from jaxvt.prefix import PrefixCache
 from jaxvt.sampling import sample_rows, seed_words
 
 
-def sequence_bytes(engine) -> int:
-  """Device bytes of one sequence's cache (K/V for max_context positions, recurrent state)."""
-  shapes = jax.eval_shape(lambda: engine.new_cache(1))
-  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
-
-
 class BatchSession:
   """B slots of `engine`'s cache; `positions[s]` is where slot s's next token goes."""
 

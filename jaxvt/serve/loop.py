@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import numpy as np
-
 from jaxvt.prefix import PrefixCache
 from jaxvt.serve.batch import BatchSession, sample
 from jaxvt.serve.scheduler import Request, Scheduler

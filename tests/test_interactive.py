@@ -1,0 +1,77 @@
+"""--interactive: each turn of a conversation gets the greedy tokens a fresh run of the whole
+rendered conversation gets, while prefilling only what the earlier turns did not (the default
+model, and a hybrid Gated-DeltaNet file); and the CLI reads its turns from stdin.
+
+A prefill from a reused prefix runs other program shapes than a full one, so its logits agree to
+rounding, not bit for bit (tests/test_prefix.py): the tokens must agree up to a step where the
+fresh run's two best logits are within TIE of each other, where rounding may pick either."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxvt import engine as engine_mod
+from jaxvt import run, synth
+from jaxvt.sampling import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINES = ["What is 2+2?", "And 3+3?", "Thanks!"]
+TIE = 1e-3
+
+
+@pytest.fixture(scope="module", params=["smol", "hybrid"])
+def eng(request, tmp_path_factory):
+  path = None
+  if request.param == "hybrid":
+    path = str(tmp_path_factory.mktemp("interactive") / "qwen35moe.gguf")
+    synth.write_model(path, synth.tiny_config("qwen35moe"), "q8_0", seed=13)
+  e = engine_mod.load(path, max_context=256)
+  yield e
+  e.close()
+
+
+def test_turns_equal_fresh_generations_and_reuse_the_earlier_ones(eng):
+  outs = list(run.turns(eng, LINES, max_tokens=12, sampling=SamplingParams()))
+  assert len(outs) == len(LINES) and outs[0].stats.cached_tokens == 0
+  messages = []
+  for line, out in zip(LINES, outs):
+    messages.append({"role": "user", "content": line})
+    ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(messages))
+    _agree_up_to_a_tie(eng, ids, out.tokens)
+    messages.append({"role": "assistant", "content": out.text})
+  # each later turn starts with the previous prompt at least
+  for before, out in zip(outs, outs[1:]):
+    assert out.stats.cached_tokens >= before.stats.prompt_tokens
+
+
+def _agree_up_to_a_tie(eng, ids, tokens):
+  """`tokens` are the greedy tokens of a fresh prefill + decode of `ids`, up to a near tie."""
+  logits, cache = eng.prefill(ids)
+  for i, t in enumerate(tokens):
+    x = np.asarray(logits, np.float64)
+    best, second = np.sort(x)[-2:][::-1]
+    if t != int(np.argmax(x)):
+      assert best - second < TIE * max(1.0, abs(best)), (i, t, int(np.argmax(x)), best - second)
+      return
+    logits, cache = eng.decode_step(cache, t, len(ids) + i)
+
+
+def test_an_empty_line_ends_the_conversation(eng):
+  outs = list(run.turns(eng, ["Hi", "", "never"], max_tokens=2,
+                                sampling=SamplingParams()))
+  assert len(outs) == 1
+
+
+def test_cli_reads_turns_from_stdin():
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  p = subprocess.run([sys.executable, "-m", "jaxvt.run", "--interactive", "--max-tokens=6"],
+                     input="What is 2+2?\nAnd 3+3?\n", capture_output=True, text=True, cwd=ROOT,
+                     env=env, timeout=600)
+  assert p.returncode == 0, p.stderr
+  figures = [l for l in p.stderr.splitlines() if "prompt tokens reused" in l]
+  assert len(figures) == 2 and figures[0].startswith("jaxvt: 0 of")
+  assert not figures[1].startswith("jaxvt: 0 of")
+  assert len([l for l in p.stdout.splitlines() if l.strip()]) >= 2
