@@ -15,7 +15,7 @@ import numpy as np
 
 import jaxvt
 from benchmarks import report
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
 from jaxvt.gguf.default_model import default_model_path
 from jaxvt.sampling import SamplingParams
 
@@ -23,6 +23,14 @@ SHORT = "The capital of France is"
 LONG = ("Write a detailed history of the city of Paris, from its founding as a Roman town on "
         "the Seine through the Middle Ages, the Revolution, the Haussmann renovation and the "
         "twentieth century, naming the people, buildings and events that shaped it. ") * 3
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("cpu", __doc__)
+  ap.add_argument("--decode-tokens", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+  return ap
 
 
 def bench_jaxvt(n_decode: int, repeats: int) -> dict:
@@ -107,18 +115,7 @@ def main(args) -> str:
   else:
     lines.append("\nllama.cpp arm not run: llama-cpp-python is not installed "
                  "(pip install llama-cpp-python==0.3.36).")
-  body = "\n".join(lines)
-  report.write_section("cpu", body)
-  return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--decode-tokens", type=int, default=64)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
-  return ap
+  return report.publish("cpu", lines)
 
 
 def cli(argv: list[str] | None = None) -> int:

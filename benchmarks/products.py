@@ -18,8 +18,6 @@ constants (TILED_ROWS, STAGE_ROWS, GROUPED_SLOTS) are meant to be set from.
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,9 +44,18 @@ EXPERTS, TOP_K = 256, 8
 EXPERT_MATS = [(12, 512, 2048, False), (14, 2048, 512, True)]  # (format, rows, cols, x per slot)
 
 
-def _say(line: str) -> None:
+def _add(lines: list[str], found: list[dict], tier_name: str, name: str,
+         times: dict[str, list[float]]) -> None:
+  """Appends one matrix's table row to `lines` (each row count's ms of the three paths in
+  `times`, in its order; printed as soon as measured) and to `found` where its paths start to
+  win: the second path against the first (in place), the third (staged) against both."""
+  cells = [" / ".join(f"{t[i]:.3f}" for t in times.values()) for i in range(len(ROWS))]
+  line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
   print(line, flush=True)
-  sys.stdout.flush()
+  lines.append(line)
+  first, second, third = times
+  found.append({"tier": tier_name, "name": name, second: _wins(times, second, (first,)),
+                third: _wins(times, third, (first, second))})
 
 
 def _ms(product, n_layers: int, x: jax.Array, reps: int = 3) -> float:
@@ -87,13 +94,7 @@ def dense(rng, device, total_mib: int, tiers: tuple[str, ...]) -> tuple[list[str
               ex = Exec(kernels=True, numerics="f32", products=rule)
               times[p].append(_ms(lambda x, l, ex=ex: layers.linear(x, w, l, ex), n_layers, x))
           del w
-        name = f"{kb.FORMATS[fmt].name} {rows}x{cols}"
-        cells = [" / ".join(f"{times[p][i]:.3f}" for p in DENSE) for i in range(len(ROWS))]
-        line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
-        lines.append(line)
-        _say(line)
-        found.append(dict(tier=tier_name, name=name, tiled=_wins(times, "tiled", ("matvec",)),
-                          staged=_wins(times, "staged", ("matvec", "tiled"))))
+        _add(lines, found, tier_name, f"{kb.FORMATS[fmt].name} {rows}x{cols}", times)
   return lines, found
 
 
@@ -134,13 +135,8 @@ def experts(rng, device, tiers: tuple[str, ...]) -> tuple[list[str], list[dict]]
           for p, fn in paths.items():
             times[p].append(_ms(lambda x, l, fn=fn: fn(x, w, l, ids[l]), n_layers, x))
         del w
-      name = f"{kb.FORMATS[fmt].name} {rows}x{cols}{' (x per slot)' if per_slot else ''}"
-      cells = [" / ".join(f"{times[p][i]:.3f}" for p in paths) for i in range(len(ROWS))]
-      line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
-      lines.append(line)
-      _say(line)
-      found.append(dict(tier=tier_name, name=name, grouped=_wins(times, "grouped", ("matvec",)),
-                        staged=_wins(times, "staged", ("matvec", "grouped"))))
+      slot = " (x per slot)" if per_slot else ""
+      _add(lines, found, tier_name, f"{kb.FORMATS[fmt].name} {rows}x{cols}{slot}", times)
   return lines, found
 
 
@@ -175,7 +171,5 @@ def main(args) -> str:
     summary += [f"| {f['tier']} | {f['name']} | {_from(f['grouped'], 'tokens')} | "
                 f"{_from(f['staged'], 'tokens')} |" for f in found]
   out += summary + ["", "Products now: " + repr(tuning.GPU_PRODUCTS)]
-  body = "\n".join(out)
-  report.write_section(f"products-{device.platform}" + ("" if which == "all" else f"-{which}"),
-                       body)
-  return body
+  return report.publish(f"products-{device.platform}" + ("" if which == "all" else f"-{which}"),
+                        out)

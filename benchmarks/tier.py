@@ -21,7 +21,7 @@ from jaxvt import ffi
 from benchmarks import kernels as kb
 from benchmarks import products
 from benchmarks import report
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
 from benchmarks.arms import KINDS
 from benchmarks.profile import device_seconds
 from jaxvt.ffi import ops
@@ -31,6 +31,17 @@ from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 MIB = 1 << 20
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("tier", __doc__)
+  ap.add_argument("--total-mib", type=int, default=256)
+  ap.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
+  ap.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
+  ap.add_argument("--products", nargs="?", const="all", default=None,
+                  choices=("all", "dense", "experts"),
+                  help="in place / tiled / staged products by rows (jaxvt.ffi.tuning.Products' crossovers)")
+  return ap
 
 
 def expert_stack(rng, tier: HostTier, layers: int, experts: int, rows: int, cols: int, device):
@@ -218,21 +229,7 @@ def main(args) -> str:
   out += ["", crossover(rng, device, dma)]
   if gpu:
     out += ["", grid_sweep(ext, dma), "", kinds_probe(ext)]
-  body = "\n".join(out)
-  report.write_section(f"tier-{device.platform}", body)
-  return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.tier",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--total-mib", type=int, default=256)
-  ap.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
-  ap.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
-  ap.add_argument("--products", nargs="?", const="all", default=None,
-                  choices=("all", "dense", "experts"),
-                  help="in place / tiled / staged products by rows (jaxvt.ffi.tuning.Products' crossovers)")
-  return ap
+  return report.publish(f"tier-{device.platform}", out)
 
 
 def cli(argv: list[str] | None = None) -> int:
