@@ -32,7 +32,6 @@ import jaxvt
 from benchmarks import report
 from benchmarks.arms import no_stops
 from benchmarks.cli import child_env, parser_of, run
-from jaxvt.sampling import SamplingParams
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 LOGIT_STEPS = 8  # decode steps whose logits are digested
@@ -92,7 +91,7 @@ def child(spec: dict) -> dict:
         logits, cache = eng.decode_step(cache, tok, len(ids) + i)
         digests.append(_digest(logits))
       out["logits"].append(digests)
-    params = SamplingParams(temperature=spec["temperature"], top_k=40, top_p=0.95)
+    params = jaxvt.SamplingParams(temperature=spec["temperature"], top_k=40, top_p=0.95)
     out["sampled"] = eng.generate(PROMPTS[0], max_tokens=spec["tokens"], sampling=params,
                                   seed=spec["seed"]).tokens
   return out

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
+from jaxvt import engine, ffi
 from jaxvt.ffi import ops
-from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import BF16, FORMATS, Q4_1, Q4_K, Q6_K, Q8_0
 from benchmarks.arms import KindTier
 from benchmarks.cli import parser_of, run
@@ -102,7 +101,7 @@ def time_scan(w: QWeight, batch: int, device, reps: int, staged: bool = False) -
   """Seconds for one pass of qmatmul over every layer of w; staged: instead stage each layer to
   the device as bf16 (ops.qdequant reads its bytes once) and multiply there (a GEMM)."""
   x = jax.device_put(jnp.ones((batch, w.meta.cols), jnp.float32) * 1e-3, device)
-  mode = default_mode(device.platform)
+  mode = engine.exec_for(device.platform, True, None).numerics  # jaxvt's arithmetic there
 
   def product(x, l):
     if not staged:

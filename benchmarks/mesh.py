@@ -39,12 +39,12 @@ import time
 import jax
 import numpy as np
 
-from jaxvt import engine as engine_mod
+import jaxvt
 from benchmarks import arms, report
 from benchmarks.cli import parser_of, run
 from benchmarks.offload import (MODEL, Child, GiB, ensure_model, gpu_lock, pool_fraction,
                                  print_row, warm_up)
-from jaxvt.errors import JaxvtError
+from jaxvt import JaxvtError
 from jaxvt.parallel import mesh as mesh_mod
 
 ALL_GIB = 1024.0  # "all": a per-device budget above any plan's max_useful_budget
@@ -173,9 +173,9 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
   t0 = time.perf_counter()
   eng = None
   try:
-    eng = engine_mod.load(args.model, max_context=args.prompt + args.gen + 8,
-                          offload_gb=budget_gib(budget), device_gb=args.device_gb, force=True,
-                          mesh=None if mesh == "1" else mesh, on_plan=on_plan)
+    eng = jaxvt.load(args.model, max_context=args.prompt + args.gen + 8,
+                     offload_gb=budget_gib(budget), device_gb=args.device_gb, force=True,
+                     mesh=None if mesh == "1" else mesh, on_plan=on_plan)
     arms.no_stops(eng)  # timed runs generate exactly their token counts
     r.load_s = time.perf_counter() - t0
     r.safe = eng.memory.headroom >= eng.memory.slack  # after XLA's own analysis (one device)

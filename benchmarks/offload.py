@@ -47,15 +47,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxvt import engine, ffi, loader, synth
 from benchmarks import arms, offload_llama, offload_report, report
 from benchmarks.cli import child_env, parser_of, run
 from benchmarks.offload_report import Run, plan_points
-from jaxvt.errors import JaxvtError
+from jaxvt import JaxvtError, SamplingParams, engine, ffi, synth
 from jaxvt.gguf.tokenizer import Tokenizer
-from jaxvt.model.declare import Role
 from jaxvt.model.presets import qwen36_35b_a3b_config
-from jaxvt.sampling import SamplingParams
 
 GiB = 1 << 30
 MODEL = "/tmp/jaxvt-qwen36-35b-a3b-shape.gguf"
@@ -133,7 +130,7 @@ class Session:
     """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts.
     The smallest safe budget is auto's where XLA's analysis put auto above the estimate's."""
     base = self.plan(0.0)
-    routed = {d.name for d in self.model.decls if d.role == Role.ROUTED_EXPERTS}
+    routed = {d.name for d in self.model.decls if d.role == "routed_experts"}  # a str enum
     exps = [u for u in self.model.units if u.name in routed and u.layer is not None]
     n = len({u.layer for u in exps}) or 1
     auto = self.plan("auto").plan.host_bytes / GiB
@@ -152,8 +149,11 @@ class Session:
       return engine.place(self.model, placed, self.par, host=self.tier)
     stacks = arms.pinned_stacks(self.model, placed.placement)
     whole = NamedSharding(self.par.mesh, P())
+    rest = dataclasses.replace(self.model, decls=[d for d in self.model.decls
+                                                  if d.name not in stacks])
+    on_device = engine.place(rest, placed, self.par)  # the plan puts every one on the device
     return {d.name: arms.place_pinned(self.model, d, whole) if d.name in stacks
-            else loader.place_weight(self.model, d, par=self.par) for d in self.model.decls}
+            else on_device[d.name] for d in self.model.decls}
 
   def engine(self, budget, host_kind: str = "host", pattern=()):
     """An Engine placed as jaxvt.load(offload_gb=budget, force=True) places it, from the file

@@ -3,7 +3,8 @@
 For each dense matrix shape of Qwen3.6-35B-A3B (rows x cols: 2048x512, 512x2048, 8192x2048,
 2048x4096, 4096x2048) in Q4_K and Q6_K, with the layers in the device tier and in the host tier,
 it times one layer's product with x of 1 ... 512 rows three ways, each as the model runs it
-(layers.linear under an Exec that forces the path): "matvec" (ops.qmatmul, the weights read in
+(the rule's backend matmul on the layer's view, as layers.linear calls it, under a rule of
+jaxvt.engine.exec_for whose products force the path): "matvec" (ops.qmatmul, the weights read in
 place once per 16 rows), "tiled" (grouped.qmatmul_tiled: once per 32 rows, tensor cores) and
 "staged" (ops.qdequant to bf16, then XLA's GEMM). The routed experts (256 experts, top 8,
 gate/up 512 x 2048 with x per token, down 2048 x 512 with x per slot) are timed the same way for
@@ -18,18 +19,17 @@ constants (TILED_ROWS, STAGE_ROWS, GROUPED_SLOTS) are meant to be set from.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
 from benchmarks import kernels as kb
 from benchmarks import report
-from jaxvt.ffi import grouped, ops
-from jaxvt.model import layers
-from jaxvt.ffi import tuning
+from jaxvt import engine, ffi
+from jaxvt.ffi import grouped, ops, tuning
 from jaxvt.ffi.tuning import Products
-from jaxvt.model.layers import Exec
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import QWeight
 
@@ -91,8 +91,10 @@ def dense(rng, device, total_mib: int, tiers: tuple[str, ...]) -> tuple[list[str
           for n in ROWS:
             x = jax.device_put(jnp.ones((n, cols), jnp.float32) * 1e-3, device)
             for p, rule in DENSE.items():
-              ex = Exec(kernels=True, numerics="f32", products=rule)
-              times[p].append(_ms(lambda x, l, ex=ex: layers.linear(x, w, l, ex), n_layers, x))
+              ex = dataclasses.replace(engine.exec_for(device.platform, True, None),
+                                       numerics="f32", products=rule)
+              times[p].append(_ms(lambda x, l, ex=ex: ex.backend.matmul(x, *w.layer_view(l), ex),
+                                  n_layers, x))
           del w
         _add(lines, found, tier_name, f"{kb.FORMATS[fmt].name} {rows}x{cols}", times)
   return lines, found

@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxvt
-from jaxvt import engine as eng_mod
 from benchmarks.cli import parser_of, run
-from jaxvt.sampling import SamplingParams
+from jaxvt import engine as eng_mod
 
 
 def parser() -> argparse.ArgumentParser:
@@ -167,7 +166,7 @@ def main(args) -> str:
   _, cache = eng.prefill(ids)
   pos = len(ids)
   key = jax.random.key(0)
-  params = SamplingParams()
+  params = jaxvt.SamplingParams()
 
   def step(cache, pos):
     toks, cache = eng_mod.decode_sample_fn(

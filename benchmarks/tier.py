@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
+from jaxvt import engine, ffi
 from benchmarks import kernels as kb
 from benchmarks import products
 from benchmarks import report
@@ -25,10 +25,9 @@ from benchmarks.cli import parser_of, run
 from benchmarks.arms import KINDS
 from benchmarks.profile import device_seconds
 from jaxvt.ffi import ops
-from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import FORMATS
 from jaxvt.offload.host_tier import HostTier
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.qweight import QWeight
 
 MIB = 1 << 20
 
@@ -45,17 +44,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def expert_stack(rng, tier: HostTier, layers: int, experts: int, rows: int, cols: int, device):
+  """`layers` host-tier copies of `experts` random Q4_K matrices of rows x cols, and one
+  expert's bytes."""
   raw = kb.random_matrix(rng, 12, experts * rows, cols)
-  table = np.zeros(layers, np.uint64)
-  for l in range(layers):
-    buf = tier.alloc(raw.size)
-    buf.array[:] = raw
-    table[l] = buf.device_address
-  fmts = np.full(layers, 12 | HOST_BIT, np.int32)
-  meta = QMeta(rows, cols, experts, (12,), layers, tuple(range(layers)))
-  w = QWeight(jnp.zeros((1, 1), jnp.uint8, device=device), jax.device_put(split_u64(table), device),
-              jax.device_put(fmts, device), meta)
-  return w, raw.size // experts
+  return kb.stack(raw, 12, rows, cols, layers, tier, device, experts=experts), raw.size // experts
 
 
 def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[float, float]:
@@ -63,7 +55,7 @@ def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[flo
   whole scan, and the experts kernels alone (device events of a profiler trace; 0 if none)."""
   T, k = ids.shape[1:]
   x = jax.device_put(jnp.ones((T, w.meta.cols), jnp.float32) * 1e-3, device)
-  mode = default_mode(device.platform)
+  mode = engine.exec_for(device.platform, True, None).numerics  # jaxvt's arithmetic there
   best, once = kb.best_scan_time(lambda x, l: ops.qmatmul_experts(x, w, l, ids[l], mode),
                                  w.meta.n_layers, x, reps)
   return best, device_seconds(once, "experts")
