@@ -12,7 +12,7 @@
                  layer to the device first (`place_pinned`)
 
 Each plugs into the product where it already takes such a thing: a tokenizer (Engine), a host
-tier (jaxvt.loader's `host.copy`), a stacked weight (QWeight.layer_view).
+tier (`host` of jaxvt.place: its `copy`), a stacked weight (QWeight.layer_view).
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
-from jaxvt.errors import JaxvtError
-from jaxvt.loader import Model, layers_of, pack_rows
-from jaxvt.model.declare import WeightDecl
+from jaxvt import JaxvtError, engine, ffi
 from jaxvt.offload.host_tier import HostBuffer, HostTier
 from jaxvt.qweight import QMeta, QWeight, split_u64
 
@@ -113,12 +110,14 @@ class PinnedQWeight(QWeight):
     return QWeight(row, jnp.zeros((1, 2), jnp.uint32), fmts, meta), jnp.int32(0)
 
 
-def place_pinned(model: Model, d: WeightDecl, sharding: jax.sharding.Sharding,
+def place_pinned(model: engine.Model, d, sharding: jax.sharding.Sharding,
                  progress: Callable[[int], None] | None = None) -> PinnedQWeight:
-  """Every layer of matrix `d` in pinned_host memory (`sharding`, the weights' device sharding;
-  its memory kind is replaced), as one PinnedQWeight."""
+  """Every layer of matrix `d` (one of model.decls) in pinned_host memory (`sharding`, the
+  weights' device sharding; its memory kind is replaced), as one PinnedQWeight."""
   tensors = model.tensors(d)
-  data = pack_rows(tensors, max(t.n_bytes for t in tensors))
+  data = np.zeros((len(tensors), max(t.n_bytes for t in tensors)), np.uint8)
+  for row, t in zip(data, tensors):  # each layer's file bytes in one row, zero-padded
+    row[:t.n_bytes] = t.raw().reshape(-1)
   if progress:
     for t in tensors:
       progress(t.n_bytes)
@@ -130,12 +129,12 @@ def place_pinned(model: Model, d: WeightDecl, sharding: jax.sharding.Sharding,
                        jax.device_put(fmts, sharding), meta)
 
 
-def pinned_stacks(model: Model, where) -> set[str]:
+def pinned_stacks(model: engine.Model, where) -> set[str]:
   """The matrices `where` (a plan's placement) puts in the host tier, every layer of each: the
   pinned_host arm moves whole stacks only (JaxvtError for a plan that splits one)."""
   out = set()
   for d in model.decls:
-    kinds = {where(d.name, l) for l in layers_of(d)}
+    kinds = {where(d.name, l) for l in (d.layers if d.layers is not None else (None,))}
     if d.matrix and "host" in kinds:
       if kinds != {"host"}:
         raise JaxvtError(f"'{d.name}': the pinned_host arm places whole stacks; use a pattern "

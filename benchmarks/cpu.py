@@ -15,9 +15,7 @@ import numpy as np
 
 import jaxvt
 from benchmarks import report
-from benchmarks.cli import run
-from jaxvt.gguf.default_model import default_model_path
-from jaxvt.sampling import SamplingParams
+from benchmarks.cli import parser_of, run
 
 SHORT = "The capital of France is"
 LONG = ("Write a detailed history of the city of Paris, from its founding as a Roman town on "
@@ -25,11 +23,19 @@ LONG = ("Write a detailed history of the city of Paris, from its founding as a R
         "twentieth century, naming the people, buildings and events that shaped it. ") * 3
 
 
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("cpu", __doc__)
+  ap.add_argument("--decode-tokens", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+  return ap
+
+
 def bench_jaxvt(n_decode: int, repeats: int) -> dict:
   t0 = time.perf_counter()
   eng = jaxvt.load()
   load_s = time.perf_counter() - t0
-  greedy = SamplingParams()
+  greedy = jaxvt.SamplingParams()
   long_ids = eng.tokenizer.encode(LONG)
   eng.generate(SHORT, max_tokens=n_decode, sampling=greedy)  # compile decode buckets
   eng.generate(long_ids, max_tokens=2, sampling=greedy)  # compile the long prefill bucket
@@ -43,15 +49,17 @@ def bench_jaxvt(n_decode: int, repeats: int) -> dict:
     pre.append(len(long_ids) / (time.perf_counter() - t))
   eng.close()
   return dict(load_s=load_s, decode=statistics.median(dec), prefill=statistics.median(pre),
-              prompt_long=len(long_ids), kernels=eng.ex.kernels, tokens=g.tokens)
+              prompt_long=len(long_ids), kernels=eng.ex.kernels, tokens=g.tokens, path=eng.path)
 
 
-def bench_llamacpp(n_decode: int, repeats: int, threads: int) -> dict | None:
+def bench_llamacpp(path: str, n_decode: int, repeats: int, threads: int) -> dict | None:
+  """llama.cpp (llama-cpp-python) on the GGUF file at `path`, as bench_jaxvt times jaxvt; None
+  where llama-cpp-python is not installed."""
   try:  # an optional reference (pip install llama-cpp-python==0.3.36)
     import llama_cpp
   except ImportError:
     return None
-  llm = llama_cpp.Llama(default_model_path(), n_ctx=1024, n_threads=threads,
+  llm = llama_cpp.Llama(path, n_ctx=1024, n_threads=threads,
                         n_threads_batch=threads, n_batch=512, verbose=False)
   short = llm.tokenize(SHORT.encode(), add_bos=False, special=True)
   long_ids = llm.tokenize(LONG.encode(), add_bos=False, special=True)
@@ -88,7 +96,7 @@ def bench_llamacpp(n_decode: int, repeats: int, threads: int) -> dict | None:
 def main(args) -> str:
   n, reps = args.decode_tokens, args.repeats
   j = bench_jaxvt(n, reps)
-  l = bench_llamacpp(n, reps, args.threads)
+  l = bench_llamacpp(j["path"], n, reps, args.threads)  # the file jaxvt.load() opened
   cmd = f"python -m benchmarks.cpu --decode-tokens {n} --repeats {reps} --threads {args.threads}"
   lines = [f"## CPU: default model (SmolLM2-135M-Instruct Q4_1)\n",
            f"Command: `{cmd}`  ",
@@ -107,18 +115,7 @@ def main(args) -> str:
   else:
     lines.append("\nllama.cpp arm not run: llama-cpp-python is not installed "
                  "(pip install llama-cpp-python==0.3.36).")
-  body = "\n".join(lines)
-  report.write_section("cpu", body)
-  return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--decode-tokens", type=int, default=64)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
-  return ap
+  return report.publish("cpu", lines)
 
 
 def cli(argv: list[str] | None = None) -> int:

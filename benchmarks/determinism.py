@@ -31,11 +31,32 @@ import numpy as np
 import jaxvt
 from benchmarks import report
 from benchmarks.arms import no_stops
-from benchmarks.cli import child_env, run
-from jaxvt.sampling import SamplingParams
+from benchmarks.cli import child_env, parser_of, run
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 LOGIT_STEPS = 8  # decode steps whose logits are digested
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("determinism", __doc__)
+  ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+  ap.add_argument("--configs", default="0,all,auto",
+                  help="comma list of BUDGET[@DEVICE_GB] (GiB, auto or all); the first runs twice")
+  ap.add_argument("--tokens", type=int, default=128)
+  ap.add_argument("--max-context", type=int, default=2048)
+  ap.add_argument("--temperature", type=float, default=0.8)
+  ap.add_argument("--seed", type=int, default=7)
+  ap.add_argument("--nondeterministic", action="store_true",
+                  help="compare with XLA's default (autotuned) algorithm choices")
+  ap.add_argument("--prompt", type=int, default=512, help="cost: prompt tokens")
+  ap.add_argument("--repeats", type=int, default=3, help="cost: timed generates per setting")
+  ap.add_argument("--cost-budget", default="0", help="cost: the offload budget (GiB, auto, all)")
+  ap.add_argument("--device-gb", type=float, default=None, help="cost: as jaxvt.run --device-gb")
+  ap.add_argument("--compare-only", action="store_true")
+  ap.add_argument("--cost-only", action="store_true")
+  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  return ap
 
 
 def parse_config(text: str) -> dict:
@@ -70,7 +91,7 @@ def child(spec: dict) -> dict:
         logits, cache = eng.decode_step(cache, tok, len(ids) + i)
         digests.append(_digest(logits))
       out["logits"].append(digests)
-    params = SamplingParams(temperature=spec["temperature"], top_k=40, top_p=0.95)
+    params = jaxvt.SamplingParams(temperature=spec["temperature"], top_k=40, top_p=0.95)
     out["sampled"] = eng.generate(PROMPTS[0], max_tokens=spec["tokens"], sampling=params,
                                   seed=spec["seed"]).tokens
   return out
@@ -182,35 +203,10 @@ def main(args) -> str:
     lines.append(f"\non / off: prefill {c['on']['prefill'] / c['off']['prefill']:.3f}x, decode "
                  f"{c['on']['decode'] / c['off']['decode']:.3f}x.")
   lines.append(f"\n({time.perf_counter() - t0:.0f} s)")
-  body = "\n".join(lines)
-  if args.write:
-    report.write_section("determinism", body)
+  body = report.publish("determinism", lines, args.write)
   if not ok:
     raise SystemExit(body + "\nDIFFERENT: " + "; ".join(diffs))
   return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.determinism",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
-  ap.add_argument("--configs", default="0,all,auto",
-                  help="comma list of BUDGET[@DEVICE_GB] (GiB, auto or all); the first runs twice")
-  ap.add_argument("--tokens", type=int, default=128)
-  ap.add_argument("--max-context", type=int, default=2048)
-  ap.add_argument("--temperature", type=float, default=0.8)
-  ap.add_argument("--seed", type=int, default=7)
-  ap.add_argument("--nondeterministic", action="store_true",
-                  help="compare with XLA's default (autotuned) algorithm choices")
-  ap.add_argument("--prompt", type=int, default=512, help="cost: prompt tokens")
-  ap.add_argument("--repeats", type=int, default=3, help="cost: timed generates per setting")
-  ap.add_argument("--cost-budget", default="0", help="cost: the offload budget (GiB, auto, all)")
-  ap.add_argument("--device-gb", type=float, default=None, help="cost: as jaxvt.run --device-gb")
-  ap.add_argument("--compare-only", action="store_true")
-  ap.add_argument("--cost-only", action="store_true")
-  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
-  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-  return ap
 
 
 def cli(argv: list[str] | None = None) -> int:

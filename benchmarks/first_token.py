@@ -23,7 +23,20 @@ import time
 import jax
 
 from benchmarks import report
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("first_token", __doc__)
+  ap.add_argument("--runs", type=int, default=3)
+  ap.add_argument("--cache", default=None, help="cache directory (default: a fresh temporary one)")
+  ap.add_argument("--no-cache", action="store_true")
+  ap.add_argument("--no-store", action="store_true")
+  ap.add_argument("--stderr-dir", default=None,
+                  help="write each run's stderr to DIR/run-N.txt (with JAX_LOG_COMPILES=1: what "
+                       "each program cost)")
+  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
+  return ap
 
 
 def run_once(args: list[str], env: dict) -> tuple[float, float, str]:
@@ -70,23 +83,7 @@ def main(args) -> str:
          "|---|---|---|---|---|"]
   out += [f"| {n} | {t:.2f} | {100 * t / rows[0][1]:.0f}% | {total:.2f} | {lines} |"
           for n, t, total, lines in rows]
-  body = "\n".join(out)
-  report.write_section(f"first-token-{jax.devices()[0].platform}", body)
-  return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.first_token",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--runs", type=int, default=3)
-  ap.add_argument("--cache", default=None, help="cache directory (default: a fresh temporary one)")
-  ap.add_argument("--no-cache", action="store_true")
-  ap.add_argument("--no-store", action="store_true")
-  ap.add_argument("--stderr-dir", default=None,
-                  help="write each run's stderr to DIR/run-N.txt (with JAX_LOG_COMPILES=1: what "
-                       "each program cost)")
-  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
-  return ap
+  return report.publish(f"first-token-{jax.devices()[0].platform}", out)
 
 
 def cli(argv: list[str] | None = None) -> int:

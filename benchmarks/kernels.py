@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
+from jaxvt import engine, ffi
 from jaxvt.ffi import ops
-from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import BF16, FORMATS, Q4_1, Q4_K, Q6_K, Q8_0
 from benchmarks.arms import KindTier
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 # The formats measured, with the byte offsets of each block's f16 scales (random bytes there
@@ -33,6 +32,15 @@ from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 SCALES = {Q4_K: (0, 2), Q6_K: (208,), Q4_1: (0, 2), Q8_0: (0,), BF16: ()}
 SHAPES = [(2048, 512), (4096, 4096), (14336, 4096), (4096, 14336)]  # rows x cols
 MIB = 1 << 20
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("kernels", __doc__)
+  ap.add_argument("--quick", action="store_true", help="fewer shapes and batches")
+  ap.add_argument("--total-mib", type=int, default=256, help="bytes of layers per case")
+  ap.add_argument("--coherent", action="store_true", help="HIP fine-grained host memory")
+  ap.add_argument("--cpu-gemv", action="store_true", help="only time the CPU GEMV kernel alone")
+  return ap
 
 
 def random_matrix(rng, fmt: int, rows: int, cols: int) -> np.ndarray:
@@ -93,7 +101,7 @@ def time_scan(w: QWeight, batch: int, device, reps: int, staged: bool = False) -
   """Seconds for one pass of qmatmul over every layer of w; staged: instead stage each layer to
   the device as bf16 (ops.qdequant reads its bytes once) and multiply there (a GEMM)."""
   x = jax.device_put(jnp.ones((batch, w.meta.cols), jnp.float32) * 1e-3, device)
-  mode = default_mode(device.platform)
+  mode = engine.exec_for(device.platform, True, None).numerics  # jaxvt's arithmetic there
 
   def product(x, l):
     if not staged:
@@ -162,16 +170,6 @@ def main(args) -> None:
           print(f"{name:6} {rows:>5} x {cols:<5} {raw.size / MIB:6.1f} {tier_name:>6} "
                 + " ".join(cells), flush=True)
           del w
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true", help="fewer shapes and batches")
-  ap.add_argument("--total-mib", type=int, default=256, help="bytes of layers per case")
-  ap.add_argument("--coherent", action="store_true", help="HIP fine-grained host memory")
-  ap.add_argument("--cpu-gemv", action="store_true", help="only time the CPU GEMV kernel alone")
-  return ap
 
 
 def cli(argv: list[str] | None = None) -> int:

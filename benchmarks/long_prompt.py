@@ -24,7 +24,18 @@ import numpy as np
 import jaxvt
 from benchmarks import report
 from benchmarks.arms import no_stops
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("long_prompt", __doc__)
+  ap.add_argument("--model", required=True)
+  ap.add_argument("--tokens", type=int, default=8192)
+  ap.add_argument("--device-gb", type=float, default=None)
+  ap.add_argument("--offload-gb", default="auto")
+  ap.add_argument("--gen", type=int, default=8)
+  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
+  return ap
 
 
 def main(args) -> str:
@@ -60,22 +71,7 @@ def main(args) -> str:
          "| compile s | device peak / pool GiB |", "|---|---|---|---|---|---|---|",
          f"| {args.tokens} | {host:.2f} | {calls} x {eng.prefill_chunk} | {s.prefill_tok_s:.1f} | "
          f"{s.decode_tok_s:.1f} | {s.compile_seconds:.1f} | {peak:.2f} / {pool:.2f} |"]
-  body = "\n".join(out)
-  if args.write:
-    report.write_section("long-prompt", body)
-  return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.long_prompt",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--model", required=True)
-  ap.add_argument("--tokens", type=int, default=8192)
-  ap.add_argument("--device-gb", type=float, default=None)
-  ap.add_argument("--offload-gb", default="auto")
-  ap.add_argument("--gen", type=int, default=8)
-  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
-  return ap
+  return report.publish("long-prompt", out, args.write)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -39,15 +39,33 @@ import time
 import jax
 import numpy as np
 
-from jaxvt import engine as engine_mod
+import jaxvt
 from benchmarks import arms, report
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
 from benchmarks.offload import (MODEL, Child, GiB, ensure_model, gpu_lock, pool_fraction,
                                  print_row, warm_up)
-from jaxvt.errors import JaxvtError
+from jaxvt import JaxvtError
 from jaxvt.parallel import mesh as mesh_mod
 
 ALL_GIB = 1024.0  # "all": a per-device budget above any plan's max_useful_budget
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("mesh", __doc__, child=int)
+  ap.add_argument("--model", default=MODEL)
+  ap.add_argument("--meshes", default="1,tp=2",
+                  help="comma list; 1 = one device, no mesh; join two axes with +: tp=2+ep=2")
+  ap.add_argument("--budgets", default="0,auto,all",
+                  help="comma list of per-device offload GiB, auto, all (every offloadable weight)")
+  ap.add_argument("--device-gb", type=float, default=None,
+                  help="emulate a card of this many GiB per device (XLA pool cap + planner)")
+  ap.add_argument("--prompt", type=int, default=512)
+  ap.add_argument("--gen", type=int, default=128)
+  ap.add_argument("--time-limit", type=int, default=480)
+  ap.add_argument("--out", default="docs/BENCHMARKS.md",
+                  help="the file whose mesh section to write")
+  ap.add_argument("--known", default="{}", help=argparse.SUPPRESS)
+  return ap
 
 
 @dataclasses.dataclass
@@ -155,9 +173,9 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
   t0 = time.perf_counter()
   eng = None
   try:
-    eng = engine_mod.load(args.model, max_context=args.prompt + args.gen + 8,
-                          offload_gb=budget_gib(budget), device_gb=args.device_gb, force=True,
-                          mesh=None if mesh == "1" else mesh, on_plan=on_plan)
+    eng = jaxvt.load(args.model, max_context=args.prompt + args.gen + 8,
+                     offload_gb=budget_gib(budget), device_gb=args.device_gb, force=True,
+                     mesh=None if mesh == "1" else mesh, on_plan=on_plan)
     arms.no_stops(eng)  # timed runs generate exactly their token counts
     r.load_s = time.perf_counter() - t0
     r.safe = eng.memory.headroom >= eng.memory.slack  # after XLA's own analysis (one device)
@@ -345,36 +363,9 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
   return "\n".join(lines)
 
 
-def entry(args) -> str | None:
-  """The parent (every point, one child each), or with --child one point in this process."""
-  if args.child is not None:
-    child(args)
-    return None
-  return main(args)
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.mesh",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default=MODEL)
-  ap.add_argument("--meshes", default="1,tp=2",
-                  help="comma list; 1 = one device, no mesh; join two axes with +: tp=2+ep=2")
-  ap.add_argument("--budgets", default="0,auto,all",
-                  help="comma list of per-device offload GiB, auto, all (every offloadable weight)")
-  ap.add_argument("--device-gb", type=float, default=None,
-                  help="emulate a card of this many GiB per device (XLA pool cap + planner)")
-  ap.add_argument("--prompt", type=int, default=512)
-  ap.add_argument("--gen", type=int, default=128)
-  ap.add_argument("--time-limit", type=int, default=480)
-  ap.add_argument("--out", default="docs/BENCHMARKS.md",
-                  help="the file whose mesh section to write")
-  ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--known", default="{}", help=argparse.SUPPRESS)
-  return ap
-
-
 def cli(argv: list[str] | None = None) -> int:
-  return run(entry, parser(), argv)
+  """The parent (every point, one child each), or with --child one point in this process."""
+  return run(main, parser(), argv, child=child)
 
 
 if __name__ == "__main__":

@@ -47,15 +47,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxvt import engine, ffi, loader, synth
 from benchmarks import arms, offload_llama, offload_report, report
-from benchmarks.cli import child_env, run
+from benchmarks.cli import child_env, parser_of, run
 from benchmarks.offload_report import Run, plan_points
-from jaxvt.errors import JaxvtError
+from jaxvt import JaxvtError, SamplingParams, engine, ffi, synth
 from jaxvt.gguf.tokenizer import Tokenizer
-from jaxvt.model.declare import Role
 from jaxvt.model.presets import qwen36_35b_a3b_config
-from jaxvt.sampling import SamplingParams
 
 GiB = 1 << 30
 MODEL = "/tmp/jaxvt-qwen36-35b-a3b-shape.gguf"
@@ -65,6 +62,22 @@ LLAMA_RESERVE_S = 160  # kept for the llama.cpp arm (3 llama-bench runs, 4 more 
 SHORT_PROMPT = 16  # the device arm's short prompt (llama-bench -p 16 times the same)
 PREFILL_REPEATS = 3  # warm prefills of the prompt per point (the median is reported)
 PINNED_GEN = 16  # the JAX pinned_host arm copies every expert per token: fewer tokens suffice
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("offload", __doc__, child=str)
+  ap.add_argument("--model", default=MODEL,
+                  help="the model file (written by jaxvt.synth when missing at the default path)")
+  ap.add_argument("--prompt", type=int, default=512)
+  ap.add_argument("--gen", type=int, default=128)
+  ap.add_argument("--time-limit", type=int, default=540)
+  ap.add_argument("--device-gb", type=float, default=16.0, help="the emulated card's GiB")
+  ap.add_argument("--llama-bench", default=None,
+                  help=f"llama-bench binary (default: {LLAMA_BENCH} if built)")
+  ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+  ap.add_argument("--points", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--after", default="", help=argparse.SUPPRESS)
+  return ap
 
 
 @contextlib.contextmanager
@@ -117,7 +130,7 @@ class Session:
     """Budgets (GiB) the planner gives this file, and the bytes of one layer's routed experts.
     The smallest safe budget is auto's where XLA's analysis put auto above the estimate's."""
     base = self.plan(0.0)
-    routed = {d.name for d in self.model.decls if d.role == Role.ROUTED_EXPERTS}
+    routed = {d.name for d in self.model.decls if d.role == "routed_experts"}  # a str enum
     exps = [u for u in self.model.units if u.name in routed and u.layer is not None]
     n = len({u.layer for u in exps}) or 1
     auto = self.plan("auto").plan.host_bytes / GiB
@@ -136,8 +149,11 @@ class Session:
       return engine.place(self.model, placed, self.par, host=self.tier)
     stacks = arms.pinned_stacks(self.model, placed.placement)
     whole = NamedSharding(self.par.mesh, P())
+    rest = dataclasses.replace(self.model, decls=[d for d in self.model.decls
+                                                  if d.name not in stacks])
+    on_device = engine.place(rest, placed, self.par)  # the plan puts every one on the device
     return {d.name: arms.place_pinned(self.model, d, whole) if d.name in stacks
-            else loader.place_weight(self.model, d, par=self.par) for d in self.model.decls}
+            else on_device[d.name] for d in self.model.decls}
 
   def engine(self, budget, host_kind: str = "host", pattern=()):
     """An Engine placed as jaxvt.load(offload_gb=budget, force=True) places it, from the file
@@ -474,34 +490,9 @@ def main(args) -> str:
   return body
 
 
-def entry(args) -> str | None:
-  """The parent (the whole sweep), or with --child one arm in this process."""
-  if args.child:
-    child(args)
-    return None
-  return main(args)
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.offload",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default=MODEL,
-                  help="the model file (written by jaxvt.synth when missing at the default path)")
-  ap.add_argument("--prompt", type=int, default=512)
-  ap.add_argument("--gen", type=int, default=128)
-  ap.add_argument("--time-limit", type=int, default=540)
-  ap.add_argument("--device-gb", type=float, default=16.0, help="the emulated card's GiB")
-  ap.add_argument("--llama-bench", default=None,
-                  help=f"llama-bench binary (default: {LLAMA_BENCH} if built)")
-  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
-  ap.add_argument("--points", default=None, help=argparse.SUPPRESS)
-  ap.add_argument("--after", default="", help=argparse.SUPPRESS)
-  return ap
-
-
 def cli(argv: list[str] | None = None) -> int:
-  return run(entry, parser(), argv)
+  """The parent (the whole sweep), or with --child one arm in this process."""
+  return run(main, parser(), argv, child=child)
 
 
 if __name__ == "__main__":

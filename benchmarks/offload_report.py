@@ -33,19 +33,24 @@ class Run:
   point: str = ""  # the sweep point this row measured (arm:budget)
   host_gib: float = 0.0
   host_mb_per_token: float = 0.0
+  """MB read from the host tier per decode token (the plan's reckoning)."""
   device_read_gb: float = 0.0
   prefill_tok_s: float = 0.0
   decode_tok_s: float = 0.0
   gen_tokens: int = 0
   predicted_ms: float = 0.0
-  peak_gib: float = 0.0  # the process's peak so far (one process serves the whole sweep)
+  """The plan's predicted decode ms per token (jaxvt's cost model)."""
+  peak_gib: float = 0.0
+  """The process's peak so far (one process serves the whole sweep)."""
   in_use_gib: float = 0.0
   pool_gib: float = 0.0
   open_s: float = 0.0
   load_s: float = 0.0
-  compile_s: float = 0.0  # the warm-up generate: compiles prefill and decode, runs them once
+  compile_s: float = 0.0
+  """The warm-up generate: compiles prefill and decode, runs them once."""
   measure_s: float = 0.0
-  prefill16_tok_s: float = 0.0  # a warm 16-token prompt (the device arm; llama-bench -p 16)
+  prefill16_tok_s: float = 0.0
+  """A warm 16-token prompt (the device arm; llama-bench -p 16)."""
   # llama.cpp arms with experts on the CPU: decode tok/s of each separate llama-bench call
   # (decode_tok_s is their median; offload_llama.DECODE_CALLS)
   decode_samples: list = dataclasses.field(default_factory=list)

@@ -3,7 +3,8 @@
 For each dense matrix shape of Qwen3.6-35B-A3B (rows x cols: 2048x512, 512x2048, 8192x2048,
 2048x4096, 4096x2048) in Q4_K and Q6_K, with the layers in the device tier and in the host tier,
 it times one layer's product with x of 1 ... 512 rows three ways, each as the model runs it
-(layers.linear under an Exec that forces the path): "matvec" (ops.qmatmul, the weights read in
+(the rule's backend matmul on the layer's view, as layers.linear calls it, under a rule of
+jaxvt.engine.exec_for whose products force the path): "matvec" (ops.qmatmul, the weights read in
 place once per 16 rows), "tiled" (grouped.qmatmul_tiled: once per 32 rows, tensor cores) and
 "staged" (ops.qdequant to bf16, then XLA's GEMM). The routed experts (256 experts, top 8,
 gate/up 512 x 2048 with x per token, down 2048 x 512 with x per slot) are timed the same way for
@@ -18,20 +19,17 @@ constants (TILED_ROWS, STAGE_ROWS, GROUPED_SLOTS) are meant to be set from.
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
 from benchmarks import kernels as kb
 from benchmarks import report
-from jaxvt.ffi import grouped, ops
-from jaxvt.model import layers
-from jaxvt.ffi import tuning
+from jaxvt import engine, ffi
+from jaxvt.ffi import grouped, ops, tuning
 from jaxvt.ffi.tuning import Products
-from jaxvt.model.layers import Exec
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import QWeight
 
@@ -46,9 +44,18 @@ EXPERTS, TOP_K = 256, 8
 EXPERT_MATS = [(12, 512, 2048, False), (14, 2048, 512, True)]  # (format, rows, cols, x per slot)
 
 
-def _say(line: str) -> None:
+def _add(lines: list[str], found: list[dict], tier_name: str, name: str,
+         times: dict[str, list[float]]) -> None:
+  """Appends one matrix's table row to `lines` (each row count's ms of the three paths in
+  `times`, in its order; printed as soon as measured) and to `found` where its paths start to
+  win: the second path against the first (in place), the third (staged) against both."""
+  cells = [" / ".join(f"{t[i]:.3f}" for t in times.values()) for i in range(len(ROWS))]
+  line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
   print(line, flush=True)
-  sys.stdout.flush()
+  lines.append(line)
+  first, second, third = times
+  found.append({"tier": tier_name, "name": name, second: _wins(times, second, (first,)),
+                third: _wins(times, third, (first, second))})
 
 
 def _ms(product, n_layers: int, x: jax.Array, reps: int = 3) -> float:
@@ -84,16 +91,12 @@ def dense(rng, device, total_mib: int, tiers: tuple[str, ...]) -> tuple[list[str
           for n in ROWS:
             x = jax.device_put(jnp.ones((n, cols), jnp.float32) * 1e-3, device)
             for p, rule in DENSE.items():
-              ex = Exec(kernels=True, numerics="f32", products=rule)
-              times[p].append(_ms(lambda x, l, ex=ex: layers.linear(x, w, l, ex), n_layers, x))
+              ex = dataclasses.replace(engine.exec_for(device.platform, True, None),
+                                       numerics="f32", products=rule)
+              times[p].append(_ms(lambda x, l, ex=ex: ex.backend.matmul(x, *w.layer_view(l), ex),
+                                  n_layers, x))
           del w
-        name = f"{kb.FORMATS[fmt].name} {rows}x{cols}"
-        cells = [" / ".join(f"{times[p][i]:.3f}" for p in DENSE) for i in range(len(ROWS))]
-        line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
-        lines.append(line)
-        _say(line)
-        found.append(dict(tier=tier_name, name=name, tiled=_wins(times, "tiled", ("matvec",)),
-                          staged=_wins(times, "staged", ("matvec", "tiled"))))
+        _add(lines, found, tier_name, f"{kb.FORMATS[fmt].name} {rows}x{cols}", times)
   return lines, found
 
 
@@ -134,13 +137,8 @@ def experts(rng, device, tiers: tuple[str, ...]) -> tuple[list[str], list[dict]]
           for p, fn in paths.items():
             times[p].append(_ms(lambda x, l, fn=fn: fn(x, w, l, ids[l]), n_layers, x))
         del w
-      name = f"{kb.FORMATS[fmt].name} {rows}x{cols}{' (x per slot)' if per_slot else ''}"
-      cells = [" / ".join(f"{times[p][i]:.3f}" for p in paths) for i in range(len(ROWS))]
-      line = f"| {tier_name} | {name} | " + " | ".join(cells) + " |"
-      lines.append(line)
-      _say(line)
-      found.append(dict(tier=tier_name, name=name, grouped=_wins(times, "grouped", ("matvec",)),
-                        staged=_wins(times, "staged", ("matvec", "grouped"))))
+      slot = " (x per slot)" if per_slot else ""
+      _add(lines, found, tier_name, f"{kb.FORMATS[fmt].name} {rows}x{cols}{slot}", times)
   return lines, found
 
 
@@ -175,7 +173,5 @@ def main(args) -> str:
     summary += [f"| {f['tier']} | {f['name']} | {_from(f['grouped'], 'tokens')} | "
                 f"{_from(f['staged'], 'tokens')} |" for f in found]
   out += summary + ["", "Products now: " + repr(tuning.GPU_PRODUCTS)]
-  body = "\n".join(out)
-  report.write_section(f"products-{device.platform}" + ("" if which == "all" else f"-{which}"),
-                       body)
-  return body
+  return report.publish(f"products-{device.platform}" + ("" if which == "all" else f"-{which}"),
+                        out)

@@ -25,9 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxvt
+from benchmarks.cli import parser_of, run
 from jaxvt import engine as eng_mod
-from benchmarks.cli import run
-from jaxvt.sampling import SamplingParams
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("profile", __doc__)
+  ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+  ap.add_argument("--offload-gb", type=float, default=0.0)
+  ap.add_argument("--device-gb", type=float, default=None)
+  ap.add_argument("--prompt", type=int, default=32)
+  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
+  ap.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
+  ap.add_argument("--predict", default=None,
+                  help="H:D[:S]: Products.predict_after_host, predict_after_device (predict_sets)")
+  return ap
 
 
 def device_events(trace: dict, host_fallback: bool = True) -> list[dict]:
@@ -152,7 +166,7 @@ def main(args) -> str:
   _, cache = eng.prefill(ids)
   pos = len(ids)
   key = jax.random.key(0)
-  params = SamplingParams()
+  params = jaxvt.SamplingParams()
 
   def step(cache, pos):
     toks, cache = eng_mod.decode_sample_fn(
@@ -190,22 +204,6 @@ def main(args) -> str:
             f"({busy / 1e3 / wall_ms:.0%} of the wall time)", table]
   eng.close()
   return "\n".join(out)
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.profile",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
-  ap.add_argument("--offload-gb", type=float, default=0.0)
-  ap.add_argument("--device-gb", type=float, default=None)
-  ap.add_argument("--prompt", type=int, default=32)
-  ap.add_argument("--steps", type=int, default=8)
-  ap.add_argument("--top", type=int, default=25)
-  ap.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
-  ap.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
-  ap.add_argument("--predict", default=None,
-                  help="H:D[:S]: Products.predict_after_host, predict_after_device (predict_sets)")
-  return ap
 
 
 def cli(argv: list[str] | None = None) -> int:

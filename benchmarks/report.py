@@ -47,3 +47,12 @@ def write_section(name: str, body: str, path: str = "docs/BENCHMARKS.md") -> str
   with open(path, "w") as f:
     f.write(text)
   return text
+
+
+def publish(name: str, lines: list[str], write: bool = True) -> str:
+  """The section body `lines` make (one a line); with `write`, written as the section `name` of
+  docs/BENCHMARKS.md."""
+  body = "\n".join(lines)
+  if write:
+    write_section(name, body)
+  return body

@@ -17,34 +17,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi
+from jaxvt import engine, ffi
 from benchmarks import kernels as kb
 from benchmarks import products
 from benchmarks import report
-from benchmarks.cli import run
+from benchmarks.cli import parser_of, run
 from benchmarks.arms import KINDS
 from benchmarks.profile import device_seconds
 from jaxvt.ffi import ops
-from jaxvt.ffi.numerics import default_mode
 from jaxvt.gguf.formats import FORMATS
 from jaxvt.offload.host_tier import HostTier
-from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.qweight import QWeight
 
 MIB = 1 << 20
 
 
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("tier", __doc__)
+  ap.add_argument("--total-mib", type=int, default=256)
+  ap.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
+  ap.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
+  ap.add_argument("--products", nargs="?", const="all", default=None,
+                  choices=("all", "dense", "experts"),
+                  help="in place / tiled / staged products by rows (jaxvt.ffi.tuning.Products' crossovers)")
+  return ap
+
+
 def expert_stack(rng, tier: HostTier, layers: int, experts: int, rows: int, cols: int, device):
+  """`layers` host-tier copies of `experts` random Q4_K matrices of rows x cols, and one
+  expert's bytes."""
   raw = kb.random_matrix(rng, 12, experts * rows, cols)
-  table = np.zeros(layers, np.uint64)
-  for l in range(layers):
-    buf = tier.alloc(raw.size)
-    buf.array[:] = raw
-    table[l] = buf.device_address
-  fmts = np.full(layers, 12 | HOST_BIT, np.int32)
-  meta = QMeta(rows, cols, experts, (12,), layers, tuple(range(layers)))
-  w = QWeight(jnp.zeros((1, 1), jnp.uint8, device=device), jax.device_put(split_u64(table), device),
-              jax.device_put(fmts, device), meta)
-  return w, raw.size // experts
+  return kb.stack(raw, 12, rows, cols, layers, tier, device, experts=experts), raw.size // experts
 
 
 def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[float, float]:
@@ -52,7 +55,7 @@ def time_experts(w: QWeight, ids: jax.Array, device, reps: int = 3) -> tuple[flo
   whole scan, and the experts kernels alone (device events of a profiler trace; 0 if none)."""
   T, k = ids.shape[1:]
   x = jax.device_put(jnp.ones((T, w.meta.cols), jnp.float32) * 1e-3, device)
-  mode = default_mode(device.platform)
+  mode = engine.exec_for(device.platform, True, None).numerics  # jaxvt's arithmetic there
   best, once = kb.best_scan_time(lambda x, l: ops.qmatmul_experts(x, w, l, ids[l], mode),
                                  w.meta.n_layers, x, reps)
   return best, device_seconds(once, "experts")
@@ -218,21 +221,7 @@ def main(args) -> str:
   out += ["", crossover(rng, device, dma)]
   if gpu:
     out += ["", grid_sweep(ext, dma), "", kinds_probe(ext)]
-  body = "\n".join(out)
-  report.write_section(f"tier-{device.platform}", body)
-  return body
-
-
-def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.tier",
-                               description=__doc__.splitlines()[0])
-  ap.add_argument("--total-mib", type=int, default=256)
-  ap.add_argument("--grid", action="store_true", help="kernel-alone grid-size probe (GPU)")
-  ap.add_argument("--kinds", action="store_true", help="host memory kinds probe (GPU)")
-  ap.add_argument("--products", nargs="?", const="all", default=None,
-                  choices=("all", "dense", "experts"),
-                  help="in place / tiled / staged products by rows (jaxvt.ffi.tuning.Products' crossovers)")
-  return ap
+  return report.publish(f"tier-{device.platform}", out)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -35,6 +35,14 @@ def _add(w: gguf.GGUFWriter, key: str, value: Any) -> None:
     w.add_array(key, list(value))
 
 
+def _finish(w: gguf.GGUFWriter) -> None:
+  """Writes what `w` holds (header, metadata, tensors) and closes the file."""
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
 def write_model(path, *, metadata: dict[str, Any] | None = None, drop: Iterable[str] = (),
                 tensors: bool | Iterable[str] = False, rename: dict[str, str] | None = None,
                 extra_tensors: Iterable[tuple[str, np.ndarray]] = ()) -> str:
@@ -59,23 +67,26 @@ def write_model(path, *, metadata: dict[str, Any] | None = None, drop: Iterable[
                    raw_dtype=None if dtype == gguf.GGMLQuantizationType.F32 else dtype)
   for name, arr in extra_tensors:
     w.add_tensor(name, arr)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  _finish(w)
+  return str(path)
+
+
+def write_gguf(path, arch: str = "llama", kv: dict[str, Any] | None = None,
+               tensors: Iterable[tuple[str, np.ndarray, Any]] = ()) -> str:
+  """A valid GGUF file at `path` with only `kv` (and general.architecture = `arch`) and
+  `tensors`, each (name, array, gguf raw dtype or None for the array's own); returns str(path)."""
+  w = gguf.GGUFWriter(str(path), arch)
+  for key, value in (kv or {}).items():
+    _add(w, key, value)
+  for name, arr, raw_dtype in tensors:
+    w.add_tensor(name, arr, raw_dtype=raw_dtype)
+  _finish(w)
   return str(path)
 
 
 def small_gguf(path, kv: dict[str, Any] | None = None) -> bytes:
   """A valid GGUF file with only `kv` (and general.architecture = llama); returns its bytes."""
-  w = gguf.GGUFWriter(str(path), "llama")
-  for key, value in (kv or {}).items():
-    _add(w, key, value)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  with open(path, "rb") as f:
+  with open(write_gguf(path, kv=kv), "rb") as f:
     return f.read()
 
 

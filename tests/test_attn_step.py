@@ -6,6 +6,7 @@ GPU (the `device` fixture)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +14,17 @@ import numpy as np
 import pytest
 
 import jaxvt
-from jaxvt import engine, ffi, synth
+from jaxvt import engine, ffi
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import attn
 from jaxvt.model import sharding
 from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
 from jaxvt.model.layers import attn_step_ref
 
-from test_ffi_cases import assert_rel, stack_writes
+from test_ffi_cases import (assert_rel, assert_written_in_place, chained_steps, decode_text,
+                            kernel_and_reference, prefill_text)
+from test_ffi_cases import device  # noqa: F401  (the shared fixture: the CPU)
+from test_qwen_fixtures import MOE8, synth_file
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -68,11 +72,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def device():
-  return jax.devices("cpu")[0]
-
-
 def params(c: Case) -> dict:
   return dict(kv_len=c.kv_len, theta=c.theta, rope_dim=c.rope_dim, interleaved=c.interleaved,
               eps=1e-6, gate=c.gate, qk_norm=c.qk_norm)
@@ -92,18 +91,11 @@ def make_inputs(rng, c: Case, layer=None, positions=None) -> dict:
 
 
 def _fns(device, c: Case):
-  """(the kernel on `device`, the reference on the CPU backend), each taking numpy operands.
-  The kernel's cache stacks are donated (as the decode program's cache is)."""
-  cpu = jax.devices("cpu")[0]
+  """(the kernel on `device`, the reference on the CPU), each taking numpy operands; the
+  kernel's cache stacks donated."""
   p = params(c)
-  kern = jax.jit(lambda x, st: attn.attn_step(**x, **st, **p), donate_argnums=1)
-  ref = jax.jit(lambda x: attn_step_ref(**x, **p))
-
-  def run_kern(**x):
-    st = {k: x.pop(k) for k in ("k_cache", "v_cache")}
-    return kern(jax.device_put(x, device), jax.device_put(st, device))
-
-  return run_kern, (lambda **x: ref(jax.device_put(x, cpu)))
+  return kernel_and_reference(device, functools.partial(attn.attn_step, **p),
+                              functools.partial(attn_step_ref, **p), ("k_cache", "v_cache"))
 
 
 def assert_close(got, want, what):
@@ -148,18 +140,14 @@ def test_chained_steps(name, device):
   c = CASES[name]
   rng = np.random.default_rng(7 + len(name))
   kern, ref = _fns(device, c)
-  x = make_inputs(rng, c)
-  ck = cr = (x["k_cache"], x["v_cache"])
-  for step in range(4):
-    pos = tuple(min(p + step, c.kv_len - 1) for p in c.positions)
-    x = make_inputs(rng, c, positions=pos)
-    xk = {**x, "k_cache": np.asarray(ck[0]), "v_cache": np.asarray(ck[1])}
-    got = kern(**dict(xk))
-    want = ref(**{**x, "k_cache": cr[0], "v_cache": cr[1]})
+  first = make_inputs(rng, c)
+  at = lambda step: tuple(min(p + step, c.kv_len - 1) for p in c.positions)
+  for step, xk, got, want in chained_steps(kern, ref, first,
+                                           lambda step: make_inputs(rng, c, positions=at(step)),
+                                           ("k_cache", "v_cache")):
     assert_step(got, want, xk, c, f"step {step}")
-    ck, cr = got[1:], want[1:]
-    assert_close(ck[0], cr[0], f"k stack, step {step}")
-    assert_close(ck[1], cr[1], f"v stack, step {step}")
+    assert_close(got[1], want[1], f"k stack, step {step}")
+    assert_close(got[2], want[2], f"v stack, step {step}")
 
 
 @pytest.mark.parametrize("layer", [-3, 0, 2, 7])
@@ -255,12 +243,9 @@ def test_shape_errors():
 @pytest.fixture(scope="module", params=["qwen35moe", "llama"])
 def model(request, tmp_path_factory):
   # qwen35moe: 8 layers (two attention layers; two periods, so the decode scan stays a loop)
-  kw = dict(d_model=256, expert_ffn_dim=256, shared_ffn_dim=256, n_layers=8) if (
-      request.param == "qwen35moe") else dict(n_layers=2)
-  cfg = synth.tiny_config(request.param, **kw)
-  path = str(tmp_path_factory.mktemp("attn") / f"{request.param}.gguf")
-  synth.write_model(path, cfg, "q4_k_m" if request.param == "qwen35moe" else "q8_0", seed=5)
-  return path
+  moe = request.param == "qwen35moe"
+  return synth_file(tmp_path_factory.mktemp("attn"), request.param, "q4_k_m" if moe else "q8_0",
+                    5, **(MOE8 if moe else dict(n_layers=2)))[1]
 
 
 def _rule(eng, on: bool):
@@ -312,14 +297,9 @@ def test_fused_decode_in_the_model(model):
     assert got_toks == want_toks
 
     spec = jax.eval_shape(lambda: _cache(eng, 1))
-    args = (jnp.asarray([[1]], jnp.int32), jnp.asarray([[3]], jnp.int32))
-    lower = lambda ex: engine.decode_fn.lower(eng.weights, spec, *args, cfg=eng.cfg, ex=ex,
-                                              kv_len=eng.kv_len(4)).as_text()
+    lower = lambda ex: decode_text(eng, spec, ex, 1, 3, eng.kv_len(4))
     assert "jaxvt_attn_step" in lower(fused) and "jaxvt_attn_step" not in lower(plain)
-    pre1 = (jnp.zeros((1, T), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
-            jnp.ones((1, T), bool), jnp.asarray([T - 1], jnp.int32))
-    text = engine.prefill_fn.lower(eng.weights, spec, *pre1, cfg=eng.cfg, ex=fused,
-                                   kv_len=T).as_text()
+    text = prefill_text(eng, spec, fused, T)
     assert "jaxvt_attn_step" not in text
 
 
@@ -329,15 +309,6 @@ def test_fused_decode_updates_the_cache_in_place(model):
   a whole [n_attn, b, S, K, D] stack (the jnp path has them)."""
   with jaxvt.load(model, max_context=64) as eng:
     spec = jax.eval_shape(lambda: _cache(eng, 1))
-    args = (jnp.asarray([[1]], jnp.int32), jnp.asarray([[3]], jnp.int32))
-
-    def compiled(on):
-      return engine.decode_fn.lower(eng.weights, spec, *args, cfg=eng.cfg, ex=_rule(eng, on),
-                                    kv_len=eng.kv_len(4)).compile().as_text()
-
-    fused, plain = compiled(True), compiled(False)
-    assert fused.count('custom_call_target="jaxvt_attn_step"') >= 1
-    for name in ("k", "v"):
-      assert stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
-      writes = stack_writes(fused, spec[name].shape)
-      assert writes == {}, f"{name}: the fused program writes the whole stack with {writes}"
+    compiled = lambda on: decode_text(eng, spec, _rule(eng, on), 1, 3, eng.kv_len(4), True)
+    assert_written_in_place(compiled(True), compiled(False), "jaxvt_attn_step",
+                            {name: spec[name].shape for name in ("k", "v")})

@@ -14,6 +14,8 @@ from jaxvt.errors import JaxvtError
 from jaxvt.gguf.default_model import default_model_path
 from jaxvt.gguf.reader import open_gguf
 
+from hostile_models import write_gguf
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,25 +33,6 @@ def assert_user_error(p: subprocess.CompletedProcess, *needles: str) -> None:
   assert len(err) == 1, p.stderr
   for n in needles:
     assert n.lower() in err[0].lower(), (n, err[0])
-
-
-def _write_gguf(path, arch="llama", tensors=(), kv=None):
-  w = gguf.GGUFWriter(str(path), arch)
-  for k, v in (kv or {}).items():
-    if isinstance(v, int):
-      w.add_uint32(k, v)
-    elif isinstance(v, float):
-      w.add_float32(k, v)
-    elif isinstance(v, list):
-      w.add_array(k, v)
-    else:
-      w.add_string(k, v)
-  for name, arr, raw_dtype in tensors:
-    w.add_tensor(name, arr, raw_dtype=raw_dtype)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
 
 
 # ---- reader level ------------------------------------------------------------------------
@@ -108,8 +91,8 @@ def test_cli_truncated(tmp_path):
 
 def test_cli_unsupported_architecture(tmp_path):
   p = tmp_path / "falcon.gguf"
-  _write_gguf(p, arch="falcon", tensors=[("token_embd.weight", np.zeros((4, 32), np.float32),
-                                           None)])
+  write_gguf(p, arch="falcon", tensors=[("token_embd.weight", np.zeros((4, 32), np.float32),
+                                          None)])
   assert_user_error(run_cli("--model", str(p)), "unsupported architecture", "falcon")
 
 
@@ -130,7 +113,7 @@ def test_cli_unsupported_tensor_type(tmp_path):
              ("blk.0.ffn_gate.weight", f32(ff, d), None), ("blk.0.ffn_up.weight", f32(ff, d), None),
              ("blk.0.ffn_down.weight", f32(d, ff), None)]
   p = tmp_path / "q2k.gguf"
-  _write_gguf(p, tensors=tensors, kv=kv)
+  write_gguf(p, tensors=tensors, kv=kv)
   assert_user_error(run_cli("--model", str(p), "--max-context", "64", "--prompt", "t0"),
                     "unsupported format", "Q2_K")
 

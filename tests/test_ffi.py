@@ -15,7 +15,6 @@ import ctypes.util
 import functools
 import os
 import re
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -30,36 +29,14 @@ pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
 
 if ffi.available("cpu"):
   from jaxvt.ffi import ops, steps
-  from jaxvt.offload.host_tier import HostTier
 
 from test_ffi_cases import (ALL, BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,
                             assert_close, dequant, experts_ref, make_stack, poison_experts,
                             quantize_x)
+from test_ffi_cases import device, put, rng, tier  # noqa: F401  (the shared fixtures)
 
 ROWS, COLS = 48, 512
 K_AND_SOME = [Q4_K, Q5_K, Q6_K, Q8_0, Q4_1, BF16]
-
-
-@pytest.fixture(scope="module")
-def device():
-  return jax.devices("cpu")[0]
-
-
-@pytest.fixture(scope="module")
-def tier(device):
-  with HostTier(backend="cpu") as t:
-    yield t
-
-
-@pytest.fixture
-def rng(request):
-  # zlib.crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), so a failure
-  # seen once could not be run again with its data
-  return np.random.default_rng(zlib.crc32(request.node.name.encode()))
-
-
-def put(tree, device):
-  return jax.device_put(tree, device)
 
 
 qmatmul = jax.jit(lambda x, w, l, mode="ggml": ops.qmatmul(x, w, l, mode), static_argnums=3)

@@ -1,5 +1,7 @@
-"""Shared fixtures of the FFI kernel tests (test_ffi.py on CPU, test_ffi_gpu.py on GPU), and the
-fused decode steps' in-place check (stack_writes: test_gdn_step.py, test_attn_step.py); no tests.
+"""Shared fixtures of the FFI kernel tests (test_ffi.py, test_grouped.py, test_prefetch*.py on
+CPU; their *_gpu.py files override `device` and `tier` from gpu_cases.py), and the fused decode
+steps' kernel / reference pair and in-place check (kernel_and_reference, stack_writes:
+test_gdn_step.py, test_attn_step.py); no tests.
 
 Random valid GGUF blocks, QWeight stacks with chosen formats and tiers, and float64 numpy
 references built on gguf-py's own dequantizer (independent of jaxvt's code).
@@ -22,14 +24,19 @@ x is replaced by its quantized value on both sides, so the same bound applies.
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
+import re
+import zlib
+from typing import Callable, Iterator
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from jaxvt import engine
+from jaxvt.offload.host_tier import HostTier
 from jaxvt.qweight import HOST_BIT, QMeta, QWeight, split_u64
 
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
@@ -38,6 +45,28 @@ NAMES = {f: gguf.GGMLQuantizationType(f).name for f in ALL}
 # Byte offsets of the f16 scale fields inside one block (first: d, second: dmin / m).
 SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
 NAN_F16 = np.array([0x7E00], np.uint16).view(np.uint8)  # a quiet-NaN f16 scale
+
+
+@pytest.fixture(scope="module")
+def device():
+  return jax.devices("cpu")[0]
+
+
+@pytest.fixture(scope="module")
+def tier(device):
+  with HostTier(backend="cpu") as t:
+    yield t
+
+
+@pytest.fixture
+def rng(request):
+  # zlib.crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), so a failure
+  # seen once could not be run again with its data
+  return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def put(tree, device):
+  return jax.device_put(tree, device)
 
 
 def row_bytes(fmt: int, cols: int) -> int:
@@ -211,6 +240,64 @@ def poison_experts(raw: np.ndarray, fmt: int, experts: int, keep: set[int]) -> n
     else:  # float formats: all-ones bytes are NaN in f32, f16 and bf16
       out[e] = 0xFF
   return out.reshape(raw.shape)
+
+
+def kernel_and_reference(device, kernel: Callable, reference: Callable,
+                         state: tuple[str, ...]) -> tuple[Callable, Callable]:
+  """(the kernel on `device`, the reference on the CPU backend), each jitted and taking numpy
+  operands as keywords. The kernel's `state` operands (the stacks it updates in place) are
+  donated, as the decode program's cache is."""
+  cpu = jax.devices("cpu")[0]
+  kern = jax.jit(lambda x, st: kernel(**x, **st), donate_argnums=1)
+  ref = jax.jit(lambda x: reference(**x))
+
+  def run_kern(**x):
+    st = {k: x.pop(k) for k in state}
+    return kern(jax.device_put(x, device), jax.device_put(st, device))
+
+  return run_kern, (lambda **x: ref(jax.device_put(x, cpu)))
+
+
+def chained_steps(kern: Callable, ref: Callable, first: dict, inputs: Callable[[int], dict],
+                  state: tuple[str, ...], n: int = 4) -> Iterator[tuple[int, dict, tuple, tuple]]:
+  """(step, the kernel's operands, its results, the reference's results) of `n` decode steps:
+  step i's operands from inputs(i), its `state` stacks the kernel's results of the step before
+  for the kernel and the reference's for the reference (step 0: first's)."""
+  sk = sr = tuple(first[k] for k in state)
+  for step in range(n):
+    x = inputs(step)
+    xk = {**x, **{k: np.asarray(v) for k, v in zip(state, sk)}}
+    got = kern(**dict(xk))
+    want = ref(**{**x, **dict(zip(state, sr))})
+    yield step, xk, got, want
+    sk, sr = tuple(got[1:]), tuple(want[1:])
+
+
+def decode_text(eng, spec, ex, tok: int, pos: int, kv_len: int, compiled: bool = False) -> str:
+  """The engine's decode program for one row (token `tok` at position `pos`) over a cache of
+  `spec` under the rule `ex`: its lowered text, or with `compiled` the compiled HLO's."""
+  args = (jnp.asarray([[tok]], jnp.int32), jnp.asarray([[pos]], jnp.int32))
+  low = engine.decode_fn.lower(eng.weights, spec, *args, cfg=eng.cfg, ex=ex, kv_len=kv_len)
+  return low.compile().as_text() if compiled else low.as_text()
+
+
+def prefill_text(eng, spec, ex, T: int) -> str:
+  """The lowered text of the engine's prefill program for one row of T tokens."""
+  pre = (jnp.zeros((1, T), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
+         jnp.ones((1, T), bool), jnp.asarray([T - 1], jnp.int32))
+  return engine.prefill_fn.lower(eng.weights, spec, *pre, cfg=eng.cfg, ex=ex,
+                                 kv_len=T).as_text()
+
+
+def assert_written_in_place(fused: str, plain: str, target: str, shapes: dict) -> None:
+  """The compiled program `fused` calls `target` and writes none of the stacks {name: shape}
+  whole (no copy, scatter, dynamic-update-slice or fusion producing one); `plain`, the jnp
+  path's, does (so the check sees such writes)."""
+  assert fused.count(f'custom_call_target="{target}"') >= 1
+  for name, shape in shapes.items():
+    assert stack_writes(plain, shape), name  # the check sees the jnp path's writes
+    writes = stack_writes(fused, shape)
+    assert writes == {}, f"{name}: the fused program writes the whole stack with {writes}"
 
 
 def stack_writes(text: str, shape) -> dict:

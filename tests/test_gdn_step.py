@@ -6,6 +6,7 @@ rule with gdn_fused against the jnp path. tests/test_gdn_step_gpu.py reruns the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +14,16 @@ import numpy as np
 import pytest
 
 import jaxvt
-from jaxvt import engine, ffi, synth
+from jaxvt import engine, ffi
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import gdn
 from jaxvt.model.deltanet import gdn_step_ref
 from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
 
-from test_ffi_cases import assert_rel, stack_writes
+from test_ffi_cases import (assert_rel, assert_written_in_place, chained_steps, decode_text,
+                            kernel_and_reference, prefill_text)
+from test_ffi_cases import device  # noqa: F401  (the shared fixture: the CPU)
+from test_qwen_fixtures import MOE8, synth_file
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -41,11 +45,6 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def device():
-  return jax.devices("cpu")[0]
-
-
 def make_inputs(rng, nk, nv, dk, dv, K, b, valid=None, L=3, layer=None):
   """Random operands of gdn_step on stacks of L layers (a in [-e, -1] as ssm_a = -exp(A_log) is);
   `layer` random in [0, L) unless given."""
@@ -61,17 +60,11 @@ def make_inputs(rng, nk, nv, dk, dv, K, b, valid=None, L=3, layer=None):
 
 
 def _fns(device, order):
-  """(the kernel on `device`, the reference on the CPU backend), each taking numpy operands.
-  The kernel's state stacks are donated (as the decode program's cache is)."""
-  cpu = jax.devices("cpu")[0]
-  kern = jax.jit(lambda x, st: gdn.gdn_step(**x, **st, eps=EPS, order=order), donate_argnums=1)
-  ref = jax.jit(lambda x: gdn_step_ref(**x, eps=EPS, order=order))
-
-  def run_kern(**x):
-    st = {k: x.pop(k) for k in ("conv_state", "ssm_state")}
-    return kern(jax.device_put(x, device), jax.device_put(st, device))
-
-  return run_kern, (lambda **x: ref(jax.device_put(x, cpu)))
+  """(the kernel on `device`, the reference on the CPU), each taking numpy operands; the
+  kernel's state stacks donated."""
+  return kernel_and_reference(device, functools.partial(gdn.gdn_step, eps=EPS, order=order),
+                              functools.partial(gdn_step_ref, eps=EPS, order=order),
+                              ("conv_state", "ssm_state"))
 
 
 def assert_close(got, want, what):
@@ -98,18 +91,14 @@ def test_step_matches_reference_over_chained_steps(nk, nv, dk, dv, K, order, b, 
   other layers come back bit for bit."""
   rng = np.random.default_rng(nk * 1000 + nv * 100 + dk + dv + K)
   kern, ref = _fns(device, order)
-  x = make_inputs(rng, nk, nv, dk, dv, K, b)
-  sk = sr = (x["conv_state"], x["ssm_state"])
-  for step in range(4):
-    x = make_inputs(rng, nk, nv, dk, dv, K, b)
-    xk = {**x, "conv_state": np.asarray(sk[0]), "ssm_state": np.asarray(sk[1])}
-    got = kern(**dict(xk))
-    want = ref(**{**x, "conv_state": sr[0], "ssm_state": sr[1]})
+  first = make_inputs(rng, nk, nv, dk, dv, K, b)
+  for step, xk, got, want in chained_steps(kern, ref, first,
+                                           lambda step: make_inputs(rng, nk, nv, dk, dv, K, b),
+                                           ("conv_state", "ssm_state")):
     assert_step(got, want, xk, f"step {step}")
-    sk, sr = got[1:], want[1:]
     # the chain: every layer the kernel touched stays close to the reference's
-    assert_close(sk[0], sr[0], f"conv stack, step {step}")
-    assert_close(sk[1], sr[1], f"ssm stack, step {step}")
+    assert_close(got[1], want[1], f"conv stack, step {step}")
+    assert_close(got[2], want[2], f"ssm stack, step {step}")
 
 
 @pytest.mark.parametrize("layer", [-3, 0, 2, 7])
@@ -191,11 +180,7 @@ def test_shape_errors():
 @pytest.fixture(scope="module")
 def qwen35moe(tmp_path_factory):
   # 8 layers: two periods, so the decode program's layer scan stays a loop
-  cfg = synth.tiny_config("qwen35moe", d_model=256, expert_ffn_dim=256, shared_ffn_dim=256,
-                          n_layers=8)
-  path = str(tmp_path_factory.mktemp("gdn") / "qwen35moe.gguf")
-  synth.write_model(path, cfg, "q4_k_m", seed=5)
-  return path
+  return synth_file(tmp_path_factory.mktemp("gdn"), "qwen35moe", "q4_k_m", 5, **MOE8)[1]
 
 
 def test_fused_decode_in_the_model(qwen35moe):
@@ -229,16 +214,10 @@ def test_fused_decode_in_the_model(qwen35moe):
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
     assert got_toks == want_toks
 
-    args = (jnp.asarray([[tok0]], jnp.int32), jnp.asarray([[pos0]], jnp.int32))
     spec = jax.eval_shape(lambda: eng.new_cache(1))
-    lower = lambda ex: engine.decode_fn.lower(eng.weights, spec, *args, cfg=eng.cfg, ex=ex,
-                                              kv_len=eng.kv_len(pos0 + 1)).as_text()
+    lower = lambda ex: decode_text(eng, spec, ex, tok0, pos0, eng.kv_len(pos0 + 1))
     assert "jaxvt_gdn_step" in lower(fused) and "jaxvt_gdn_step" not in lower(plain)
-    T = 16
-    pre = (jnp.zeros((1, T), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
-           jnp.ones((1, T), bool), jnp.asarray([T - 1], jnp.int32))
-    text = engine.prefill_fn.lower(eng.weights, spec, *pre, cfg=eng.cfg, ex=fused,
-                                   kv_len=T).as_text()
+    text = prefill_text(eng, spec, fused, 16)
     assert "jaxvt_gdn_step" not in text
 
 
@@ -248,16 +227,8 @@ def test_fused_decode_updates_the_stacks_in_place(qwen35moe):
   [n_gdn, ...] ssm or conv stack (the jnp path, and the op on per-layer slices, have them)."""
   with jaxvt.load(qwen35moe, max_context=64) as eng:
     spec = jax.eval_shape(lambda: eng.new_cache(1))
-    args = (jnp.asarray([[1]], jnp.int32), jnp.asarray([[3]], jnp.int32))
-
-    def compiled(on):
-      ex = dataclasses.replace(eng.ex, products=dataclasses.replace(eng.ex.products, gdn_fused=on))
-      return engine.decode_fn.lower(eng.weights, spec, *args, cfg=eng.cfg, ex=ex,
-                                    kv_len=eng.kv_len(4)).compile().as_text()
-
-    fused, plain = compiled(True), compiled(False)
-    assert fused.count('custom_call_target="jaxvt_gdn_step"') >= 1
-    for name in ("ssm", "conv"):
-      assert stack_writes(plain, spec[name].shape), name  # the check sees the jnp path's writes
-      writes = stack_writes(fused, spec[name].shape)
-      assert writes == {}, f"{name}: the fused program writes the whole stack with {writes}"
+    rule = lambda on: dataclasses.replace(
+        eng.ex, products=dataclasses.replace(eng.ex.products, gdn_fused=on))
+    compiled = lambda on: decode_text(eng, spec, rule(on), 1, 3, eng.kv_len(4), True)
+    assert_written_in_place(compiled(True), compiled(False), "jaxvt_gdn_step",
+                            {name: spec[name].shape for name in ("ssm", "conv")})

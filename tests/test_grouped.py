@@ -17,8 +17,6 @@ test_grouped_gpu.py runs these tests on a GPU by overriding the `device` and `ti
 
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,10 +29,10 @@ pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
 
 if ffi.available("cpu"):
   from jaxvt.ffi import grouped as gops, ops
-  from jaxvt.offload.host_tier import HostTier
 
 from test_ffi_cases import (ALL, BF16, F16, F32, NAMES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0,  # noqa: F401
                             _bf16, make_stack, poison_experts)
+from test_ffi_cases import device, put, rng, tier  # noqa: F401  (the shared fixtures)
 
 E, ROWS, COLS = 5, 48, 512
 # A 40-token prefill, top 4 of 5 experts plus a few odd ids: runs of 0 to 40 slots per expert (so
@@ -43,31 +41,11 @@ T, K = 40, 4
 
 
 @pytest.fixture(scope="module")
-def device():
-  return jax.devices("cpu")[0]
-
-
-@pytest.fixture(scope="module")
-def tier(device):
-  with HostTier(backend="cpu") as t:
-    yield t
-
-
-@pytest.fixture
-def rng(request):
-  return np.random.default_rng(zlib.crc32(request.node.name.encode()))  # stable across processes
-
-
-@pytest.fixture(scope="module")
 def ulps():
   """The float32-sum bound's factor: 1 (n * 2^-24 * sum|terms|); test_grouped_gpu.py widens it
   for tensor cores, whose float32 accumulation inside one mma step is not specified to round to
   nearest."""
   return 1.0
-
-
-def put(tree, device):
-  return jax.device_put(tree, device)
 
 
 def routing(rng, t: int = T, k: int = K, experts: int = E) -> np.ndarray:

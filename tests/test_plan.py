@@ -9,7 +9,7 @@ from jaxvt.errors import JaxvtError
 from jaxvt.model.declare import Role
 from jaxvt.offload import plan as P
 from jaxvt.offload.plan import DEVICE, GiB, HOST
-from test_plan_fixtures import CONFIGS, base_plan, host_set, jitter, model
+from test_plan_fixtures import CONFIGS, base_plan, host_set, jittered, model
 
 NEVER = (Role.NORM, Role.ROUTER, Role.SMALL)
 names = st.sampled_from(sorted(CONFIGS))
@@ -239,8 +239,7 @@ def test_spread_with_layers_of_unequal_size():
 @settings(max_examples=60, deadline=None)
 @given(names, fractions, st.integers(0, 2**31))
 def test_never_exceeds_budget_and_wastes_under_one_unit(name, frac, seed):
-  cfg, decls, sizes = model(name)
-  sizes = jitter(sizes, seed)
+  cfg, decls, sizes = jittered(name, seed)
   budget = int(frac * sum(sizes.values()))
   p = P.plan(cfg, decls, sizes, budget)
   assert p.host_bytes <= budget
@@ -300,8 +299,7 @@ layer_policies = st.sampled_from(["spread", "first", "last"])
 def test_monotone_in_budget(name, f1, f2, seed, layers):
   """A larger budget never moves a unit back ("first", "last"); under "spread" the ranks before
   the last only grow, and the last rank's count of whole layers never falls."""
-  cfg, decls, sizes = model(name)
-  sizes = jitter(sizes, seed)
+  cfg, decls, sizes = jittered(name, seed)
   total = sum(sizes.values())
   lo, hi = sorted((int(f1 * total), int(f2 * total)))
   pol = P.Policy(layers=layers)
@@ -323,8 +321,7 @@ def test_monotone_in_budget(name, f1, f2, seed, layers):
 @settings(max_examples=40, deadline=None)
 @given(names, fractions, st.integers(0, 2**31), st.booleans())
 def test_norms_routers_small_stay_on_device(name, frac, seed, force_all):
-  cfg, decls, sizes = model(name)
-  sizes = jitter(sizes, seed)
+  cfg, decls, sizes = jittered(name, seed)
   total = sum(sizes.values())
   pol = P.Policy(overrides=P.parse_overrides([".*"]) if force_all else ())
   budget = total if force_all else int(frac * total)
@@ -339,8 +336,7 @@ def test_norms_routers_small_stay_on_device(name, frac, seed, force_all):
 @settings(max_examples=30, deadline=None)
 @given(names, fractions, st.integers(0, 2**31))
 def test_deterministic(name, frac, seed):
-  cfg, decls, sizes = model(name)
-  sizes = jitter(sizes, seed)
+  cfg, decls, sizes = jittered(name, seed)
   budget = int(frac * sum(sizes.values()))
   items = list(sizes.items())
   random.Random(seed).shuffle(items)
@@ -375,8 +371,7 @@ def test_overrides_honoured_and_counted(l_host, l_dev, frac):
 @settings(max_examples=30, deadline=None)
 @given(names, st.integers(0, 2**31))
 def test_steps_are_the_budgets_where_the_plan_changes(name, seed):
-  cfg, decls, sizes = model(name)
-  sizes = jitter(sizes, seed)
+  cfg, decls, sizes = jittered(name, seed)
   for layers in ("first", "last"):  # exactly the order's prefix
     p = P.plan(cfg, decls, sizes, 0, P.Policy(layers=layers))
     steps = p.steps()

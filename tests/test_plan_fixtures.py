@@ -44,7 +44,9 @@ def host_set(p):
   return {u.unit for u, k in zip(p.units, p.kinds) if k == HOST}
 
 
-def jitter(sizes, seed):
-  """Sizes as other quantization recipes might give them: each unit scaled by 1/4..4."""
+def jittered(name, seed):
+  """model(name) with its sizes as other quantization recipes might give them: each unit
+  scaled by 1/4..4."""
+  cfg, decls, sizes = model(name)
   rng = random.Random(seed)
-  return {u: max(1, int(b * rng.uniform(0.25, 4.0))) for u, b in sizes.items()}
+  return cfg, decls, {u: max(1, int(b * rng.uniform(0.25, 4.0))) for u, b in sizes.items()}

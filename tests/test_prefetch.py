@@ -25,7 +25,8 @@ if ffi.available("cpu"):
   from jaxvt.ffi import grouped as gops, ops, prefetch
 
 from test_ffi_cases import Q4_K, Q6_K, Q8_0, make_stack  # noqa: E402
-from test_grouped import device, put, rng, tier  # noqa: E402,F401  (the same fixtures)
+from test_ffi_cases import device, put, rng, tier  # noqa: E402,F401  (the shared fixtures)
+from test_qwen_fixtures import MOE8, synth_file  # noqa: E402
 
 E, ROWS, COLS, T, K = 6, 32, 512, 24, 3
 FMTS = [Q4_K, Q6_K, Q4_K, Q8_0, Q6_K]
@@ -194,12 +195,7 @@ def test_scan_schedule_keeps_the_bits(path, registered, parts, rng, device, tier
 
 @pytest.fixture(scope="module")
 def moe8(tmp_path_factory):
-  from jaxvt import synth
-  cfg = synth.tiny_config("qwen35moe", n_layers=8, d_model=256, expert_ffn_dim=256,
-                          shared_ffn_dim=256)
-  path = str(tmp_path_factory.mktemp("prefetch") / "qwen35moe8.gguf")
-  synth.write_model(path, cfg, "q4_k_m", seed=7)
-  return path
+  return synth_file(tmp_path_factory.mktemp("prefetch"), "qwen35moe", "q4_k_m", 7, **MOE8)[1]
 
 
 def routed_on_host(name: str, layer) -> str:

@@ -30,7 +30,7 @@ if ffi.available("cpu"):
   from jaxvt.ffi import ops, prefetch
 
 from test_ffi_cases import Q4_K, Q6_K, Q8_0, make_stack  # noqa: E402
-from test_grouped import device, put, rng, tier  # noqa: E402,F401  (the same fixtures)
+from test_ffi_cases import device, put, rng, tier  # noqa: E402,F401  (the shared fixtures)
 
 E, ROWS, COLS, K = 12, 32, 512, 4
 FMTS = [Q4_K, Q6_K, Q4_K, Q8_0, Q6_K]

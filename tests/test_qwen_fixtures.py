@@ -3,8 +3,11 @@
 Tests here: the synthetic files round-trip through the reader, config and loader; they are
 deterministic; their metadata and tensor list look like llama.cpp-converted files.
 
-Helpers (imported by test_deltanet.py, test_moe.py, test_qwen_transformers.py):
+Helpers (imported by test_deltanet.py, test_moe.py, test_qwen_transformers.py, and the
+in-model checks of test_attn_step.py, test_gdn_step.py, test_prefetch.py):
 - `synth_file(dir, arch, recipe, seed, **cfg_overrides)` -> (cfg as read back, path)
+- `MOE8`: the overrides of an 8-layer qwen35moe with 256-wide rows (K-quant blocks fit; two
+  periods of the layer pattern, so a program's layer scan stays a loop)
 - `np_tensors(path)` -> {GGUF name: float64 array} dequantized by gguf-py (independent of jaxvt)
 - `device_weights(path, cfg)` -> the loader's {canonical name: QWeight | array}
 - `kernel_modes()` -> pytest params of Exec: jnp references, and FFI kernels when built
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 
 import gguf
 import numpy as np
@@ -25,9 +30,15 @@ from jaxvt.gguf.reader import open_gguf
 from jaxvt.model.config import from_gguf_metadata
 from jaxvt.model.declare import declare
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference"))
+import record_transformers  # noqa: E402  (its gguf-py dequantizer: the recordings' truth too)
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+MOE8 = dict(d_model=256, expert_ffn_dim=256, shared_ffn_dim=256, n_layers=8)
+
 
 def synth_file(directory, arch: str, recipe="f32", seed: int = 0, **overrides):
   cfg = synth.tiny_config(arch, **overrides)
@@ -38,11 +49,7 @@ def synth_file(directory, arch: str, recipe="f32", seed: int = 0, **overrides):
 
 
 def np_tensors(path: str) -> dict[str, np.ndarray]:
-  out = {}
-  for t in gguf.GGUFReader(path).tensors:
-    x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    out[t.name] = np.asarray(x, np.float64).reshape([int(n) for n in reversed(t.shape)])
-  return out
+  return record_transformers.gguf_tensors(path, np.float64)
 
 
 def kernel_modes() -> list:

@@ -87,12 +87,14 @@ def write_case_file(case: dict, path: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # GGUF -> HF state dict
 
-def gguf_tensors(path: str) -> dict[str, np.ndarray]:
+def gguf_tensors(path: str, dtype=np.float32) -> dict[str, np.ndarray]:
+  """{GGUF name: array of `dtype`}: every tensor of the file dequantized by gguf-py, in its
+  row-major shape (also the float64 truth of tests/test_qwen_fixtures.np_tensors)."""
   import gguf
   out = {}
   for t in gguf.GGUFReader(path).tensors:
     x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    out[t.name] = np.asarray(x, np.float32).reshape([int(n) for n in reversed(t.shape)])
+    out[t.name] = np.asarray(x, dtype).reshape([int(n) for n in reversed(t.shape)])
   return out
 
 
