@@ -56,6 +56,15 @@ def define_model_flags(fv: flags.FlagValues) -> None:
                        flag_values=fv)
 
 
+def define_info_flags(fv: flags.FlagValues) -> None:
+  """--help (-h), --helpfull and --version: answered without starting JAX (jaxvt.usage)."""
+  flags.DEFINE_boolean("help", False, "Print this help and exit.", short_name="h", flag_values=fv)
+  flags.DEFINE_boolean("helpfull", False, "Print this help and the environment variables jaxvt "
+                       "reads, and exit.", flag_values=fv)
+  flags.DEFINE_boolean("version", False, "Print the versions of jaxvt, jax and jaxlib and the "
+                       "extension's build, and exit (JAX is not started).", flag_values=fv)
+
+
 def validate_model_flags(F) -> float | str:
   """Checks define_model_flags' flags with the checks the Python API makes (jaxvt.inputs);
   returns --offload-gb parsed (GiB or "auto")."""

@@ -53,12 +53,7 @@ flags.DEFINE_boolean("interactive", False, "A conversation: each line on stdin i
                      flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
                      "generate.", flag_values=FLAGS)
-flags.DEFINE_boolean("help", False, "Print this help and exit.", short_name="h",
-                     flag_values=FLAGS)
-flags.DEFINE_boolean("helpfull", False, "Print this help and the environment variables jaxvt "
-                     "reads, and exit.", flag_values=FLAGS)
-flags.DEFINE_boolean("version", False, "Print the versions of jaxvt, jax and jaxlib and the "
-                     "extension's build, and exit (JAX is not started).", flag_values=FLAGS)
+cli.define_info_flags(FLAGS)
 
 
 def _validate(F, prompt: str | None) -> float | str:

@@ -13,24 +13,18 @@ import sys
 import numpy as np
 import pytest
 
-from jaxvt import engine as engine_mod
-from jaxvt import run, synth
+from jaxvt import run
 from jaxvt.sampling import SamplingParams
+from test_serve_fixtures import hybrid, smol  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINES = ["What is 2+2?", "And 3+3?", "Thanks!"]
 TIE = 1e-3
 
 
-@pytest.fixture(scope="module", params=["smol", "hybrid"])
-def eng(request, tmp_path_factory):
-  path = None
-  if request.param == "hybrid":
-    path = str(tmp_path_factory.mktemp("interactive") / "qwen35moe.gguf")
-    synth.write_model(path, synth.tiny_config("qwen35moe"), "q8_0", seed=13)
-  e = engine_mod.load(path, max_context=256)
-  yield e
-  e.close()
+@pytest.fixture(params=["smol", "hybrid"])
+def eng(request):
+  return request.getfixturevalue(request.param)
 
 
 def test_turns_equal_fresh_generations_and_reuse_the_earlier_ones(eng):

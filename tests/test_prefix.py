@@ -6,25 +6,8 @@ reusable, merging, LRU eviction within the byte budget)."""
 import numpy as np
 import pytest
 
-from jaxvt import engine as engine_mod
-from jaxvt import synth
 from jaxvt.prefix import PrefixCache
-
-
-@pytest.fixture(scope="module")
-def smol():
-  e = engine_mod.load(max_context=256)
-  yield e
-  e.close()
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("prefix") / "qwen35moe.gguf")
-  synth.write_model(path, synth.tiny_config("qwen35moe"), "q8_0", seed=11)
-  e = engine_mod.load(path, max_context=256)
-  yield e
-  e.close()
+from test_serve_fixtures import hybrid, smol  # noqa: F401  (fixtures)
 
 
 def _tokens(eng, n, seed):

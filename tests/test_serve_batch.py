@@ -1,20 +1,12 @@
 """Greedy tokens of different prompts decoded together in one batch equal each decoded alone."""
 
 import numpy as np
-import pytest
 
-from jaxvt import engine as engine_mod
 from jaxvt.serve.batch import BatchSession
+from test_serve_fixtures import smol  # noqa: F401  (fixture)
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):", "Once upon a time"]
 STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def eng():
-  e = engine_mod.load(max_context=128)
-  yield e
-  e.close()
 
 
 def _greedy(s: BatchSession, slots: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -36,7 +28,8 @@ def _alone(eng, prompt: list[int]) -> list[int]:
   return out
 
 
-def test_batched_greedy_equals_alone(eng):
+def test_batched_greedy_equals_alone(smol):
+  eng = smol
   prompts = [eng.encode_prompt(p) for p in PROMPTS]
   together = _greedy(BatchSession(eng, 4), dict(enumerate(prompts)))
   for i, p in enumerate(prompts):

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from jaxvt import synth
 from jaxvt.gguf.reader import open_gguf
 from jaxvt.gguf.tokenizer import Tokenizer
+from test_serve_fixtures import hybrid_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
@@ -68,8 +68,7 @@ def hybrid(tmp_path_factory):
   """A tiny qwen35moe file; one slot and one place in the queue; on 127.0.0.2 (loopback, but not
   the default address) without a key."""
   tmp = tmp_path_factory.mktemp("hybrid")
-  path = str(tmp / "qwen35moe.gguf")
-  synth.write_model(path, synth.tiny_config("qwen35moe", context_length=1024), "q8_0", seed=12)
+  path = hybrid_file(tmp, context_length=1024)
   s = Server(tmp, f"--model={path}", "--max_context=1024", "--max-batch=1", "--max-queue=1",
              host="127.0.0.2")
   gf = open_gguf(path)

@@ -7,30 +7,13 @@ cancelled mid-way frees its slot for the next."""
 import numpy as np
 import pytest
 
-from jaxvt import engine as engine_mod
-from jaxvt import synth
 from jaxvt.prefix import PrefixCache
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import Request
+from test_serve_fixtures import hybrid, smol  # noqa: F401  (fixtures)
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):", "Once upon a time", "Hi"]
 N = 8
-
-
-@pytest.fixture(scope="module")
-def smol():
-  e = engine_mod.load(max_context=128)
-  yield e
-  e.close()
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("loop") / "qwen35moe.gguf")
-  synth.write_model(path, synth.tiny_config("qwen35moe"), "q8_0", seed=12)
-  e = engine_mod.load(path, max_context=128)
-  yield e
-  e.close()
 
 
 def _alone(eng, prompt, n=N):

@@ -58,12 +58,7 @@ flags.DEFINE_float("prefix_cache_gb", None, "Device GiB for earlier prompts' sta
                    flag_values=FLAGS)
 flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, how long requests in flight may take to "
                    "finish before the server exits anyway.", flag_values=FLAGS)
-flags.DEFINE_boolean("help", False, "Print this help and exit.", short_name="h",
-                     flag_values=FLAGS)
-flags.DEFINE_boolean("helpfull", False, "Print this help and the environment variables jaxvt "
-                     "reads, and exit.", flag_values=FLAGS)
-flags.DEFINE_boolean("version", False, "Print the versions of jaxvt, jax and jaxlib and the "
-                     "extension's build, and exit (JAX is not started).", flag_values=FLAGS)
+cli.define_info_flags(FLAGS)
 log = logging.getLogger("jaxvt.serve")
 
 

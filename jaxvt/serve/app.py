@@ -221,40 +221,41 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
+  def answering(handler):
+    """`handler`'s ApiError or JaxvtError (a bad request) as an OpenAI error response."""
+    async def answer(req: HttpRequest):
+      try:
+        return await handler(req)
+      except JaxvtError as e:
+        return _error(ApiError(400, str(e)))
+      except ApiError as e:
+        return _error(e)
+    return answer
+
+  @answering
   async def completions(req: HttpRequest):
-    try:
-      data = await body(req, COMMON | {"prompt"})
-      prompt = data.get("prompt")
-      if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        ids = inputs.token_ids(prompt, engine.cfg.vocab_size, "prompt")
-      elif isinstance(prompt, str) and prompt:
-        ids = tok.encode(prompt)
-      else:
-        raise ApiError(400, "prompt must be a non-empty string or list of token ids")
-      return await respond(request(ids, data, COMPLETION_DEFAULT_TOKENS), data, chat=False)
-    except JaxvtError as e:
-      return _error(ApiError(400, str(e)))
-    except ApiError as e:
-      return _error(e)
+    data = await body(req, COMMON | {"prompt"})
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+      ids = inputs.token_ids(prompt, engine.cfg.vocab_size, "prompt")
+    elif isinstance(prompt, str) and prompt:
+      ids = tok.encode(prompt)
+    else:
+      raise ApiError(400, "prompt must be a non-empty string or list of token ids")
+    return await respond(request(ids, data, COMPLETION_DEFAULT_TOKENS), data, chat=False)
 
+  @answering
   async def chat(req: HttpRequest):
-    try:
-      data = await body(req, COMMON | {"messages"})
-      msgs = _messages(data)
-      # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
-      text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
-                                                              msgs)
-      return await respond(request(tok.encode(text), data, None), data, chat=True)
-    except JaxvtError as e:
-      return _error(ApiError(400, str(e)))
-    except ApiError as e:
-      return _error(e)
+    data = await body(req, COMMON | {"messages"})
+    msgs = _messages(data)
+    # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
+    text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
+                                                            msgs)
+    return await respond(request(tok.encode(text), data, None), data, chat=True)
 
+  @answering
   async def models(req: HttpRequest):
-    try:
-      authorize(req)
-    except ApiError as e:
-      return _error(e)
+    authorize(req)
     return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model",
                                                      "owned_by": "jaxvt", "created": 0}]})
 
