@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench (the llama.cpp arms of `python -m benchmarks.offload`) from the
-# source vendored in the llama-cpp-python sdist, pruned into .llama/llama.cpp (git-ignored;
+# Builds llama.cpp's llama-bench and llama-server (the llama.cpp arms of `python -m
+# benchmarks.offload` and `python -m benchmarks.serve`) from the source vendored in the
+# llama-cpp-python sdist, pruned into .llama/llama.cpp (git-ignored;
 # carried to the GPU machine with the device tool's `carry`). No network is needed.
 #
 #   bash tools/build_llamacpp.sh              # CUDA, sm_90, into /tmp/llama-build (H200 box)
@@ -13,7 +14,8 @@
 #   tar xzf /tmp/llsd/llama_cpp_python-*.tar.gz -C /tmp/llsd
 #   mkdir -p .llama && cp -a /tmp/llsd/llama_cpp_python-*/vendor/llama.cpp .llama/
 #   bash tools/build_llamacpp.sh --prune
-# The binary is bin/llama-bench under the build folder; its path is printed last.
+# The binaries are bin/llama-bench and bin/llama-server under the build folder; the folder is
+# printed last. llama-server is built without its web UI (LLAMA_USE_PREBUILT_UI=OFF: no download).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${LLAMA_SRC:-.llama/llama.cpp}
@@ -21,26 +23,28 @@ BUILD=${LLAMA_BUILD:-/tmp/llama-build}
 GPU=${LLAMA_GPU:-CUDA}
 [ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp source at $SRC (see this script's header)"; exit 2; }
 
-if [ "${1:-}" = --prune ]; then  # what llama-bench does not need: models, docs, tests, other backends
+if [ "${1:-}" = --prune ]; then  # what the two tools do not need: models, docs, tests, other
+  # backends, the web UI's sources (its CMake script, kept, embeds no UI when none is built)
   ( cd "$SRC" && rm -rf models docs tests media benches gguf-py conversion examples pocs skills \
-      scripts app .github .devops ci requirements tools/ui tools/server tools/mtmd/test-* \
-      tools/mtmd/tests* tools/mtmd/legacy-models &&
+      app .github .devops ci requirements tools/mtmd/test-* tools/mtmd/tests* \
+      tools/mtmd/legacy-models tools/server/tests tools/server/bench tools/server/public* \
+      tools/ui/src tools/ui/static tools/ui/tests tools/ui/scripts tools/ui/*.json \
+      tools/ui/*.ts tools/ui/*.js &&
+    find scripts -type f ! -name 'ui-assets.cmake' ! -name 'build-info*' -delete &&
     cd ggml/src && rm -rf ggml-cann ggml-et ggml-metal ggml-virtgpu ggml-sycl ggml-vulkan \
       ggml-webgpu ggml-zdnn ggml-opencl ggml-hexagon ggml-zendnn ggml-openvino )
   # the sdist's `.git` file (a gitdir that does not exist) makes the source a nested git
   # repository, which a copy of the working tree may carry without some of its files (then
   # llama-bench does not build). It is not needed.
   rm -f "$SRC/.git"
-  # mtmd (a tool target we do not build) names miniaudio's header-only library: keep a stub
-  echo '// pruned: jaxvt builds llama-bench only' > "$SRC/vendor/miniaudio/miniaudio.h"
   du -sh "$SRC"
   exit 0
 fi
 
 flags=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF
        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON
-       -DLLAMA_BUILD_COMMON=ON)
+       -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
+       -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON)
 if [ "$GPU" = CUDA ]; then
   flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${LLAMA_ARCHS:-90}")
   # ggml-cuda links cuBLAS. A toolkit without it (nvcc alone) borrows the pip wheel's
@@ -74,6 +78,6 @@ fi
 t0=$(date +%s)
 # LLAMA_CMAKE_EXTRA: more -D flags, e.g. -DGGML_CUDA_FA=OFF (about 40 fewer CUDA files)
 cmake -S "$SRC" -B "$BUILD" -G Ninja "${flags[@]}" ${LLAMA_CMAKE_EXTRA:-}
-cmake --build "$BUILD" --target llama-bench -j "${LLAMA_JOBS:-16}"
-echo "llama-bench built in $(( $(date +%s) - t0 )) s"
-echo "$BUILD/bin/llama-bench"
+cmake --build "$BUILD" --target llama-bench llama-server -j "${LLAMA_JOBS:-16}"
+echo "llama-bench and llama-server built in $(( $(date +%s) - t0 )) s"
+echo "$BUILD/bin"
