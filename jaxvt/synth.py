@@ -36,12 +36,13 @@ import gguf
 import numpy as np
 
 from jaxvt.gguf import names as gguf_names
-from jaxvt.gguf.quantize import random_blocks
+from jaxvt.gguf.quantize import quantize, random_blocks
 from jaxvt.gguf.quants import FORMATS, get_format
 from jaxvt.gguf.tokenizer import bytes_to_unicode
 from jaxvt.model import declare as declare_mod
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import Role
+from jaxvt.synth_routing import Construction, RoutingStats, calibrate
 
 ARCHS = ("llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
 _T = gguf.GGMLQuantizationType
@@ -398,10 +399,35 @@ def _fill(spec: TensorSpec, seed: int, index: int, out: np.ndarray, lo: int, hi:
   out[lo:hi] = random_blocks(rng, spec.type_id, (hi - lo, spec.shape[-1]), scale=spec.std)
 
 
+def _routed_values(cfg: ModelConfig, routing: RoutingStats,
+                   seed: int) -> dict[str, Callable[[int, int], np.ndarray]]:
+  """{GGUF name: rows(lo, hi) -> float32} of the tensors a routing-realistic file constructs:
+  the embedding, the output head and the trunk's routers (jaxvt.synth_routing)."""
+  if not cfg.is_moe:
+    raise ValueError(f"routing statistics need a MoE model, not {cfg.arch}")
+  if cfg.tied_embeddings:
+    raise ValueError("a routing-realistic model needs its own output head (tied_embeddings=False)")
+  knobs, _ = calibrate(routing, cfg.n_experts, cfg.n_experts_used, cfg.vocab_size,
+                       cfg.d_model)
+  build = Construction(cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.n_experts, knobs, seed)
+  out = {gguf_names.gguf_name(cfg.arch, "embed", None): build.embedding_rows,
+         gguf_names.gguf_name(cfg.arch, "lm_head", None): build.output_rows}
+  for l in range(cfg.n_layers):
+    out[gguf_names.gguf_name(cfg.arch, "moe.router", l)] = (
+        lambda lo, hi, r=build.routers[l]: r[lo:hi])
+  return out
+
+
+def _fill_values(spec: TensorSpec, rows: Callable[[int, int], np.ndarray], out: np.ndarray, lo: int,
+                 hi: int) -> None:
+  out[lo:hi] = quantize(rows(lo, hi), spec.type_id)
+
+
 def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, object] | str = "f32",
                 seed: int = 0, *, threads: int | None = None, pre: str | None = None,
                 name: str | None = None,
-                progress: Callable[[str, int], None] | None = None) -> dict[str, str]:
+                progress: Callable[[str, int], None] | None = None,
+                routing: RoutingStats | None = None) -> dict[str, str]:
   """Writes a synthetic GGUF model for `cfg` to `path`.
 
   Args:
@@ -413,10 +439,14 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, 
     threads: generator threads (default: all cores).
     pre: tokenizer.ggml.pre (default "smollm" for llama, else "qwen2").
     progress: called as progress(tensor name, bytes) after each tensor is written.
+    routing: None (default): random routers, uniform and memoryless routing. RoutingStats: a
+      MoE model whose embedding, output head and routers are built so that a decode's expert
+      choices have those statistics (jaxvt.synth_routing; benchmarks.routing measures them).
   Returns:
     {GGUF tensor name: format name} as written.
   """
   specs = plan(cfg, recipe)
+  built = _routed_values(cfg, routing, seed) if routing is not None else {}
   vocab = build_vocab(cfg.vocab_size)
   pre = pre or ("smollm" if cfg.arch == "llama" else "qwen2")
   w = gguf.GGUFWriter(os.fspath(path), cfg.arch)
@@ -439,6 +469,9 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, 
     if s.kind != "matrix":
       return _vector(s, np.random.default_rng([seed, i])), []
     buf = np.empty((math.prod(s.shape[:-1]), _row_bytes(s)), np.uint8)
+    if s.name in built:
+      return buf, [pool.submit(_fill_values, s, built[s.name], buf, lo, hi)
+                   for lo, hi in _chunks(s)]
     return buf, [pool.submit(_fill, s, seed, i, buf, lo, hi) for lo, hi in _chunks(s)]
 
   try:
