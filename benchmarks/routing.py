@@ -43,15 +43,13 @@ COLUMNS = ("next_token_reuse", "reuse_within_8", "skew", "next_layer_predictabil
 
 
 class Trace:
-  """The experts each routed call chose, in call order (decode calls only: one token each)."""
+  """The experts each routed call chose, in call order (one call per layer and program step)."""
 
   def __init__(self):
-    self.calls: list[np.ndarray] = []  # ids int [k] per (token, layer), in order
+    self.calls: list[np.ndarray] = []  # ids int [T, k] per call
 
   def __call__(self, ids) -> None:
-    ids = np.asarray(ids)
-    if ids.shape[0] == 1:  # a decode step's layer (a prefill's calls route the prompt)
-      self.calls.append(ids[0].copy())
+    self.calls.append(np.array(ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +93,13 @@ def decode_trace(eng, tokens: int, temperature: float, seed: int) -> tuple[np.nd
   prompt = eng.encode_prompt(PROMPT)
   n = len(prompt)
   cache = eng.new_cache(1)
-  T = n  # one prefill program of exactly the prompt
   kv = eng.kv_len(n + tokens)
+  # one prefill program of exactly the prompt; its routing (the prompt's) is not the decode's
   logits, cache = prefill_fn(eng.weights, cache, jnp.asarray([prompt], jnp.int32),
-                             jnp.arange(n, dtype=jnp.int32)[None], jnp.ones((1, T), bool),
+                             jnp.arange(n, dtype=jnp.int32)[None], jnp.ones((1, n), bool),
                              jnp.asarray([n - 1], jnp.int32), cfg=cfg, ex=ex, kv_len=kv)
+  jax.effects_barrier()
+  start = len(trace.calls)
   params = SamplingParams(temperature=temperature)
   first, key = first_token_fn(logits[0], jax.random.key(seed), params=params)
   out, cache, key, _ = decode_loop_fn(eng.weights, cache, first[None], jnp.int32(n), key, cfg=cfg,
@@ -107,9 +107,11 @@ def decode_trace(eng, tokens: int, temperature: float, seed: int) -> tuple[np.nd
   jax.effects_barrier()
   fed = [int(first)] + [int(t) for t in np.asarray(out)[:-1, 0]]
   L, k = cfg.n_layers, cfg.n_experts_used
-  if len(trace.calls) != tokens * L:
-    raise RuntimeError(f"recorded {len(trace.calls)} routed calls, expected {tokens} x {L}")
-  return np.stack(trace.calls).reshape(tokens, L, k), fed
+  calls = trace.calls[start:]
+  if len(calls) != tokens * L or any(c.shape != (1, k) for c in calls):
+    raise RuntimeError(f"recorded {len(calls)} routed decode calls, expected {tokens} x {L} of "
+                       f"one token each")
+  return np.stack(calls).reshape(tokens, L, k), fed
 
 
 def table(stats: dict[str, np.ndarray]) -> list[str]:
@@ -162,20 +164,21 @@ def main(args) -> str:
   return body
 
 
+def cli(argv: list[str] | None = None) -> int:
+  """python -m benchmarks.routing's entry: the tables, or a one-line error (exit status 2)."""
+  return run(main, parser(), argv)
+
+
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.routing",
                                description=__doc__.splitlines()[0])
+  ap.add_argument("--tokens", type=int, default=512, help="tokens to decode")
+  ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+  ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
   ap.add_argument("--model", required=True, action="append",
                   help="a MoE GGUF file (repeat for several: one table each)")
-  ap.add_argument("--tokens", type=int, default=512, help="tokens to decode")
-  ap.add_argument("--temperature", type=float, default=1.0)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
   return ap
-
-
-def cli(argv: list[str] | None = None) -> int:
-  return run(main, parser(), argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,21 @@ by tensor (GGUFWriter.add_tensor_info + write_tensor_data) and generates big ten
 chunks with `jaxvt.gguf.quantize.random_blocks`, so RAM stays at a few tensors and a
 Qwen3.6-35B-A3B-shaped file (~20 GiB of Q4_K experts) takes minutes on 16 cores. The bytes depend
 only on (cfg, recipe, seed), never on the thread count.
+
+Routing. By default the routers are random like every other matrix, so a decode's expert choices
+are uniform and memoryless (next-token reuse about k/E): no expert cache can be judged on such a
+file. `write_model(..., routing=RoutingStats(...))` writes a MoE file whose routing in a real
+decode (temperature 1) is temporally correlated, skewed and predictable across layers, with the
+statistics given as targets: next_token_reuse (default 0.45) and reuse_within_8 (0.80), the
+figures of real Qwen3-30B-A3B routing traces, and optionally skew (the share of selections of
+the top 10% of experts) and next_layer_predictability. The embedding, the output head and the
+trunk's routers are then built around a few "topic" directions (jaxvt.synth_routing): the
+embedding dominates the residual, each token belongs to a topic, the head keeps a decode in its
+topic for a while, and each layer's router prefers some experts per topic, so the experts a
+layer chooses follow the slowly changing topic. The construction's parameters are calibrated by
+simulating that process for the model's experts, experts used and vocabulary;
+`python -m benchmarks.routing --model FILE` measures the real decode (docs/BENCHMARKS.md,
+"routing"). Every other tensor, and every file written without `routing`, is as before.
 """
 
 from __future__ import annotations

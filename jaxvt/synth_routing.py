@@ -306,7 +306,7 @@ class Construction:
       raise ValueError(f"{C} topics need d_model >= {4 * C}, got {d}")
     self.d, self.knobs, self.seed = d, knobs, seed
     rng = np.random.default_rng([seed, 0x70C5])
-    self.u = np.linalg.qr(rng.standard_normal((d, C)))[0].T  # [C, d] orthonormal rows
+    self.u = np.linalg.qr(rng.standard_normal((d, C)))[0].T.astype(np.float32)  # [C, d]
     self.topic = topic_of(n_vocab, C, seed)
     self.scale = EMBED_RMS_PER_LAYER * math.sqrt(n_layers) * math.sqrt(d)  # embedding row norm
     n_c = n_vocab / C
@@ -336,7 +336,7 @@ class Construction:
   def embedding_rows(self, lo: int, hi: int) -> np.ndarray:
     """Rows lo..hi of the token embedding: float32 [hi - lo, d]."""
     g = self._off_topics(np.random.default_rng([self.seed, 0xE3B, lo]).standard_normal(
-        (hi - lo, self.d)))
+        (hi - lo, self.d), np.float32))
     g /= np.linalg.norm(g, axis=1, keepdims=True)
     e = math.cos(PHI) * self.u[self.topic[lo:hi]] + math.sin(PHI) * g
     return (self.scale * e).astype(np.float32)
@@ -344,5 +344,5 @@ class Construction:
   def output_rows(self, lo: int, hi: int) -> np.ndarray:
     """Rows lo..hi of the output head: float32 [hi - lo, d]."""
     noise = self._off_topics(np.random.default_rng([self.seed, 0x0A7, lo]).standard_normal(
-        (hi - lo, self.d))) * (HEAD_NOISE / math.sqrt(self.d))
+        (hi - lo, self.d), np.float32)) * np.float32(HEAD_NOISE / math.sqrt(self.d))
     return (self.gamma * self.u[self.topic[lo:hi]] + noise).astype(np.float32)
