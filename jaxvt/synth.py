@@ -422,8 +422,13 @@ def _routed_values(cfg: ModelConfig, routing: RoutingStats,
     raise ValueError(f"routing statistics need a MoE model, not {cfg.arch}")
   if cfg.tied_embeddings:
     raise ValueError("a routing-realistic model needs its own output head (tied_embeddings=False)")
-  knobs, _ = calibrate(routing, cfg.n_experts, cfg.n_experts_used, cfg.vocab_size,
-                       cfg.d_model)
+  knobs, sim = calibrate(routing, cfg.n_experts, cfg.n_experts_used, cfg.vocab_size,
+                         cfg.d_model)
+  off = {n: round(sim[n], 3) for n, t in routing.targets().items() if abs(sim[n] - t) > 0.05}
+  if off:
+    raise ValueError(f"{routing} is out of reach for top-{cfg.n_experts_used} of "
+                     f"{cfg.n_experts} experts: the closest construction gives {off}; relax "
+                     "those targets")
   build = Construction(cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.n_experts, knobs, seed)
   out = {gguf_names.gguf_name(cfg.arch, "embed", None): build.embedding_rows,
          gguf_names.gguf_name(cfg.arch, "lm_head", None): build.output_rows}

@@ -119,3 +119,11 @@ def test_every_statistic_can_be_targeted(tmp_path):
   st = probe(path, TOKENS)[0]
   for name, target in stats.targets().items():
     assert abs(st[name].mean() - target) < 0.08, (name, st)
+
+
+def test_targets_out_of_reach_are_refused(tmp_path):
+  """Reuse of 0.9 needs a few experts to take most selections: a skew of 0.12 contradicts it."""
+  stats = RoutingStats(next_token_reuse=0.9, reuse_within_8=0.95, skew=0.12, tokens=64)
+  with pytest.raises(ValueError, match="out of reach"):
+    synth.write_model(tmp_path / "x.gguf", synth.tiny_config("qwen3moe", n_experts=32,
+                                                             n_experts_used=4), routing=stats)
