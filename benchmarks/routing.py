@@ -1,6 +1,7 @@
 """python -m benchmarks.routing: the statistics of a MoE model's expert choices in a real decode.
 
-  python -m benchmarks.routing --model M [--model M2 ...] [--tokens 512] [--temperature 1] [--seed 0] [--write]
+  python -m benchmarks.routing --model M [--model M2 ...] [--tokens 512] [--temperature 1]
+      [--seed 0] [--write]
 
 Loads M as jaxvt.load does, prefills a short prompt and decodes `--tokens` tokens, sampling at
 `--temperature`, through the product's own decode program (jaxvt.model_fns.decode_loop_fn) with
