@@ -20,6 +20,21 @@ by tensor (GGUFWriter.add_tensor_info + write_tensor_data) and generates big ten
 chunks with `jaxvt.gguf.quantize.random_blocks`, so RAM stays at a few tensors and a
 Qwen3.6-35B-A3B-shaped file (~20 GiB of Q4_K experts) takes minutes on 16 cores. The bytes depend
 only on (cfg, recipe, seed), never on the thread count.
+
+Routing. By default the routers are random like every other matrix, so a decode's expert choices
+are uniform and memoryless (next-token reuse about k/E): no expert cache can be judged on such a
+file. `write_model(..., routing=RoutingStats(...))` writes a MoE file whose routing in a real
+decode (temperature 1) is temporally correlated, skewed and predictable across layers, with the
+statistics given as targets: next_token_reuse (default 0.45) and reuse_within_8 (0.80), the
+figures of real Qwen3-30B-A3B routing traces, and optionally skew (the share of selections of
+the top 10% of experts) and next_layer_predictability. The embedding, the output head and the
+trunk's routers are then built around a few "topic" directions (jaxvt.synth_routing): the
+embedding dominates the residual, each token belongs to a topic, the head keeps a decode in its
+topic for a while, and each layer's router prefers some experts per topic, so the experts a
+layer chooses follow the slowly changing topic. The construction's parameters are calibrated by
+simulating that process for the model's experts, experts used and vocabulary;
+`python -m benchmarks.routing --model FILE` measures the real decode (docs/BENCHMARKS.md,
+"routing"). Every other tensor, and every file written without `routing`, is as before.
 """
 
 from __future__ import annotations
@@ -36,12 +51,13 @@ import gguf
 import numpy as np
 
 from jaxvt.gguf import names as gguf_names
-from jaxvt.gguf.quantize import random_blocks
+from jaxvt.gguf.quantize import quantize, random_blocks
 from jaxvt.gguf.quants import FORMATS, get_format
 from jaxvt.gguf.tokenizer import bytes_to_unicode
 from jaxvt.model import declare as declare_mod
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import Role
+from jaxvt.synth_routing import Construction, RoutingStats, calibrate
 
 ARCHS = ("llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
 _T = gguf.GGMLQuantizationType
@@ -398,10 +414,40 @@ def _fill(spec: TensorSpec, seed: int, index: int, out: np.ndarray, lo: int, hi:
   out[lo:hi] = random_blocks(rng, spec.type_id, (hi - lo, spec.shape[-1]), scale=spec.std)
 
 
+def _routed_values(cfg: ModelConfig, routing: RoutingStats,
+                   seed: int) -> dict[str, Callable[[int, int], np.ndarray]]:
+  """{GGUF name: rows(lo, hi) -> float32} of the tensors a routing-realistic file constructs:
+  the embedding, the output head and the trunk's routers (jaxvt.synth_routing)."""
+  if not cfg.is_moe:
+    raise ValueError(f"routing statistics need a MoE model, not {cfg.arch}")
+  if cfg.tied_embeddings:
+    raise ValueError("a routing-realistic model needs its own output head (tied_embeddings=False)")
+  knobs, sim = calibrate(routing, cfg.n_experts, cfg.n_experts_used, cfg.vocab_size,
+                         cfg.d_model)
+  off = {n: round(sim[n], 3) for n, t in routing.targets().items() if abs(sim[n] - t) > 0.05}
+  if off:
+    raise ValueError(f"{routing} is out of reach for top-{cfg.n_experts_used} of "
+                     f"{cfg.n_experts} experts: the closest construction gives {off}; relax "
+                     "those targets")
+  build = Construction(cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.n_experts, knobs, seed)
+  out = {gguf_names.gguf_name(cfg.arch, "embed", None): build.embedding_rows,
+         gguf_names.gguf_name(cfg.arch, "lm_head", None): build.output_rows}
+  for l in range(cfg.n_layers):
+    out[gguf_names.gguf_name(cfg.arch, "moe.router", l)] = (
+        lambda lo, hi, r=build.routers[l]: r[lo:hi])
+  return out
+
+
+def _fill_values(spec: TensorSpec, rows: Callable[[int, int], np.ndarray], out: np.ndarray, lo: int,
+                 hi: int) -> None:
+  out[lo:hi] = quantize(rows(lo, hi), spec.type_id)
+
+
 def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, object] | str = "f32",
                 seed: int = 0, *, threads: int | None = None, pre: str | None = None,
                 name: str | None = None,
-                progress: Callable[[str, int], None] | None = None) -> dict[str, str]:
+                progress: Callable[[str, int], None] | None = None,
+                routing: RoutingStats | None = None) -> dict[str, str]:
   """Writes a synthetic GGUF model for `cfg` to `path`.
 
   Args:
@@ -413,10 +459,14 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, 
     threads: generator threads (default: all cores).
     pre: tokenizer.ggml.pre (default "smollm" for llama, else "qwen2").
     progress: called as progress(tensor name, bytes) after each tensor is written.
+    routing: None (default): random routers, uniform and memoryless routing. RoutingStats: a
+      MoE model whose embedding, output head and routers are built so that a decode's expert
+      choices have those statistics (jaxvt.synth_routing; benchmarks.routing measures them).
   Returns:
     {GGUF tensor name: format name} as written.
   """
   specs = plan(cfg, recipe)
+  built = _routed_values(cfg, routing, seed) if routing is not None else {}
   vocab = build_vocab(cfg.vocab_size)
   pre = pre or ("smollm" if cfg.arch == "llama" else "qwen2")
   w = gguf.GGUFWriter(os.fspath(path), cfg.arch)
@@ -439,6 +489,9 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, 
     if s.kind != "matrix":
       return _vector(s, np.random.default_rng([seed, i])), []
     buf = np.empty((math.prod(s.shape[:-1]), _row_bytes(s)), np.uint8)
+    if s.name in built:
+      return buf, [pool.submit(_fill_values, s, built[s.name], buf, lo, hi)
+                   for lo, hi in _chunks(s)]
     return buf, [pool.submit(_fill, s, seed, i, buf, lo, hi) for lo, hi in _chunks(s)]
 
   try:
