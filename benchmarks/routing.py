@@ -33,10 +33,8 @@ import numpy as np
 import jaxvt
 from benchmarks import report
 from benchmarks.cli import run
-from jaxvt.errors import JaxvtError
-from jaxvt.model.layers import Exec
-from jaxvt.model_fns import decode_loop_fn, first_token_fn, prefill_fn
-from jaxvt.sampling import SamplingParams
+from jaxvt import JaxvtError, SamplingParams
+from jaxvt.engine import Exec, decode_loop_fn, first_token_fn, prefill_fn
 from jaxvt.synth_routing import measure
 
 PROMPT = "The capital of France is"

@@ -25,8 +25,9 @@ FLOORS_BEFORE = 9  # tools/import_graph.py on the package before it was restruct
 # The one list; docs/ARCHITECTURE.md ("The public API") names the same modules.
 PUBLIC_MODULES = {
     "jaxvt": "load, Engine, open_model, layout, plan, place, SamplingParams, JaxvtError",
-    "jaxvt.engine": "the steps one by one and the programs an Engine runs (exec_for, "
-                    "prefill_fn, decode_fn, decode_loop_fn, decode_sample_fn, xla_workspace_of)",
+    "jaxvt.engine": "the steps one by one and the programs an Engine runs (exec_for, Exec, "
+                    "prefill_fn, first_token_fn, decode_fn, decode_loop_fn, decode_sample_fn, "
+                    "xla_workspace_of)",
     "jaxvt.parallel.mesh": "the --mesh spec (parse, build), beside jaxvt.layout",
     "jaxvt.ffi": "the extension: available, extension, debug_extension (the probes)",
     "jaxvt.ffi.ops": "the kernel ops (qmatmul, qmatmul_experts, qdequant, ...)",
@@ -37,6 +38,7 @@ PUBLIC_MODULES = {
     "jaxvt.gguf.formats": "the GGUF block formats",
     "jaxvt.gguf.tokenizer": "the Tokenizer an Engine is built with",
     "jaxvt.synth": "synthetic GGUF files to benchmark on",
+    "jaxvt.synth_routing": "the routing statistics a synthetic file is written for and measured by",
     "jaxvt.model.presets": "the published models' shapes, for jaxvt.synth",
 }
 
