@@ -20,6 +20,8 @@ BENCHMARKS = {
     "first_token": "seconds from starting `python -m jaxvt.run` to its first token, cold and "
                    "from the caches",
     "long_prompt": "a long prompt (8192 tokens) at --offload-gb auto on an emulated card",
+    "serve": "jaxvt.serve against llama-server over HTTP: prompt reuse, 1-8 streams, memory per "
+             "sequence (GPU)",
     "routing": "a MoE model's expert choices in a decode: reuse, skew, next-layer predictability",
 }
 

@@ -73,6 +73,20 @@ def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, 
   return logits[:, 0], cache
 
 
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows"), donate_argnames=("cache",))
+def decode_slots_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int,
+                    rows: int):
+  """One decode step of the first `rows` sequences of a cache of B >= rows (a server's slots,
+  kept packed from slot 0): tokens/positions int32 [rows, 1]. Returns (logits float32
+  [rows, vocab], cache). The other slots are neither read nor written, so a step of a few
+  sequences reads the routed experts those few choose, not B rows' worth."""
+  part = {k: jax.lax.slice_in_dim(v, 0, rows, axis=1) for k, v in cache.items()}
+  logits, part = _forward(weights, part, tokens, positions, cfg, ex, kv_len)
+  cache = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], part[k].astype(cache[k].dtype), 0, 1)
+           for k in cache}
+  return logits[:, 0], cache
+
+
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "params"), donate_argnames=("cache",))
 def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig, ex: Exec,
                      kv_len: int, params: SamplingParams):

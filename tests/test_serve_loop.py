@@ -40,11 +40,12 @@ def test_concurrent_requests_equal_solo_greedy(which, request):
     ids = [eng.encode_prompt(p) if which == "smol" else
            np.random.default_rng(i).integers(5, eng.cfg.vocab_size, 9 + 3 * i).tolist()
            for i, p in enumerate(PROMPTS)]
-    reqs = _run(loop, [Request(prompt=p, max_tokens=N) for p in ids])
+    # different lengths: requests finish while others decode, and the rest move down (compaction)
+    reqs = _run(loop, [Request(prompt=p, max_tokens=N - 2 * (i % 3)) for i, p in enumerate(ids)])
   finally:
     assert loop.close()
   for r in reqs:
-    assert r.finish_reason == "length" and r.tokens == _alone(eng, r.prompt), r.id
+    assert r.finish_reason == "length" and r.tokens == _alone(eng, r.prompt, r.max_tokens), r.id
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched(smol):

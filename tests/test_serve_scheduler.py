@@ -95,3 +95,19 @@ def test_random_traffic_every_request_finishes_once_with_its_length():
     finished += s.step({r.slot: (1, "t") for r in s.active()})
   assert sorted(r.id for r in finished) == sorted(want)
   assert all(len(r.tokens) == want[r.id] and r.finish_reason == "length" for r in finished)
+
+
+def test_compact_keeps_the_active_requests_in_the_lowest_slots():
+  s = sch.Scheduler(max_batch=4, max_queue=0)
+  reqs = [_req(9) for _ in range(4)]
+  for r in reqs:
+    s.submit(r)
+  s.admit()
+  s.cancel(reqs[0])
+  s.cancel(reqs[2])
+  assert s.compact() == [(3, 0)]
+  assert s.slots == [reqs[3], reqs[1], None, None] and reqs[3].slot == 0
+  assert s.compact() == []
+  new = _req()
+  s.submit(new)
+  assert s.admit() == [new] and new.slot == 2

@@ -130,7 +130,8 @@ def _serve(F) -> int:
   if F.host not in LOOPBACK and F.api_key is None:
     print(f"jaxvt: warning: listening on {escape(F.host, 80)} with no authentication: anyone "
           "who can reach this port can use the model; pass --api-key KEY", file=sys.stderr)
-  eng = engine_mod.load(F.model, **cli.load_options(F))
+  eng = engine_mod.load(F.model, on_plan=lambda p: print(p.report(), file=sys.stderr),
+                        **cli.load_options(F))
   try:
     mem = serve_memory(eng.plan.breakdown, sequence_bytes(eng), F.max_batch,
                        None if F.prefix_cache_gb is None else int(F.prefix_cache_gb * GiB))
@@ -139,7 +140,9 @@ def _serve(F) -> int:
     print(f"jaxvt: serving {escape(eng.path, 200)} on http://{escape(F.host, 80)}:{F.port}/v1: "
           f"{mem.batch} sequences decoded together, {mem.prefix_bytes / GiB:.2f} GiB for prompt "
           f"reuse", file=sys.stderr)
-    server = Server(uvicorn.Config(build(eng, loop, _model_id(F), F.api_key), host=F.host,
+    info = {"batch": mem.batch, "sequence_bytes": mem.sequence_bytes,
+            "prefix_bytes": mem.prefix_bytes, "max_context": eng.max_context}
+    server = Server(uvicorn.Config(build(eng, loop, _model_id(F), F.api_key, info), host=F.host,
                                    port=F.port, log_level="warning",
                                    timeout_graceful_shutdown=F.drain_seconds))
     # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish, then we exit 0

@@ -99,8 +99,11 @@ def _logit_bias(value: Any, vocab: int) -> dict[int, float]:
   return out
 
 
-def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -> Starlette:
-  """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`."""
+def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
+          info: dict | None = None) -> Starlette:
+  """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`.
+  /health reports the requests in flight, `info` (how the server sized itself) and the device's
+  memory (bytes in use and the peak, where the platform reports them)."""
   tok = engine.tokenizer
   eos = frozenset(tok.stop_ids)
 
@@ -262,7 +265,11 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None) -
   async def health(_):
     if loop.error is not None:
       return JSONResponse({"status": "error", "error": str(loop.error)}, status_code=503)
-    return JSONResponse({"status": "ok", "requests": loop.counts()})
+    stats = engine.ex.par.devices[0].memory_stats() or {}
+    memory = {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+              if k in stats}
+    return JSONResponse({"status": "ok", "requests": loop.counts(), "serve": info or {},
+                         "memory": memory})
 
   return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                            Route("/v1/completions", completions, methods=["POST"]),

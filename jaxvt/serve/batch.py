@@ -1,9 +1,11 @@
 """A batched session over an Engine: a cache of B slots. Each request is prefilled alone (b=1),
 from the longest prefix the prefix cache holds (jaxvt.prefix), into a b=1 cache whose leaves are
-then written into its slot; one decode program steps all B slots at their own positions (rows
-without a request decode a dummy token and are ignored: a slot's every leaf is written again
-when its next request is prefilled into it). A finished request's slot is stored in the prefix
-cache, so the next turn of its conversation reuses it."""
+then written into its slot. The requests are kept in slots 0..n-1 (the scheduler compacts them,
+`move` moves the caches), and one decode program steps the first ROWS-bucket of slots that holds
+them at their own positions: a step of one request reads one token's routed experts, not B
+rows'. Rows in the bucket without a request decode a dummy token and are ignored (a slot's
+every leaf is written again when its next request is prefilled into it). A finished request's
+slot is stored in the prefix cache, so the next turn of its conversation reuses it."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.model_fns import decode_fn
+from jaxvt.model_fns import bucket, decode_slots_fn
 from jaxvt.prefix import PrefixCache
 from jaxvt.sampling import sample_rows, seed_words
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode programs' row counts (few programs, little waste)
 
 
 class BatchSession:
@@ -56,19 +60,29 @@ class BatchSession:
     if self.prefix is not None and tokens:
       self.prefix.store(tokens, self.slot_cache(slot))
 
+  def move(self, src: int, dst: int) -> None:
+    """Slot `src`'s cache and position into slot `dst` (the scheduler's compaction)."""
+    self.cache = jax.tree.map(
+        lambda big, ax: jax.lax.dynamic_update_slice_in_dim(
+            big, jax.lax.dynamic_slice_in_dim(big, src, 1, ax), dst, ax), self.cache, self._axes)
+    self.positions[dst] = self.positions[src]
+
   def decode(self, tokens: dict[int, int]) -> jax.Array:
     """One step: `tokens` maps slot -> the token to feed at its position. Returns logits
-    float32 [B, vocab] on the device (rows of slots not in `tokens` are meaningless)."""
-    toks = np.zeros((self.batch, 1), np.int32)
+    float32 [rows, vocab] on the device for the first `rows` slots (the ROWS bucket holding the
+    highest slot fed; rows of slots not in `tokens` are meaningless)."""
+    rows = bucket(max(tokens) + 1, ROWS, self.batch)
+    toks = np.zeros((rows, 1), np.int32)
     # A row not fed this step still writes a K/V row: put it at that slot's next position (masked
     # until the slot decodes there and overwrites it), never over a row the slot holds already.
-    pos = np.minimum(self.positions, self.engine.max_context - 1)[:, None].astype(np.int32)
+    pos = np.minimum(self.positions[:rows], self.engine.max_context - 1)[:, None].astype(np.int32)
     for s, t in tokens.items():
       toks[s, 0] = t
     e = self.engine
     kv_len = e.kv_len(int(pos.max()) + 1)
-    logits, self.cache = decode_fn(e.weights, self.cache, jnp.asarray(toks), jnp.asarray(pos),
-                                   cfg=e.cfg, ex=e.ex, kv_len=kv_len)
+    logits, self.cache = decode_slots_fn(e.weights, self.cache, jnp.asarray(toks),
+                                         jnp.asarray(pos), cfg=e.cfg, ex=e.ex, kv_len=kv_len,
+                                         rows=rows)
     for s in tokens:
       self.positions[s] += 1
     return logits

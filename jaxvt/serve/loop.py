@@ -88,8 +88,10 @@ class EngineLoop:
           r.listener(r)
       for r in finished:
         self._finish(r)
-    for r in finished:
-      self.session.finish(r.slot, r.fed)
+      for r in finished:
+        self.session.finish(r.slot, r.fed)
+      for src, dst in self.sched.compact():  # the next step runs the fewest rows
+        self.session.move(src, dst)
 
   def _run(self) -> None:
     try:

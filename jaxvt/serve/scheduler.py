@@ -123,6 +123,20 @@ class Scheduler:
         finished.append(req)
     return finished
 
+  def compact(self) -> list[tuple[int, int]]:
+    """Keeps the active requests in slots 0..n-1 (a decode step then runs the first n slots
+    only): moves the highest active request into each free slot below it. Returns the moves,
+    (from slot, to slot), in order; the caller moves the caches the same way."""
+    moves = []
+    while True:
+      free = next((i for i, r in enumerate(self.slots) if r is None), None)
+      last = max((i for i, r in enumerate(self.slots) if r is not None), default=None)
+      if free is None or last is None or last < free:
+        return moves
+      req = self.slots[last]
+      self.slots[free], self.slots[last], req.slot = req, None, free
+      moves.append((last, free))
+
   def cancel(self, req: Request) -> None:
     """Drops `req` (client gone): out of the queue, or its slot freed."""
     if req in self.queue:
