@@ -13,15 +13,17 @@
 #                                          # routed expert in the host tier; the first token; an
 #                                          # 8192-token prompt at auto on the 16 GiB card
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
+#   bash tools/gpu_session.sh serve        # python -m benchmarks.serve against llama-server
 #
 # What to carry to the machine (ignored by git):
-#   .whl/          the gguf wheel (the machine has no PyPI): installed into /tmp/site
+#   .whl/          the gguf, starlette and uvicorn wheels (the machine has no PyPI): installed
+#                  into /tmp/site
 #   jaxvt/ffi/_jaxvt_ffi.cpython-312-x86_64-linux-gnu.so   the CUDA extension built elsewhere by
 #                  tools/build_cuda_here.sh; used when it imports, sees the GPU and registers every
 #                  GPU op of this checkout (else CMake builds one here: about 5 minutes;
 #                  JAXVT_REBUILD=1 forces that)
 #   .llama/        llama.cpp's source from the llama-cpp-python sdist, pruned (see
-#                  tools/build_llamacpp.sh): llama-bench for the sweep's llama.cpp arms
+#                  tools/build_llamacpp.sh): llama-bench and llama-server for the llama.cpp arms
 #
 # Environment: OFFLOAD_S (the sweep's --time-limit, default 540: it must cover writing the
 # 19 GiB model on a fresh machine and llama.cpp's 160 s besides the jaxvt arms), MESH_S (480),
@@ -36,7 +38,7 @@ FRAC=0.1167  # XLA's pool at 16 GiB of an H200 (benchmarks.offload.pool_fraction
 LLAMA=/tmp/llama-build
 GPU_TESTS="tests/test_ffi_gpu.py tests/test_grouped_gpu.py tests/test_attn_step_gpu.py
   tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py tests/test_prefetch_gpu.py
-  tests/test_prefetch_experts_gpu.py"
+  tests/test_prefetch_experts_gpu.py tests/test_serve_gpu.py"
 t0=$(date +%s)
 
 setup() {  # the carried gguf wheel on PYTHONPATH, then the extension (carried, else built)
@@ -61,15 +63,15 @@ assert {t for t, gpu in ops if gpu != '0'} <= set(e.registrations().get(e.gpu_pl
   fi
 }
 
-start_llama() {  # llama-bench built in the background; setsid: the build outlives this call
-  if [ ! -x $LLAMA/bin/llama-bench ] && [ ! -e $LLAMA/.building ] && [ -d .llama/llama.cpp ]; then
+start_llama() {  # llama.cpp built in the background; setsid: the build outlives this call
+  if [ ! -x $LLAMA/bin/llama-server ] && [ ! -e $LLAMA/.building ] && [ -d .llama/llama.cpp ]; then
     mkdir -p $LLAMA && touch $LLAMA/.building  # benchmarks.offload_llama waits while it exists
     # from a copy: the next call's carry replaces .llama under a running build
     rm -rf /tmp/llama-src && cp -a .llama/llama.cpp /tmp/llama-src
     setsid nohup bash -c "LLAMA_SRC=/tmp/llama-src LLAMA_JOBS=10 nice -n 10 \
       bash tools/build_llamacpp.sh > /tmp/llama_build.log 2>&1; rm -f $LLAMA/.building" \
       > /dev/null 2>&1 < /dev/null &
-    echo "llama-bench: building in the background (/tmp/llama_build.log)"
+    echo "llama.cpp: building in the background (/tmp/llama_build.log)"
   fi
 }
 
@@ -85,7 +87,7 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|mesh) setup ;;
+  build|tests|determinism|sweep|tier|profile|mesh|serve) setup ;;
   *) sed -n '2,30p' "$0"; exit 2 ;;
 esac
 case "$what" in
@@ -116,6 +118,12 @@ case "$what" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m benchmarks.long_prompt --model $M \
       --tokens 8192 --device-gb 16 --write > "$OUT/long_prompt.txt" 2>&1
     tail -4 "$OUT/long_prompt.txt" ;;
+  serve)
+    start_llama
+    while [ -e $LLAMA/.building ]; do sleep 5; done  # a build in progress from an earlier call
+    tail -2 /tmp/llama_build.log
+    python3 -m benchmarks.serve --budgets ${SERVE_BUDGETS:-auto,7,hbm} --memory --write \
+      --time-limit ${SERVE_S:-500} 2>&1 | tee "$OUT/serve.txt" | tail -40 ;;
   mesh)
     python3 -m benchmarks.mesh --time-limit ${MESH_S:-480} 2>&1 | tee "$OUT/mesh.txt" | tail -40 ;;
 esac
