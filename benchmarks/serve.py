@@ -116,12 +116,12 @@ def measure(s: Server, vocab: int, eos: dict, tokens: int, seed: int) -> dict:
   out = {"start_s": s.start_s}
   warm, conv, fresh = _prompts(vocab, 3, CONVERSATION + NEW_TURN, seed)
   # warm-up: each program the measurements run (the long prompt, its short next turn, and the
-  # decode steps of 1 to 8 streams)
+  # decode programs of 1 to 8 streams: their rows and step counts)
   s.complete(warm[:CONVERSATION], 1, eos)
   s.complete(warm, 1, eos)
   for c in STREAMS:
     with concurrent.futures.ThreadPoolExecutor(c) as ex:
-      list(ex.map(lambda p: s.complete(p, 4, eos), _prompts(vocab, c, 32, seed + 100 + c)))
+      list(ex.map(lambda p: s.complete(p, tokens, eos), _prompts(vocab, c, 32, seed + 100 + c)))
   s.complete(conv[:CONVERSATION], 1, eos)  # the first turn
   out["turn2_s"] = s.complete(conv, 1, eos)[1]  # the same conversation and 20 new tokens
   out["fresh_s"] = s.complete(fresh, 1, eos)[1]  # a conversation never seen
@@ -162,7 +162,9 @@ def _jaxvt(args, budget: str, log: str, extra=()) -> Server:
   env = child_env({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75" if hbm else
                    pool_fraction(args.device_gb)})
   cmd = [sys.executable, "-m", "jaxvt.serve", "--model", args.model, "--port", "{port}",
-         f"--max-context={CONTEXT}", "--max-batch=8"]
+         f"--max-context={CONTEXT}"]
+  if budget != "auto":  # auto gives the weights what the batch would take: the planner's batch
+    cmd.append("--max-batch=8")
   if not hbm:
     cmd += ["--offload-gb", budget, "--device-gb", str(args.device_gb)]
   return Server(cmd + list(extra), env, log, timeout=600)

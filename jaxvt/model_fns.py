@@ -17,7 +17,7 @@ from jaxvt import programs
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
-from jaxvt.sampling import SamplingParams, sample
+from jaxvt.sampling import SamplingParams, sample, sample_rows
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
@@ -73,18 +73,34 @@ def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, 
   return logits[:, 0], cache
 
 
-@programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows"), donate_argnames=("cache",))
-def decode_slots_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, kv_len: int,
-                    rows: int):
-  """One decode step of the first `rows` sequences of a cache of B >= rows (a server's slots,
-  kept packed from slot 0): tokens/positions int32 [rows, 1]. Returns (logits float32
-  [rows, vocab], cache). The other slots are neither read nor written, so a step of a few
-  sequences reads the routed experts those few choose, not B rows' worth."""
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows", "steps", "greedy"),
+              donate_argnames=("cache",))
+def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperature, top_k, top_p,
+                    bias, *, cfg: ModelConfig, ex: Exec, kv_len: int, rows: int, steps: int,
+                    greedy: bool):
+  """`steps` decode steps of the first `rows` sequences of a cache of B >= rows (a server's
+  slots, kept packed from slot 0), each row sampled with its own parameters (sample_rows; with
+  `greedy`, every row's argmax). tokens int32 [rows] (the last sampled, not yet in the cache),
+  positions int32 [rows] (where they go); seeds, counters (the rows' next token indices),
+  temperature, top_k, top_p: sample_rows' per-row arguments; bias float32 [rows, vocab] or None.
+  Returns (tokens int32 [steps, rows], cache). The other slots are neither read nor written, so a
+  step of a few sequences reads the routed experts those few choose, not B rows' worth."""
   part = {k: jax.lax.slice_in_dim(v, 0, rows, axis=1) for k, v in cache.items()}
-  logits, part = _forward(weights, part, tokens, positions, cfg, ex, kv_len)
+
+  def step(i, carry):
+    part, tok, out = carry
+    logits, part = _forward(weights, part, tok[:, None], (positions + i)[:, None], cfg, ex,
+                            kv_len)
+    logits = logits[:, 0] if bias is None else logits[:, 0] + bias
+    nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else
+           sample_rows(logits, seeds, counters + i, temperature, top_k, top_p))
+    return part, nxt, out.at[i].set(nxt)
+
+  out = jnp.zeros((steps, rows), jnp.int32)
+  part, _, out = jax.lax.fori_loop(0, steps, step, (part, tokens.astype(jnp.int32), out))
   cache = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], part[k].astype(cache[k].dtype), 0, 1)
            for k in cache}
-  return logits[:, 0], cache
+  return out, cache
 
 
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "params"), donate_argnames=("cache",))

@@ -123,6 +123,7 @@ case "$what" in
     while [ -e $LLAMA/.building ]; do sleep 5; done  # a build in progress from an earlier call
     tail -2 /tmp/llama_build.log
     python3 -m benchmarks.serve --budgets ${SERVE_BUDGETS:-auto,7,hbm} --memory --write \
+      --tokens ${SERVE_TOKENS:-128} \
       --time-limit ${SERVE_S:-500} 2>&1 | tee "$OUT/serve.txt" | tail -40 ;;
   mesh)
     python3 -m benchmarks.mesh --time-limit ${MESH_S:-480} 2>&1 | tee "$OUT/mesh.txt" | tail -40 ;;

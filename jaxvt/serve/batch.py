@@ -9,6 +9,8 @@ slot is stored in the prefix cache, so the next turn of its conversation reuses 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,9 +45,7 @@ class BatchSession:
       logits, small, cached = self.prefix.prefill(tokens)
     else:
       (logits, small), cached = self.engine.prefill(tokens), 0
-    self.cache = jax.tree.map(
-        lambda big, s, ax: jax.lax.dynamic_update_slice_in_dim(big, s.astype(big.dtype), slot, ax),
-        self.cache, small, self._axes)
+    self.cache = _write_slot(self.cache, small, slot)
     self.positions[slot] = len(tokens)
     return logits, cached
 
@@ -54,53 +54,81 @@ class BatchSession:
     return jax.tree.map(lambda big, ax: jax.lax.dynamic_slice_in_dim(big, slot, 1, ax),
                         self.cache, self._axes)
 
-  def finish(self, slot: int, tokens: list[int]) -> None:
-    """`slot`'s request is over and its cache holds exactly `tokens` (prompt and the generated
-    tokens fed back): stored for prefix reuse."""
+  def finish(self, slot: int, tokens: list[int], exact: bool = True) -> None:
+    """`slot`'s request is over and its cache holds `tokens` (prompt and the generated tokens
+    fed back; with `exact`, those alone, else decode ran on past them and only their K/V rows
+    are kept): stored for prefix reuse."""
     if self.prefix is not None and tokens:
-      self.prefix.store(tokens, self.slot_cache(slot))
+      self.prefix.store(tokens, self.slot_cache(slot), exact=exact)
 
   def move(self, src: int, dst: int) -> None:
     """Slot `src`'s cache and position into slot `dst` (the scheduler's compaction)."""
-    self.cache = jax.tree.map(
-        lambda big, ax: jax.lax.dynamic_update_slice_in_dim(
-            big, jax.lax.dynamic_slice_in_dim(big, src, 1, ax), dst, ax), self.cache, self._axes)
+    self.cache = _move_slot(self.cache, src, dst)
     self.positions[dst] = self.positions[src]
 
-  def decode(self, tokens: dict[int, int]) -> jax.Array:
-    """One step: `tokens` maps slot -> the token to feed at its position. Returns logits
-    float32 [rows, vocab] on the device for the first `rows` slots (the ROWS bucket holding the
-    highest slot fed; rows of slots not in `tokens` are meaningless)."""
-    rows = bucket(max(tokens) + 1, ROWS, self.batch)
-    toks = np.zeros((rows, 1), np.int32)
-    # A row not fed this step still writes a K/V row: put it at that slot's next position (masked
-    # until the slot decodes there and overwrites it), never over a row the slot holds already.
-    pos = np.minimum(self.positions[:rows], self.engine.max_context - 1)[:, None].astype(np.int32)
-    for s, t in tokens.items():
-      toks[s, 0] = t
+  def decode(self, feed: dict[int, tuple], steps: int = 1) -> np.ndarray:
+    """`steps` decode steps of the requests in `feed`: slot -> (the token to feed at its
+    position, then sample's row parameters). Returns the sampled tokens int32 [steps, rows] for
+    the first `rows` slots (the ROWS bucket holding the highest slot fed; rows of slots not in
+    `feed` are meaningless). The cache then holds the fed token and the first steps - 1 sampled
+    ones of each row."""
+    rows = bucket(max(feed) + 1, ROWS, self.batch)
+    toks = np.zeros(rows, np.int32)
+    # A row not fed still writes K/V rows: at that slot's next positions (masked until the slot
+    # decodes there and overwrites them), never over a row the slot holds already.
+    pos = np.minimum(self.positions[:rows], self.engine.max_context - steps).astype(np.int32)
+    for r, (tok, _) in feed.items():
+      toks[r] = tok
+    seeds, counters, t, k, p, bias = row_args(rows, self.engine.cfg.vocab_size,
+                                              {r: q for r, (_, q) in feed.items()})
     e = self.engine
-    kv_len = e.kv_len(int(pos.max()) + 1)
-    logits, self.cache = decode_slots_fn(e.weights, self.cache, jnp.asarray(toks),
-                                         jnp.asarray(pos), cfg=e.cfg, ex=e.ex, kv_len=kv_len,
-                                         rows=rows)
-    for s in tokens:
-      self.positions[s] += 1
-    return logits
+    put = jax.device_put
+    out, self.cache = decode_slots_fn(
+        e.weights, self.cache, put(toks), put(pos), put(seeds), put(counters), put(t), put(k),
+        put(p), None if bias is None else put(bias), cfg=e.cfg, ex=e.ex,
+        kv_len=e.kv_len(int(pos.max()) + steps), rows=rows, steps=steps, greedy=not t.any())
+    for s in feed:
+      self.positions[s] += steps
+    return np.asarray(out)
 
 
-def sample(logits: jax.Array, rows: dict[int, tuple]) -> dict[int, int]:
-  """Samples each row of `logits` [B or 1, vocab] named in `rows`: row -> (temperature, top_k,
-  top_p, seed, token index, logit bias {token id: bias}). Returns row -> token id."""
-  if not rows:
-    return {}
-  b = logits.shape[0]
-  t, k, p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-  seeds, counters = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32)
+# In place (the batch's cache donated): an eager update would copy all B slots' cache first.
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(cache: dict, small: dict, slot) -> dict:
+  """`small` (a b=1 cache) written into slot `slot` of `cache` (the batch axis is 1)."""
+  return {k: jax.lax.dynamic_update_slice_in_dim(cache[k], small[k].astype(cache[k].dtype),
+                                                 slot, 1) for k in cache}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _move_slot(cache: dict, src, dst) -> dict:
+  return {k: jax.lax.dynamic_update_slice_in_dim(
+      v, jax.lax.dynamic_slice_in_dim(v, src, 1, 1), dst, 1) for k, v in cache.items()}
+
+
+_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def row_args(n: int, vocab: int, params: dict[int, tuple]):
+  """sample_rows' per-row arrays for `n` rows from `params`: row -> (temperature, top_k, top_p,
+  seed, token index, logit bias {token id: bias}); rows not named are greedy. Returns (seeds,
+  counters, temperature, top_k, top_p, bias or None)."""
+  t, k, p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+  seeds, counters = np.zeros((n, 2), np.uint32), np.zeros(n, np.int32)
   bias = None
-  for r, (temp, top_k, top_p, seed, index, row_bias) in rows.items():
+  for r, (temp, top_k, top_p, seed, index, row_bias) in params.items():
     t[r], k[r], p[r], seeds[r], counters[r] = temp, top_k, top_p, seed_words(seed), index
     if row_bias:
-      bias = np.zeros(logits.shape, np.float32) if bias is None else bias
+      bias = np.zeros((n, vocab), np.float32) if bias is None else bias
       bias[r, list(row_bias)] = list(row_bias.values())
-  out = np.asarray(sample_rows(logits, seeds, counters, t, k, p, bias))
-  return {r: int(out[r]) for r in rows}
+  return seeds, counters, t, k, p, bias
+
+
+def sample(logits: jax.Array, params: tuple) -> int:
+  """The token sampled from `logits` [vocab] with sample's row parameters `params` (a prefill's
+  first token)."""
+  seeds, counters, t, k, p, bias = row_args(1, logits.shape[-1], {0: params})
+  x = logits[None] if bias is None else logits[None] + bias
+  if not t.any():  # greedy: the argmax, without sampling's sort
+    return int(_argmax(x)[0])
+  return int(sample_rows(x, seeds, counters, t, k, p)[0])

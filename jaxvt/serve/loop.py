@@ -17,6 +17,7 @@ from jaxvt.serve.batch import BatchSession, sample
 from jaxvt.serve.scheduler import Request, Scheduler
 
 log = logging.getLogger("jaxvt.serve")
+MAX_STEPS = 8  # decode steps per device program while no request waits (as generate's chunks)
 
 
 class EngineLoop:
@@ -73,9 +74,11 @@ class EngineLoop:
     if ev:
       ev.set()
 
-  def _record(self, sampled: dict[int, int]) -> None:
-    """Feeds one step's tokens (slot -> token) to the scheduler and the requests' listeners;
-    stores finished sequences for prefix reuse."""
+  def _record(self, sampled: dict[int, int], exact: bool = True, compact: bool = True) -> None:
+    """Feeds one step's tokens (slot -> token) to the scheduler and the requests' listeners.
+    A finished request's sequence is stored for prefix reuse (with `exact`, its cache holds
+    exactly `Request.fed`; else only its K/V rows are right: decode ran on past it). With
+    `compact`, the requests left move down into the freed slots."""
     with self._cv:
       reqs = {s: self.sched.slots[s] for s in sampled if self.sched.slots[s] is not None}
       pieces = {s: (t, "" if t in r.eos_ids else r.decoder.push(t) if r.decoder else "")
@@ -89,9 +92,21 @@ class EngineLoop:
       for r in finished:
         self._finish(r)
       for r in finished:
-        self.session.finish(r.slot, r.fed)
-      for src, dst in self.sched.compact():  # the next step runs the fewest rows
-        self.session.move(src, dst)
+        self.session.finish(r.slot, r.fed, exact)
+      if compact:
+        for src, dst in self.sched.compact():  # the next step runs the fewest rows
+          self.session.move(src, dst)
+
+  def _steps(self, active: list[Request]) -> int:
+    """Decode steps in the next program: a power of two up to MAX_STEPS, one while requests
+    wait for a slot (they join at the next program), never past a request's max_tokens or the
+    context. Tokens sampled after a request's end in the same program are dropped."""
+    if self.sched.queue:
+      return 1
+    pos = self.session.positions
+    room = min(min(r.max_tokens - len(r.tokens), self.engine.max_context - int(pos[r.slot]))
+               for r in active)
+    return max(1, min(MAX_STEPS, 1 << (max(room, 1).bit_length() - 1)))
 
   def _run(self) -> None:
     try:
@@ -117,14 +132,17 @@ class EngineLoop:
       first = {}
       for req in admitted:
         logits, req.cached = self.session.prefill(req.slot, req.prompt)
-        first[req.slot] = sample(logits[None], {0: _params(req)})[0]
+        first[req.slot] = sample(logits, _params(req))
       self._record(first)
       with self._cv:
         active = self.sched.active()
+        steps = self._steps(active) if active else 0
       if not active:
         continue
-      logits = self.session.decode({r.slot: r.tokens[-1] for r in active})
-      self._record(sample(logits, {r.slot: _params(r) for r in active}))
+      out = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps)
+      for i in range(steps):
+        self._record({r.slot: int(out[i, r.slot]) for r in active}, exact=i == steps - 1,
+                     compact=i == steps - 1)
 
 
 def _params(r: Request) -> tuple:
