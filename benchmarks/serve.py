@@ -51,6 +51,7 @@ def parser():
   ap.add_argument("--tokens", type=int, default=128, help="tokens each stream generates")
   ap.add_argument("--llama-server", default=LLAMA_SERVER)
   ap.add_argument("--memory", action="store_true")
+  ap.add_argument("--memory-budget", default="7", help="--offload-gb of --memory's servers")
   ap.add_argument("--time-limit", type=float, default=1e9, help="seconds; points past it skipped")
   ap.add_argument("--write", action="store_true")
   return ap
@@ -191,7 +192,7 @@ def main(args) -> str:
   logs = os.environ.get("OUT", "/tmp")
   os.makedirs(logs, exist_ok=True)
   rows, mem = [], None
-  for b in args.budgets.split(","):
+  for b in [x for x in args.budgets.split(",") if x]:
     if time.time() > deadline:
       print(f"{b}: skipped (time limit)")
       continue
@@ -217,16 +218,19 @@ def main(args) -> str:
         print(f"  llama-server failed: {e}")
     rows.append((b, host, n, j, l))
   if args.memory and time.time() < deadline:
-    b = next((x for x in args.budgets.split(",") if x not in ("hbm", "auto")), "auto")
+    b = args.memory_budget
     peaks = {}
     for batch in (1, 8):
-      s = _jaxvt(args, b, f"{logs}/serve_mem_{batch}.log", ["--prefix-cache-gb=0"])
+      s = _jaxvt(args, b, f"{logs}/serve_mem_{batch}.log",
+                 ["--prefix-cache-gb=0", f"--max-batch={batch}"])  # the last one given wins
       try:
         ps = _prompts(vocab, batch, 32, 9)
         with concurrent.futures.ThreadPoolExecutor(batch) as ex:
           list(ex.map(lambda p: s.complete(p, args.tokens, eos), ps))
         h = _health(s)
-        peaks[batch] = (h["memory"].get("peak_bytes_in_use"), h["serve"]["sequence_bytes"])
+        # what stays allocated once the streams are done (the load's transient staging makes
+        # the peak the same for every batch)
+        peaks[batch] = (h["memory"].get("bytes_in_use"), h["serve"]["sequence_bytes"])
       finally:
         s.stop()
     if None in (peaks[1][0], peaks[8][0]):
@@ -275,7 +279,7 @@ def _section(args, rows, mem) -> list[str]:
                          j["tok_s_8"] / l["tok_s_8"], want))
   if mem is not None:
     b, per, planned = mem
-    goals.append(_goal(f"{b}: peak device memory per added sequence within 10% of the "
+    goals.append(_goal(f"{b}: device memory in use per added sequence within 10% of the "
                        f"planner's {planned / GiB:.3f} GiB ({per / GiB:.3f} GiB)",
                        abs(per - planned) / planned, 0.10, lower=True))
   return out + ["", "Goals:"] + [f"- {g}" for g in goals]

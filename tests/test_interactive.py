@@ -10,12 +10,11 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from jaxvt import run
 from jaxvt.sampling import SamplingParams
-from test_serve_fixtures import hybrid, smol  # noqa: F401  (fixtures)
+from test_serve_fixtures import agree_up_to_a_tie, hybrid, smol  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINES = ["What is 2+2?", "And 3+3?", "Thanks!"]
@@ -34,23 +33,11 @@ def test_turns_equal_fresh_generations_and_reuse_the_earlier_ones(eng):
   for line, out in zip(LINES, outs):
     messages.append({"role": "user", "content": line})
     ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(messages))
-    _agree_up_to_a_tie(eng, ids, out.tokens)
+    agree_up_to_a_tie(eng, ids, out.tokens, TIE)
     messages.append({"role": "assistant", "content": out.text})
   # each later turn starts with the previous prompt at least
   for before, out in zip(outs, outs[1:]):
     assert out.stats.cached_tokens >= before.stats.prompt_tokens
-
-
-def _agree_up_to_a_tie(eng, ids, tokens):
-  """`tokens` are the greedy tokens of a fresh prefill + decode of `ids`, up to a near tie."""
-  logits, cache = eng.prefill(ids)
-  for i, t in enumerate(tokens):
-    x = np.asarray(logits, np.float64)
-    best, second = np.sort(x)[-2:][::-1]
-    if t != int(np.argmax(x)):
-      assert best - second < TIE * max(1.0, abs(best)), (i, t, int(np.argmax(x)), best - second)
-      return
-    logits, cache = eng.decode_step(cache, t, len(ids) + i)
 
 
 def test_an_empty_line_ends_the_conversation(eng):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxvt.prefix import PrefixCache
-from test_serve_fixtures import hybrid, smol  # noqa: F401  (fixtures)
+from test_serve_fixtures import ATOL, hybrid, smol  # noqa: F401  (fixtures)
 
 
 def _tokens(eng, n, seed):
@@ -26,16 +26,16 @@ def test_second_turn_reuses_the_first_and_equals_a_full_prefill(which, request):
   turn2 = turn1 + _tokens(eng, 13, 2)
   logits1, _, cached1 = pc.prefill(turn1)
   assert cached1 == 0
-  np.testing.assert_array_equal(np.asarray(logits1), _full(eng, turn1))
+  np.testing.assert_allclose(np.asarray(logits1), _full(eng, turn1), rtol=0, atol=ATOL)
   logits2, cache2, cached2 = pc.prefill(turn2)
   assert cached2 == 40  # the whole first turn: its end is a stored state
-  np.testing.assert_allclose(np.asarray(logits2), _full(eng, turn2), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logits2), _full(eng, turn2), rtol=ATOL, atol=ATOL)
   # decoding on from the reused cache follows the full prefill's cache too
   nxt = int(np.argmax(np.asarray(logits2)))
   after, _ = eng.decode_step(cache2, nxt, len(turn2))
   _, full_cache = eng.prefill(turn2)
   want, _ = eng.decode_step(full_cache, nxt, len(turn2))
-  np.testing.assert_allclose(np.asarray(after), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(after), np.asarray(want), rtol=ATOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("which", ["smol", "hybrid"])
@@ -49,12 +49,12 @@ def test_a_diverging_prompt_reuses_up_to_a_snapshot(which, request):
   b = a[:37] + _tokens(eng, 9, 4)
   logits, _, cached = pc.prefill(b)
   assert cached == (37 if which == "smol" else 32)
-  np.testing.assert_allclose(np.asarray(logits), _full(eng, b), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logits), _full(eng, b), rtol=ATOL, atol=ATOL)
   # the same prompt again: all but its last token (whose logits are wanted) come from the store;
   # for the hybrid model, up to the last snapshot before that token
   logits, _, cached = pc.prefill(b)
   assert cached == (len(b) - 1 if which == "smol" else 32)
-  np.testing.assert_allclose(np.asarray(logits), _full(eng, b), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logits), _full(eng, b), rtol=ATOL, atol=ATOL)
 
 
 def test_store_merges_extensions_and_evicts_least_recently_used(smol):

@@ -15,7 +15,7 @@ from gpu_cases import OK as _OK, REASON as _REASON  # noqa: E402
 from test_prefix import *  # noqa: E402,F401,F403  (the same tests)
 from test_serve_loop import *  # noqa: E402,F401,F403
 
-from jaxvt import engine as engine_mod  # noqa: E402
+from jaxvt import engine as engine_mod, synth  # noqa: E402
 from test_serve_fixtures import hybrid_file  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
@@ -26,5 +26,14 @@ def hybrid(tmp_path_factory):  # noqa: F811  (the routed experts in the host tie
   e = engine_mod.load(hybrid_file(tmp_path_factory.mktemp("hybrid_gpu")), max_context=256,
                       offload_gb=1.0, offload_pattern=("exps",))
   assert e.plan.host_bytes > 0
+  yield e
+  e.close()
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):  # noqa: F811  (an attention-only file: the default model is a wheel)
+  path = str(tmp_path_factory.mktemp("llama_gpu") / "llama.gguf")
+  synth.write_model(path, synth.tiny_config("llama"), "q8_0", seed=14)
+  e = engine_mod.load(path, max_context=256)
   yield e
   e.close()

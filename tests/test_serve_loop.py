@@ -10,7 +10,7 @@ import pytest
 from jaxvt.prefix import PrefixCache
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import Request
-from test_serve_fixtures import hybrid, smol  # noqa: F401  (fixtures)
+from test_serve_fixtures import ATOL, agree_up_to_a_tie, hybrid, smol  # noqa: F401  (fixtures)
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):", "Once upon a time", "Hi"]
 N = 8
@@ -73,7 +73,8 @@ def test_next_turn_reuses_the_finished_sequence(which, request):
   finally:
     loop.close()
   assert r1.cached == 0 and r2.cached == len(r1.fed)  # everything the first turn's cache held
-  assert r2.tokens == _alone(eng, turn2)
+  # the reused rows and state came from decode steps, a full prefill computes them in one call
+  agree_up_to_a_tie(eng, turn2, r2.tokens, 2 * ATOL)
 
 
 def test_a_cancelled_request_frees_its_slot(smol):
