@@ -190,10 +190,8 @@ class Engine:
     CLI checks its flags (jaxvt.inputs): a text prompt must be valid UTF-8 (str, or UTF-8
     bytes), ids must be in the vocabulary, and a `sampling.top_k` at or above the vocabulary
     keeps every token (it becomes 0). `prefix` (a jaxvt.prefix.PrefixCache of this engine):
-    prefill only what the stored sequences do not cover (stats.cached_tokens) and store the
-    prompt for the next call. The answer is not stored: decode runs past its end, and rows a
-    decode computed differ from a prefill's by rounding (prefix reuse of prompts alone is a
-    full prefill's result to rounding: tests/test_prefix.py)."""
+    prefill only what it does not hold (stats.cached_tokens), and store the prompt (not the
+    answer: decode runs past its end) in it for the next call."""
     self._check_open()
     max_tokens = inputs.max_tokens(max_tokens)
     seed = inputs.seed(seed)
@@ -215,7 +213,7 @@ class Engine:
     t0 = time.perf_counter()
     if prefix is None:
       logits, cache = self.prefill(ids)
-    else:
+    else:  # the first new token's logits are a full prefill's to rounding (tests/test_prefix.py)
       logits, cache, stats.cached_tokens = prefix.prefill(ids)
     nxt, key = first_token_fn(logits, key, params=sampling)
     nxt = int(nxt)
