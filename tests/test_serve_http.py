@@ -138,8 +138,10 @@ def test_second_chat_turn_reuses_the_first(smol):
   r1 = c.chat.completions.create(model="m", messages=msgs, max_tokens=10, **GREEDY)
   msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
            {"role": "user", "content": "Another one?"}]
+  hits = httpx.get(smol.url + "/health").json()["prefix_cache"]["hits"]
   r2 = c.chat.completions.create(model="m", messages=msgs, max_tokens=10, **GREEDY)
   assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+  assert httpx.get(smol.url + "/health").json()["prefix_cache"]["hits"] == hits + 1
 
 
 def test_hybrid_second_turn_reuses_the_first(hybrid):

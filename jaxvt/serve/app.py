@@ -102,8 +102,9 @@ def _logit_bias(value: Any, vocab: int) -> dict[int, float]:
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
           info: dict | None = None) -> Starlette:
   """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`.
-  /health reports the requests in flight, `info` (how the server sized itself) and the device's
-  memory (bytes in use and the peak, where the platform reports them)."""
+  /health reports the requests in flight, `info` (how the server sized itself), the device's
+  memory (bytes in use and the peak, where the platform reports them) and the prefix cache's
+  entries, bytes and hits."""
   tok = engine.tokenizer
   eos = frozenset(tok.stop_ids)
 
@@ -268,8 +269,11 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     stats = engine.ex.par.devices[0].memory_stats() or {}
     memory = {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
               if k in stats}
+    pc = loop.session.prefix
+    reuse = {} if pc is None else {"entries": len(pc), "bytes": pc.nbytes, "hits": pc.hits,
+                                   "reused_tokens": pc.reused_tokens}
     return JSONResponse({"status": "ok", "requests": loop.counts(), "serve": info or {},
-                         "memory": memory})
+                         "memory": memory, "prefix_cache": reuse})
 
   return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                            Route("/v1/completions", completions, methods=["POST"]),
