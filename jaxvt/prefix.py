@@ -87,9 +87,6 @@ class PrefixCache:
   def __len__(self) -> int:
     return len(self._entries)
 
-  def clear(self) -> None:
-    self._entries.clear()
-
   # ---- lookup ----------------------------------------------------------------------------
   def _usable(self, e: _Entry, tokens: list[int]) -> int:
     """How many of `tokens` entry `e` can stand for (leaving the last to prefill)."""

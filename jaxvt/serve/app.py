@@ -117,6 +117,9 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
 
   async def body(req: HttpRequest, allowed: set[str]) -> dict:
     authorize(req)
+    declared = req.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:  # refused before it is read
+      raise ApiError(413, f"the body has {declared} bytes, more than {MAX_BODY}")
     raw = await req.body()
     if len(raw) > MAX_BODY:
       raise ApiError(413, f"the body has {len(raw)} bytes, more than {MAX_BODY}")

@@ -29,13 +29,7 @@ class BatchSession:
     self.engine = engine
     self.batch = batch
     self.prefix = prefix
-    self.cache = engine.new_cache(batch)
-    one = jax.eval_shape(lambda: engine.new_cache(1))
-    # The batch axis of each cache leaf: the one whose size differs between b=1 and b=B (axis 1
-    # where B is 1 as well).
-    self._axes = jax.tree.map(
-        lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y), 1),
-        one, self.cache)
+    self.cache = engine.new_cache(batch)  # every leaf's batch axis is 1 (decoder.init_cache)
     self.positions = np.zeros(batch, np.int32)
 
   def prefill(self, slot: int, tokens: list[int]) -> tuple[jax.Array, int]:
@@ -51,8 +45,7 @@ class BatchSession:
 
   def slot_cache(self, slot: int) -> dict:
     """A b=1 copy of `slot`'s cache."""
-    return jax.tree.map(lambda big, ax: jax.lax.dynamic_slice_in_dim(big, slot, 1, ax),
-                        self.cache, self._axes)
+    return {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, 1) for k, v in self.cache.items()}
 
   def finish(self, slot: int, tokens: list[int], exact: bool = True) -> None:
     """`slot`'s request is over and its cache holds `tokens` (prompt and the generated tokens
@@ -128,7 +121,6 @@ def sample(logits: jax.Array, params: tuple) -> int:
   """The token sampled from `logits` [vocab] with sample's row parameters `params` (a prefill's
   first token)."""
   seeds, counters, t, k, p, bias = row_args(1, logits.shape[-1], {0: params})
-  x = logits[None] if bias is None else logits[None] + bias
   if not t.any():  # greedy: the argmax, without sampling's sort
-    return int(_argmax(x)[0])
-  return int(sample_rows(x, seeds, counters, t, k, p)[0])
+    return int(_argmax(logits[None] if bias is None else logits[None] + bias)[0])
+  return int(sample_rows(logits[None], seeds, counters, t, k, p, bias)[0])
