@@ -458,6 +458,7 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
   none; jaxvt.offload.expert_cache); `expert_cache_policy`: "lru" or "lfru"."""
   if prefill_chunk < 1:
     raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
+  expert_cache_gb = inputs.expert_cache_gb(expert_cache_gb)
   device = device or jax.devices()[0]
   kernels = ffi.available(device.platform) if kernels is None else kernels
   cfg, units, copies, n = model.cfg, model.units, None, 1
@@ -477,13 +478,14 @@ def place(model: Model, placed: Placed, par: Par, *, host=None,
           progress: Callable[[int], None] | None = None, times=None) -> dict:
   """`model`'s weights where `placed` puts them, over the mesh of `par` and in the host tier
   `host` (needed when the plan offloads; its tables told to the extension for prefill's copies,
-  ffi.prefetch); `times` (loader.LoadTimes) collects where placing spent its time. On a GPU the
-  stacks go up through pinned staging buffers (host_tier.staging_for)."""
+  ffi.prefetch), with the plan's expert cache beside them (where `model` declares the routed
+  stacks the cache is for); `times` (loader.LoadTimes) collects where placing spent its time.
+  On a GPU the stacks go up through pinned staging buffers (host_tier.staging_for)."""
   weights = loader.place(model, placed.placement, par=par, host=host, progress=progress,
                          times=times, staging=host_tier.staging_for)
   if host is not None:
     host.register_tables(weights)
-  if placed.expert_cache is not None:
+  if placed.expert_cache is not None and expert_cache.attachable(weights, placed.expert_cache):
     weights = expert_cache.attach(weights, placed.expert_cache, par)
   return weights
 

@@ -39,7 +39,8 @@ EXAMPLES = (
 )
 GROUPS = (
     ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
-                             "device_gb", "force", "plan", "mesh", "coordinator",
+                             "device_gb", "expert_cache_gb", "expert_cache_policy", "force",
+                             "plan", "mesh", "coordinator",
                              "num_processes", "process_id")),
     ("generation", ("prompt", "chat", "interactive", "max_tokens")),
     ("sampling", ("temperature", "top_k", "top_p", "seed")),
@@ -56,7 +57,8 @@ ENVIRONMENT = (
 METAVARS = {"model": "PATH", "prompt": "TEXT", "max_tokens": "N", "temperature": "T",
             "top_k": "K", "top_p": "P", "seed": "S", "max_context": "N", "offload_gb": "N|auto",
             "offload_pattern": "REGEX[=host|device]", "device_gb": "N", "mesh": "tp=N|ep=N|tp=N,ep=M",
-            "coordinator": "HOST:PORT", "num_processes": "N", "process_id": "I"}
+            "coordinator": "HOST:PORT", "num_processes": "N", "process_id": "I",
+            "expert_cache_gb": "N|auto", "expert_cache_policy": "lru|lfru"}
 HELP_FLAGS = ("-h", "--help", "--helpfull")
 WIDTH, INDENT = 100, 30
 

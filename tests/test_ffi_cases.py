@@ -106,6 +106,7 @@ class Stack:
   mats: list[np.ndarray]
   raws: list[np.ndarray]  # uint8 [E*rows, row_bytes] per layer
   fmts: tuple[int, ...] = ()
+  bufs: dict = dataclasses.field(default_factory=dict)  # host-tier layer -> its HostBuffer
 
   def ref(self, x: np.ndarray, layer: int, expert: int = 0, mode: str = "ggml"):
     """(reference of x @ W[layer, expert].T under `mode`, tolerance), x [..., cols]."""
@@ -133,8 +134,9 @@ def make_stack(rng, fmts: list[int], rows: int, cols: int, experts: int = 0,
   for slot, l in enumerate(dev):
     data[slot, :raws[l].size] = raws[l].reshape(-1)
     table[l] = slot
+  bufs = {}
   for l in host:
-    buf = tier.alloc(raws[l].size)
+    buf = bufs[l] = tier.alloc(raws[l].size)
     buf.array[:] = raws[l].reshape(-1)
     table[l] = buf.device_address
     fm[l] |= HOST_BIT
@@ -142,7 +144,7 @@ def make_stack(rng, fmts: list[int], rows: int, cols: int, experts: int = 0,
                n_layers=len(fmts), host_layers=tuple(sorted(host)))
   w = QWeight(jnp.asarray(data), jnp.asarray(split_u64(table)), jnp.asarray(fm), meta)
   mats = [dequant(r, f).reshape(e, rows, cols) for r, f in zip(raws, fmts)]
-  return Stack(w, mats, raws, tuple(fmts))
+  return Stack(w, mats, raws, tuple(fmts), bufs)
 
 
 def _f16(a) -> np.ndarray:

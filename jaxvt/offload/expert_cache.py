@@ -188,6 +188,11 @@ class ExpertCache:
     return CacheStats(hits, misses, hit_bytes, host_bytes)
 
 
+def attachable(weights: dict, cp: CachePlan) -> bool:
+  """Whether `weights` hold, as QWeights, the routed stacks the cache `cp` is for."""
+  return all(isinstance(weights.get(n), QWeight) for n, _ in cp.parts)
+
+
 def attach(weights: dict, cp: CachePlan, par) -> dict:
   """`weights` (placed on the one device of `par`) with the expert cache `cp` allocated beside
   them: its tables under CACHE, replicated like the other whole weights."""

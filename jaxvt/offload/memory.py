@@ -270,6 +270,11 @@ class ServeMemory:
   sequence_bytes: int  # one sequence's cache (K/V for the whole context, recurrent state)
   available: int  # what the batch and the prefix cache share
 
+  @property
+  def left(self) -> int:
+    """What the batch and the prefix cache leave (the expert cache's to take)."""
+    return max(0, self.available - self.batch * self.sequence_bytes - self.prefix_bytes)
+
 
 def serve_memory(bd: Breakdown, sequence_bytes: int, max_batch: int | None = None,
                  prefix_bytes: int | None = None, batch_cap: int = 8,

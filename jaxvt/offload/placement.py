@@ -36,10 +36,11 @@ class Placed:
   expert_cache: CachePlan | None = None  # the device expert cache, in breakdown.expert_cache
 
   def with_expert_cache(self, gb: float | str | None = "auto", policy: str = "lru",
-                        force: bool = False) -> "Placed":
+                        force: bool = False, free: int | None = None) -> "Placed":
     """Gives the device expert cache `gb` GiB (None or "auto": what the plan leaves free beyond
-    the slack; 0: no cache) and returns self. The cache holds host-tier routed experts, so a
-    plan without any, or on a mesh, gets none (an explicit size there is a JaxvtError)."""
+    the slack, or `free` bytes where given; 0: no cache) and returns self. The cache holds
+    host-tier routed experts, so a plan without any, or on a mesh, gets none (an explicit size
+    there is a JaxvtError)."""
     self.breakdown = dataclasses.replace(self.breakdown, expert_cache=0)
     self.expert_cache = None
     auto = gb is None or gb == "auto"
@@ -48,7 +49,7 @@ class Placed:
       raise JaxvtError(f"--expert-cache-gb {gb} must be 0 or more (0: no expert cache)")
     if not auto and want == 0:
       return self
-    free = max(0, self.breakdown.free)
+    free = max(0, self.breakdown.free if free is None else min(free, self.breakdown.free))
     if self.devices > 1:
       if auto:
         return self

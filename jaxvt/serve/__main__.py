@@ -35,8 +35,8 @@ EXAMPLES = (
 )
 GROUPS = (
     ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
-                             "device_gb", "force", "mesh", "coordinator", "num_processes",
-                             "process_id")),
+                             "device_gb", "expert_cache_gb", "expert_cache_policy", "force",
+                             "mesh", "coordinator", "num_processes", "process_id")),
     ("server", ("host", "port", "api_key", "max_batch", "max_queue", "prefix_cache_gb",
                 "drain_seconds")),
     ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
@@ -114,6 +114,7 @@ def _serve(F) -> int:
   import uvicorn
 
   from jaxvt import engine as engine_mod
+  from jaxvt.offload import expert_cache
   from jaxvt.offload.memory import serve_memory
   from jaxvt.prefix import PrefixCache, sequence_bytes
   from jaxvt.serve.app import build
@@ -130,11 +131,19 @@ def _serve(F) -> int:
   if F.host not in LOOPBACK and F.api_key is None:
     print(f"jaxvt: warning: listening on {escape(F.host, 80)} with no authentication: anyone "
           "who can reach this port can use the model; pass --api-key KEY", file=sys.stderr)
+  opts = cli.load_options(F)
+  cache_gb, policy = opts.pop("expert_cache_gb"), opts.pop("expert_cache_policy")
+  # the expert cache takes what the batch and the prefix cache leave, so it comes after them
   eng = engine_mod.load(F.model, on_plan=lambda p: print(p.report(), file=sys.stderr),
-                        **cli.load_options(F))
+                        expert_cache_gb=0, **opts)
   try:
     mem = serve_memory(eng.plan.breakdown, sequence_bytes(eng), F.max_batch,
                        None if F.prefix_cache_gb is None else int(F.prefix_cache_gb * GiB))
+    placed = eng.plan.with_expert_cache(cache_gb, policy, F.force, free=mem.left)
+    if placed.expert_cache is not None:
+      eng.weights = expert_cache.attach(eng.weights, placed.expert_cache, eng.ex.par)
+      eng.memory = placed.breakdown
+      print(f"jaxvt: {placed.expert_cache.describe()}", file=sys.stderr)
     prefix = PrefixCache(eng, mem.prefix_bytes) if mem.prefix_bytes else None
     loop = EngineLoop(eng, mem.batch, F.max_queue, prefix)
     print(f"jaxvt: serving {escape(eng.path, 200)} on http://{escape(F.host, 80)}:{F.port}/v1: "

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from jaxvt import inputs
+from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import QueueFull, Request
@@ -103,8 +104,8 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
           info: dict | None = None) -> Starlette:
   """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`.
   /health reports the requests in flight, `info` (how the server sized itself), the device's
-  memory (bytes in use and the peak, where the platform reports them) and the prefix cache's
-  entries, bytes and hits."""
+  memory (bytes in use and the peak, where the platform reports them), the prefix cache's
+  entries, bytes and hits, and the expert cache's hits and misses."""
   tok = engine.tokenizer
   eos = frozenset(tok.stop_ids)
 
@@ -275,8 +276,11 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     pc = loop.session.prefix
     reuse = {} if pc is None else {"entries": len(pc), "bytes": pc.nbytes, "hits": pc.hits,
                                    "reused_tokens": pc.reused_tokens}
+    xs = expert_cache_stats(engine.weights)
+    experts = {} if xs is None else {"hits": xs.hits, "misses": xs.misses,
+                                     "hit_rate": round(xs.hit_rate, 4)}
     return JSONResponse({"status": "ok", "requests": loop.counts(), "serve": info or {},
-                         "memory": memory, "prefix_cache": reuse})
+                         "memory": memory, "prefix_cache": reuse, "expert_cache": experts})
 
   return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
                            Route("/v1/completions", completions, methods=["POST"]),

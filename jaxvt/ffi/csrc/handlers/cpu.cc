@@ -240,7 +240,8 @@ ffi::Error RunExperts(const Layer& L, const ffi::Buffer<ffi::S32>& ids,
   }
   const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
   const int64_t tpg = (rows + per - 1) / per;
-  if (cache.where && mat_bytes > cache.cslot)
+  if (cache.where && mat_bytes > cache.cslot &&
+      xcache::entry<uint8_t>(cache.ctab, cache.n_layers, layer.typed_data()[0]) != nullptr)
     return ffi::Error::InvalidArgument("jaxvt: an expert does not fit the expert cache's slot");
   std::vector<int32_t> first(G);
   for (int64_t g = 0; g < G; ++g) first[g] = eg.slots[g][0];
