@@ -396,16 +396,17 @@ def _offload_child(arm: str, args, env_extra: dict, deadline: float, log, points
   return Child(cmd, env_extra, err, log, signal=signal)
 
 
-def ensure_model(path: str, log) -> None:
+def ensure_model(path: str, log, routing=None) -> None:
   """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.synth: Q4_K_M-like formats, MTP block,
-  seed 0) at `path` unless it exists; under another name first, so a cut-off write never
-  stays behind as the model."""
+  seed 0; `routing`: write_model's, a jaxvt.synth_routing.RoutingStats) at `path` unless it
+  exists; under another name first, so a cut-off write never stays behind as the model."""
   if os.path.exists(path):
     return
   t = time.time()
   part = f"{path}.part{os.getpid()}"
   try:
-    synth.write_model(part, qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
+    synth.write_model(part, qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0,
+                      routing=routing)
     os.replace(part, path)
   finally:
     with contextlib.suppress(FileNotFoundError):

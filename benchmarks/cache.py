@@ -1,0 +1,396 @@
+"""python -m benchmarks.cache: the device-side expert cache on a 35B MoE model in an emulated 16 GiB GPU.
+
+  python -m benchmarks.cache [--models realistic,uniform] [--budgets auto,7,12,experts]
+      [--arms cache,predict,llama] [--gen 256] [--time-limit 540] [--merge] [--write]
+
+Two Qwen3.6-35B-A3B-shaped files written by jaxvt.synth with the same weights but the
+embedding, the output head and the routers: `realistic` (routing=RoutingStats(): a decode reuses
+experts as real Qwen3 routing does) and `uniform` (benchmarks.offload's file: uniform, memoryless
+routing, where a cache can only cost). Each budget (GiB in the host tier; `experts`: every routed
+expert there, as llama.cpp's `-ot exps=CPU`) is placed, from the file opened once, in these arms
+(benchmarks.cache_report.ARMS):
+
+  off         no cache (expert_cache_gb=0), the product's default prediction
+  lru, lfru   the cache in the device memory the plan leaves free, that eviction policy
+  off-nopred  no cache and no predicted-experts ring (7 GiB only)
+  lru-flip    the LRU cache with the prediction flipped from its default (7 GiB only)
+  llama.cpp   llama-bench with the same bytes of routed experts on the CPU (`--n-cpu-moe N`)
+
+on the realistic file, and `off` and `lru` at 7 GiB on the uniform file. An arm is a warm-up
+decode after another prompt (compiles the programs, fills the cache), then a timed decode after
+the prompt every arm shares; the cache's counters (engine.expert_cache_stats) before and after
+it give the hit rate and the bytes the misses read. The jaxvt arms run in one child process
+under the emulated card (XLA_PYTHON_CLIENT_MEM_FRACTION, --device-gb 16), most telling first
+(cache_report.plan_points); what would pass `--time-limit` is skipped and listed. Rows are saved
+to --rows; `--merge` adds an earlier call's rows for points this call did not run, so the work
+can be split over two calls (the jaxvt arms, then the rest with llama.cpp). `--write` writes the
+`cache` section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import cache_report, offload, offload_llama, report
+from benchmarks.cache_report import ARMS, GiB, LLAMA, Row
+from benchmarks.cli import parser_of, run
+from jaxvt import JaxvtError, SamplingParams, engine, ffi
+from jaxvt.synth_routing import RoutingStats
+
+REALISTIC = "/tmp/jaxvt-qwen36-35b-a3b-realistic.gguf"
+ROWS = "/tmp/jaxvt-bench-cache-rows.json"
+# where the product's default runs no prediction, a flipped arm runs this many predicted experts
+# after a host-tier and after a device layer (the CUDA tuning row's numbers without a cache)
+PREDICT_ON = (2, 2)
+LLAMA_CALL_S = 30  # one llama-bench call (load + tg), for the time kept for the llama.cpp arm
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = parser_of("cache", __doc__, child=str)
+  ap.add_argument("--realistic", default=REALISTIC,
+                  help="the realistic-routing file (written when missing at the default path)")
+  ap.add_argument("--uniform", default=offload.MODEL,
+                  help="the uniform-routing file (benchmarks.offload's, written when missing)")
+  ap.add_argument("--models", default="realistic,uniform")
+  ap.add_argument("--budgets", default="auto,7,12,experts",
+                  help="GiB in the host tier, auto, or experts (every routed expert)")
+  ap.add_argument("--arms", default="cache,predict,llama",
+                  help="arms or groups: cache (off,lru,lfru), predict (off-nopred,lru-flip), "
+                       "llama, jaxvt (every jaxvt arm)")
+  ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before each decode")
+  ap.add_argument("--gen", type=int, default=256, help="tokens of the timed decode")
+  ap.add_argument("--llama-gen", type=int, default=128, help="llama-bench's tg tokens")
+  ap.add_argument("--temperature", type=float, default=1.0,
+                  help="sampling temperature (routing statistics are of temperature 1)")
+  ap.add_argument("--time-limit", type=int, default=540)
+  ap.add_argument("--device-gb", type=float, default=16.0, help="the emulated card's GiB")
+  ap.add_argument("--llama-bench", default=None,
+                  help=f"llama-bench binary (default: {offload.LLAMA_BENCH} if built)")
+  ap.add_argument("--rows", default=ROWS, help="JSON file the rows are saved to (--merge reads)")
+  ap.add_argument("--merge", action="store_true",
+                  help="add an earlier call's rows (--rows) for points this call does not run")
+  ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")
+  ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+  ap.add_argument("--points", default="[]", help=argparse.SUPPRESS)
+  ap.add_argument("--facts", default="", help=argparse.SUPPRESS)
+  return ap
+
+
+class Session(offload.Session):
+  """One opened file (offload.Session: one kept host tier for every placement); `measure` runs
+  one arm at one budget."""
+
+  def __init__(self, path: str, prompt: int, gen: int, device_gb: float | None,
+               temperature: float = 1.0):
+    super().__init__(path, prompt, gen, device_gb)
+    rng = np.random.default_rng(1)  # the warm-up's prompt: not the timed one
+    self.warm_ids = rng.integers(10, self.cfg.vocab_size - 10, prompt).tolist()
+    self.params = SamplingParams(temperature=temperature)
+    self.routed = {d.name for d in self.model.decls if d.role == "routed_experts"}
+    self.plans: dict[tuple, object] = {}
+
+  def plan(self, budget, pattern=(), cache_gb=0.0, policy: str = "lru"):
+    """engine.plan at `budget` with `cache_gb` of expert cache (None: what the plan leaves free;
+    0: none); `auto` as jaxvt.load picks it, from XLA's analysis of the prefill (offload)."""
+    key = (budget, tuple(pattern), cache_gb, policy)
+    if key not in self.plans:
+      wo = None
+      if budget == "auto" and self.par.size == 1:
+        wo = engine.xla_workspace_of(self.model, self.exec(), self.max_context)
+      self.plans[key] = engine.plan(
+          self.model, offload_gb=budget, device_gb=self.device_gb, force=True,
+          max_context=self.max_context, offload_pattern=pattern, mesh=self.par, workspace_of=wo,
+          expert_cache_gb=cache_gb, expert_cache_policy=policy)
+    return self.plans[key]
+
+  def exec(self, predict: str = "default"):
+    """The Exec of this device; `predict` "off": no predicted-experts ring, "flip": the
+    prediction opposite to the default's (cache_report.flipped)."""
+    dev = self.par.devices[0]
+    ex = engine.exec_for(dev.platform, ffi.available(dev.platform), self.par)
+    pr = ex.products
+    host, device = pr.predict_after_host, pr.predict_after_device
+    if predict == "off":
+      host, device = 0, 0
+    elif predict == "flip":
+      host, device = cache_report.flipped(host, device, PREDICT_ON)
+    return dataclasses.replace(ex, products=dataclasses.replace(
+        pr, predict_after_host=host, predict_after_device=device))
+
+  def point(self, budget: str) -> tuple:
+    """plan's (budget, pattern) of a budget label."""
+    if budget == "experts":  # every routed expert in the host tier, the rest on the device
+      return sum(u.nbytes for u in self.model.units if u.name in self.routed) / GiB, ("exps",)
+    return (budget if budget == "auto" else float(budget)), ()
+
+  def expert_bytes(self, placed) -> int:
+    """Bytes of routed experts `placed` puts in the host tier."""
+    return sum(u.nbytes for u in self.model.units
+               if u.name in self.routed and placed.placement(u.name, u.layer) == "host")
+
+  def uncached_read_bytes(self, placed, layers) -> int:
+    """The plan's host-tier reads per token, less the routed experts of the cached `layers`."""
+    p = placed.plan
+    return sum(u.read_bytes for u, k in zip(p.units, p.kinds) if k == "host"
+               and not (u.role == "routed_experts" and u.layer in layers))
+
+  def budgets(self, labels: list[str]) -> dict:
+    """{label: host GiB and routed-expert GiB in the host tier, cache off} (llama.cpp's pairs)."""
+    out = {}
+    for b in labels:
+      placed = self.plan(*self.point(b))
+      out[b] = dict(host_gib=placed.plan.host_bytes / GiB,
+                    expert_gib=self.expert_bytes(placed) / GiB)
+    return out
+
+  def measure(self, model: str, budget: str, arm: str) -> Row:
+    """One arm at one budget: placed, warmed up (another prompt), timed."""
+    policy, predict = ARMS[arm]
+    r = Row(model, budget, arm, gen_tokens=self.gen)
+    t0 = time.perf_counter()
+    eng = None
+    try:
+      b, pattern = self.point(budget)
+      placed = self.plan(b, pattern, None if policy else 0.0, policy or "lru")
+      ec = placed.expert_cache
+      r.host_gib, r.expert_gib = placed.plan.host_bytes / GiB, self.expert_bytes(placed) / GiB
+      if policy and ec is None:
+        r.ok, r.note = True, "no cache: the plan leaves no device memory for one (= off)"
+        return r
+      weights = self.weights(placed)
+      jax.block_until_ready(weights)
+      eng = engine.Engine(cfg=self.cfg, ex=self.exec(predict), weights=weights,
+                          tokenizer=self.tokenizer, max_context=self.max_context, path=self.path,
+                          plan=placed)
+      r.load_s = time.perf_counter() - t0
+      pr = eng.ex.products
+      on = pr.predict_after_host or pr.predict_after_device
+      r.predict = f"{pr.predict_after_host}/{pr.predict_after_device}" if on else "off"
+      if ec is not None:
+        r.policy, r.cache_gib = ec.policy, ec.nbytes / GiB
+        r.slots, r.cached_layers = ec.slots, len(ec.layers)
+      t1 = time.perf_counter()
+      decode(eng, self.warm_ids, self.gen, self.params, seed=1)  # compiles, fills the cache
+      t2 = time.perf_counter()
+      toks, seconds, before, after = decode(eng, self.ids, self.gen, self.params, seed=0)
+      r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
+      steps = len(toks) - 1  # the first token comes from prefill
+      r.decode_tok_s, r.tokens = steps / seconds, cache_report.tokens_crc(toks)
+      if ec is None:
+        r.host_mb_per_token = placed.plan.host_read_bytes / 1e6
+      else:
+        r.hits, r.misses = after.hits - before.hits, after.misses - before.misses
+        r.hit_bytes = after.hit_bytes - before.hit_bytes
+        r.miss_bytes = after.host_bytes - before.host_bytes
+        r.host_mb_per_token = (self.uncached_read_bytes(placed, set(ec.layers))
+                               + r.miss_bytes / steps) / 1e6
+      r.ok = True
+    except (JaxvtError, RuntimeError, MemoryError, ValueError) as e:
+      r.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+      r.load_s = r.load_s or time.perf_counter() - t0
+    finally:  # closed, not left to the collector (offload.Session.measure says why)
+      if eng is not None:
+        eng.close()
+      del eng
+      gc.collect()
+    return r
+
+
+def decode(eng, ids: list[int], gen: int, params: SamplingParams, seed: int):
+  """A prefill of `ids` and `gen` tokens decoded by the programs generate runs (decode_calls),
+  dispatched back to back. Returns (the tokens, seconds of the decode calls, the cache's counters
+  before and after them: None without a cache)."""
+  logits, cache = eng.prefill(ids)
+  first, key = engine.first_token_fn(logits, jax.random.key(seed), params=params)
+  first = int(first)
+  token = jax.device_put(np.asarray([first], np.int32))
+  before = engine.expert_cache_stats(eng.weights)
+  t = time.perf_counter()
+  out = []
+  for kv, steps, pos in eng.decode_calls(len(ids), gen):
+    toks, cache, key, token = engine.decode_loop_fn(
+        eng.weights, cache, token, jax.device_put(np.int32(pos)), key, cfg=eng.cfg, ex=eng.ex,
+        kv_len=kv, params=params, steps=steps)
+    out.append(toks)
+  jax.block_until_ready(out)
+  seconds = time.perf_counter() - t
+  after = engine.expert_cache_stats(eng.weights)
+  return [first] + np.concatenate([np.asarray(o)[:, 0] for o in out]).tolist(), seconds, before, after
+
+
+def child(args) -> None:
+  """The jaxvt arms of --points in this process (one Session a file), a META line of each file
+  (offload.Session.facts and the budgets' bytes) and one ROW line an arm."""
+  deadline = args.deadline or time.time() + args.time_limit
+  points = [tuple(p) for p in json.loads(args.points)]
+  labels = cache_report.parse_budgets(args.budgets)
+  models = list(dict.fromkeys([m for m, _, _ in points] + [m for m in args.facts.split(",") if m]))
+  took: list[float] = []
+  for m in models:
+    s = Session(args.realistic if m == "realistic" else args.uniform, args.prompt, args.gen,
+                args.device_gb, args.temperature)
+    mine = [p for p in points if p[0] == m]
+    with offload.gpu_lock():
+      if m == "realistic":  # llama.cpp's pairs: every budget's expert bytes, one layer's
+        meta = dict(s.facts(), model=m, budgets=s.budgets(labels))
+      else:
+        meta = dict(model=m, budgets=s.budgets(list(dict.fromkeys(b for _, b, _ in mine))))
+      print("META " + json.dumps(meta), flush=True)
+      for _, budget, arm in mine:
+        est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0  # a median
+        if time.time() + est > deadline:
+          print(f"SKIP {m} {budget} {arm}", flush=True)
+          continue
+        t = time.perf_counter()
+        r = s.measure(m, budget, arm)
+        took.append(time.perf_counter() - t)
+        print(f"POINT {m} {budget} {arm}: {r.decode_tok_s:.2f} tok/s, hit rate "
+              f"{r.hit_rate if r.hit_rate is not None else '-'}, {took[-1]:.1f} s {r.note}",
+              flush=True)
+        print("ROW " + json.dumps(dataclasses.asdict(r)), flush=True)
+    if s.tier is not None:
+      s.tier.close()
+
+
+class Rows(offload.Child):
+  """The child's lines: ROW (a Row), META (one a file), SKIP."""
+
+  def _read(self):
+    for line in self.p.stdout:
+      line = line.rstrip("\n")
+      if line.startswith("ROW "):
+        self.runs.append(Row(**json.loads(line[4:])))
+      elif line.startswith("META "):
+        meta = json.loads(line[5:])
+        self.info.setdefault("meta", {})[meta["model"]] = meta
+      elif line.startswith("SKIP "):
+        self.info.setdefault("skipped", []).append(line[5:])
+      self.log(line)
+
+
+def command_of(args) -> str:
+  """The command line of this run, with the options that differ from their defaults."""
+  ap, out = parser(), ["python -m benchmarks.cache"]
+  for name in ("models", "budgets", "arms", "gen", "temperature", "time_limit"):
+    v = getattr(args, name)
+    if v != ap.get_default(name) or name == "time_limit":
+      out.append(f"--{name.replace('_', '-')} {v}")
+  out += ["--merge"] * bool(args.merge) + ["--write"] * bool(args.write)
+  return " ".join(out)
+
+
+def ensure_models(args, models: list[str], log) -> None:
+  """The files the run needs, each written once per machine (offload.ensure_model)."""
+  if "realistic" in models:
+    if args.realistic == REALISTIC:
+      offload.ensure_model(args.realistic, log, routing=RoutingStats())
+    elif not os.path.exists(args.realistic):
+      raise JaxvtError(f"no such file: {args.realistic}; pass --realistic PATH of a MoE GGUF file")
+  if "uniform" in models:
+    if args.uniform == offload.MODEL:
+      offload.ensure_model(args.uniform, log)
+    elif not os.path.exists(args.uniform):
+      raise JaxvtError(f"no such file: {args.uniform}; pass --uniform PATH of a MoE GGUF file")
+
+
+def llama_rows(binary: str, args, meta: dict, budgets: list[str], deadline: float,
+               log) -> list[Row]:
+  """llama.cpp's decode on the realistic file at each budget's expert bytes (one Row a budget)."""
+  pairs = {}
+
+  def pick(has_ncmoe: bool):
+    confs = cache_report.llama_configs(meta, budgets, offload_llama.configs, has_ncmoe)
+    pairs.update({label: bs for label, _, _, bs in confs})
+    return [(label, flags, gib) for label, flags, gib, _ in confs]
+
+  runs = offload_llama.run_all(binary, args.realistic, meta, 0, args.llama_gen, deadline, log,
+                               pick=pick)
+  out = []
+  for r in runs:
+    label = r.point.split(":", 1)[1] if r.point else r.note.split(":")[0]
+    for b in pairs.get(label, [""]):
+      out.append(Row("realistic", b, LLAMA, ok=r.ok and r.decode_tok_s > 0, flags=label,
+                     note="" if r.ok else r.note, host_gib=r.host_gib, expert_gib=r.host_gib,
+                     decode_tok_s=r.decode_tok_s, gen_tokens=r.gen_tokens,
+                     measure_s=r.measure_s, decode_samples=list(r.decode_samples)))
+  return out
+
+
+def load_rows(path: str) -> tuple[list[Row], dict]:
+  """(rows, info) an earlier call saved at `path` (none where there is no file)."""
+  if not os.path.exists(path):
+    return [], {}
+  with open(path) as f:
+    saved = json.load(f)
+  return [Row(**r) for r in saved["rows"]], saved.get("info", {})
+
+
+def main(args) -> str:
+  t_start = time.time()
+  log = lambda s: print(s, flush=True)
+  models = cache_report.parse_models(args.models)
+  budgets = cache_report.parse_budgets(args.budgets)
+  arms = cache_report.parse_arms(args.arms)
+  points = cache_report.plan_points(models, budgets, arms)
+  want_llama = "llama" in arms and "realistic" in models
+  ensure_models(args, models, log)
+  llama = offload_llama.find(args.llama_bench) if want_llama else None
+  end = t_start + args.time_limit - 15
+  keep = LLAMA_CALL_S * offload_llama.DECODE_CALLS * len(budgets) if llama else 0
+  frac = offload.pool_fraction(args.device_gb)
+  cmd = [sys.executable, "-m", "benchmarks.cache", "--child", "arms", "--points",
+         json.dumps(points), "--facts", "realistic" if want_llama else "",
+         "--deadline", f"{end - keep:.1f}"]
+  for name in ("realistic", "uniform", "budgets", "prompt", "gen", "temperature", "device_gb"):
+    cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+  err = os.path.join(os.environ.get("OUT", "/tmp"), "cache_child.err")
+  rows, info = [], {}
+  if points or want_llama:
+    ch = Rows(cmd, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}, err, log).wait(end - keep + 10)
+    rows, info = ch.runs, ch.info
+  metas = info.get("meta", {})
+  skipped = list(info.get("skipped", []))
+  notes = []
+  if want_llama and llama and "realistic" in metas:
+    rows += llama_rows(llama, args, metas["realistic"], budgets, end, log)
+  elif want_llama:
+    why = "no llama-bench" if not llama else "the jaxvt child gave no facts of the file"
+    skipped.append(f"llama.cpp ({why})")
+  if args.merge:
+    before, old = load_rows(args.rows)
+    rows = cache_report.merge(rows, before)
+    metas = {**old.get("meta", {}), **metas}
+    if before:
+      notes.append(f"rows marked `earlier call` come from an earlier call of this benchmark on "
+                   f"the same machine ({old.get('date', '?')}), merged with --merge")
+  info = dict(meta=metas, date=report.stamp(), frac=frac)
+  with open(args.rows, "w") as f:
+    json.dump(dict(rows=[dataclasses.asdict(r) for r in rows], info=info), f, indent=1)
+  with contextlib.suppress(OSError):
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "cache_rows.json"), "w") as f:
+      json.dump(dict(rows=[dataclasses.asdict(r) for r in rows], info=info), f, indent=1)
+  meta = dict(metas.get("realistic", {}), frac=frac, llama_gen=args.llama_gen)
+  body = cache_report.render(rows, meta, args, command_of(args), report.machine(), report.stamp(),
+                             time.time() - t_start, skipped, notes)
+  if args.write:
+    report.write_section("cache", body)
+  return body
+
+
+def cli(argv: list[str] | None = None) -> int:
+  """The parent (every arm asked for), or with --child the jaxvt arms in this process."""
+  return run(main, parser(), argv, child=child)
+
+
+if __name__ == "__main__":
+  sys.exit(cli())
