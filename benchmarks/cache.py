@@ -100,7 +100,7 @@ class Session(offload.Session):
     self.plans: dict[tuple, object] = {}
 
   def plan(self, budget, pattern=(), cache_gb=0.0, policy: str = "lru"):
-    """engine.plan at `budget` with `cache_gb` of expert cache (None: what the plan leaves free;
+    """engine.plan at `budget` with `cache_gb` of expert cache ("auto": what the plan leaves free;
     0: none); `auto` as jaxvt.load picks it, from XLA's analysis of the prefill (offload)."""
     key = (budget, tuple(pattern), cache_gb, policy)
     if key not in self.plans:
@@ -161,7 +161,7 @@ class Session(offload.Session):
     eng = None
     try:
       b, pattern = self.point(budget)
-      placed = self.plan(b, pattern, None if policy else 0.0, policy or "lru")
+      placed = self.plan(b, pattern, "auto" if policy else 0.0, policy or "lru")
       ec = placed.expert_cache
       r.host_gib, r.expert_gib = placed.plan.host_bytes / GiB, self.expert_bytes(placed) / GiB
       if policy and ec is None:
@@ -247,8 +247,7 @@ def child(args) -> None:
         meta = dict(model=m, budgets=s.budgets(list(dict.fromkeys(b for _, b, _ in mine))))
       print("META " + json.dumps(meta), flush=True)
       for _, budget, arm in mine:
-        est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0  # a median
-        if time.time() + est > deadline:
+        if offload.too_late(took, deadline):
           print(f"SKIP {m} {budget} {arm}", flush=True)
           continue
         t = time.perf_counter()

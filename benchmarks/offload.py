@@ -288,6 +288,13 @@ def safe_points(facts: dict) -> list[tuple]:
   return [p for p in plan_points(facts["safe"], facts["top"], auto=facts["auto"]) if not p[2]]
 
 
+def too_late(took: list[float], deadline: float) -> bool:
+  """Whether a point as long as the median of the last three (`took`, seconds), and a tenth
+  more, would end past `deadline`."""
+  est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0
+  return time.time() + est > deadline
+
+
 def child(args) -> None:
   """One arm in this process; prints one JSON line per run (RUN), and META / RATES lines."""
   deadline = args.deadline or time.time() + args.time_limit
@@ -316,8 +323,7 @@ def child(args) -> None:
     print(f"SWEEP open {s.open_s:.1f} s; {len(points)} points: {points}", flush=True)
     took: list[float] = []
     for arm, budget, forced in points:
-      est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0  # a median
-      if time.time() + est > deadline:
+      if too_late(took, deadline):
         print(f"SKIP {arm} {budget}", flush=True)
         continue
       t = time.perf_counter()
