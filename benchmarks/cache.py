@@ -49,8 +49,8 @@ from jaxvt.synth_routing import RoutingStats
 
 REALISTIC = "/tmp/jaxvt-qwen36-35b-a3b-realistic.gguf"
 ROWS = "/tmp/jaxvt-bench-cache-rows.json"
-# where the product's default runs no prediction, a flipped arm runs this many predicted experts
-# after a host-tier and after a device layer (the CUDA tuning row's numbers without a cache)
+# where the kernel rule predicts no experts at all, a flipped arm predicts this many after a
+# host-tier and after a device layer (the CUDA tuning row's counts)
 PREDICT_ON = (2, 2)
 LLAMA_CALL_S = 30  # one llama-bench call (load + tg), for the time kept for the llama.cpp arm
 
@@ -106,26 +106,24 @@ class Session(offload.Session):
     if key not in self.plans:
       wo = None
       if budget == "auto" and self.par.size == 1:
-        wo = engine.xla_workspace_of(self.model, self.exec(), self.max_context)
+        wo = engine.xla_workspace_of(self.model, self.exec()[0], self.max_context)
       self.plans[key] = engine.plan(
           self.model, offload_gb=budget, device_gb=self.device_gb, force=True,
           max_context=self.max_context, offload_pattern=pattern, mesh=self.par, workspace_of=wo,
           expert_cache_gb=cache_gb, expert_cache_policy=policy)
     return self.plans[key]
 
-  def exec(self, predict: str = "default"):
-    """The Exec of this device; `predict` "off": no predicted-experts ring, "flip": the
-    prediction opposite to the default's (cache_report.flipped)."""
+  def exec(self, predict: str = "default", cached: bool = False):
+    """(The Exec of this device, the prediction it runs: cache_report.predict_plan); `predict`
+    "off": no predicted-experts ring, "flip": the opposite of the default's, with a cache where
+    `cached`."""
     dev = self.par.devices[0]
     ex = engine.exec_for(dev.platform, ffi.available(dev.platform), self.par)
     pr = ex.products
-    host, device = pr.predict_after_host, pr.predict_after_device
-    if predict == "off":
-      host, device = 0, 0
-    elif predict == "flip":
-      host, device = cache_report.flipped(host, device, PREDICT_ON)
-    return dataclasses.replace(ex, products=dataclasses.replace(
-        pr, predict_after_host=host, predict_after_device=device))
+    changes, label = cache_report.predict_plan(
+        pr.predict_after_host, pr.predict_after_device, getattr(pr, "predict_with_cache", None),
+        cached, predict, PREDICT_ON)
+    return dataclasses.replace(ex, products=dataclasses.replace(pr, **changes)), label
 
   def point(self, budget: str) -> tuple:
     """plan's (budget, pattern) of a budget label."""
@@ -169,13 +167,10 @@ class Session(offload.Session):
         return r
       weights = self.weights(placed)
       jax.block_until_ready(weights)
-      eng = engine.Engine(cfg=self.cfg, ex=self.exec(predict), weights=weights,
-                          tokenizer=self.tokenizer, max_context=self.max_context, path=self.path,
-                          plan=placed)
+      ex, r.predict = self.exec(predict, cached=ec is not None)
+      eng = engine.Engine(cfg=self.cfg, ex=ex, weights=weights, tokenizer=self.tokenizer,
+                          max_context=self.max_context, path=self.path, plan=placed)
       r.load_s = time.perf_counter() - t0
-      pr = eng.ex.products
-      on = pr.predict_after_host or pr.predict_after_device
-      r.predict = f"{pr.predict_after_host}/{pr.predict_after_device}" if on else "off"
       if ec is not None:
         r.policy, r.cache_gib = ec.policy, ec.nbytes / GiB
         r.slots, r.cached_layers = ec.slots, len(ec.layers)
@@ -344,6 +339,9 @@ def main(args) -> str:
   want_llama = "llama" in arms and "realistic" in models
   ensure_models(args, models, log)
   llama = offload_llama.find(args.llama_bench) if want_llama else None
+  notes = []
+  if llama and not os.access(llama, os.X_OK):
+    notes.append("llama-bench was being built in the background while the jaxvt arms ran")
   end = t_start + args.time_limit - 15
   keep = LLAMA_CALL_S * offload_llama.DECODE_CALLS * len(budgets) if llama else 0
   frac = offload.pool_fraction(args.device_gb)
@@ -359,7 +357,6 @@ def main(args) -> str:
     rows, info = ch.runs, ch.info
   metas = info.get("meta", {})
   skipped = list(info.get("skipped", []))
-  notes = []
   if want_llama and llama and "realistic" in metas:
     rows += llama_rows(llama, args, metas["realistic"], budgets, end, log)
   elif want_llama:

@@ -146,9 +146,30 @@ def plan_points(models: list[str], budgets: list[str], arms: list[str]) -> list[
   return pts
 
 
-def flipped(host: int, device: int, on: tuple[int, int]) -> tuple[int, int]:
-  """The prediction setting opposite to (host, device): off where either is on, else `on`."""
-  return (0, 0) if host or device else on
+def predict_plan(host: int, device: int, with_cache: bool | None, cached: bool, want: str,
+                 on: tuple[int, int]) -> tuple[dict, str]:
+  """The kernel rule's prediction fields an arm sets, and the prediction it then runs ("H/D":
+  the predicted experts after a host-tier / a device layer, or "off").
+
+  host, device: Products.predict_after_host / predict_after_device of the device's row;
+  with_cache: its predict_with_cache (None where the rule has no such field: prediction runs
+  beside a cache as without one); cached: the arm has a cache. want: "default" (as the row
+  says), "off" (no prediction), "flip" (off where the default predicts; else on: `on`'s counts
+  where the row has none, and predict_with_cache where a cache turned it off)."""
+  def runs(h, d, wc) -> bool:
+    return bool(h or d) and (not cached or wc is None or wc)
+
+  changes = {}
+  if want == "off" or (want == "flip" and runs(host, device, with_cache)):
+    changes = dict(predict_after_host=0, predict_after_device=0)
+  elif want == "flip":
+    if not (host or device):
+      changes.update(predict_after_host=on[0], predict_after_device=on[1])
+    if cached and with_cache is False:
+      changes["predict_with_cache"] = True
+  h = changes.get("predict_after_host", host)
+  d = changes.get("predict_after_device", device)
+  return changes, f"{h}/{d}" if runs(h, d, changes.get("predict_with_cache", with_cache)) else "off"
 
 
 def llama_configs(meta: dict, budgets: list[str], configs, has_ncmoe: bool) -> list[tuple]:
@@ -328,7 +349,6 @@ def table(rows: list[Row]) -> list[str]:
 def render(rows: list[Row], meta: dict, args, command: str, machine: str, date: str,
            total_s: float, skipped: list[str] = (), notes: list[str] = ()) -> str:
   """The `cache` section: command, machine, date, setup, the table, goals and the prediction."""
-  rates = meta.get("rates", {})
   lines = [
       "## Expert cache: routed experts of host-tier layers cached in spare device memory\n",
       f"Command: `{command}` ({total_s:.0f} s in all; on the "
@@ -352,9 +372,7 @@ def render(rows: list[Row], meta: dict, args, command: str, machine: str, date: 
       "host MB/tok is the plan's. x off: decode against the same file and budget's `off`. "
       f"llama.cpp: llama-bench tg{meta.get('llama_gen', '?')} (-r 2), the median of "
       "separate calls, with the same bytes of routed experts on the CPU (--n-cpu-moe N: N "
-      "layers' experts nearest jaxvt's host-tier experts at that budget)" +
-      (f"; same run: DMA host->device {rates['dma']:.1f} GB/s" if rates.get("dma") else "") +
-      ".\n", *table(rows)]
+      "layers' experts nearest jaxvt's host-tier experts at that budget).\n", *table(rows)]
   if skipped:
     lines.append(f"\nNot run (time limit, or not asked for): {', '.join(skipped)}.")
   lines += [f"\nNote: {n}." for n in notes]

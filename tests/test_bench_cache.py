@@ -54,10 +54,22 @@ def test_points_most_telling_first():
   assert plan_points(["realistic"], ["7"], ["llama"]) == []
 
 
-def test_flipped_prediction():
-  assert cache_report.flipped(2, 2, (2, 2)) == (0, 0)
-  assert cache_report.flipped(0, 3, (2, 2)) == (0, 0)
-  assert cache_report.flipped(0, 0, (2, 1)) == (2, 1)
+def test_predict_plan_flips_what_the_arm_would_run():
+  plan = lambda *a: cache_report.predict_plan(*a, on=(2, 1))
+  assert plan(2, 2, False, False, "default") == ({}, "2/2")
+  assert plan(2, 2, False, True, "default") == ({}, "off")  # the rule turns it off by a cache
+  assert plan(2, 2, None, True, "default") == ({}, "2/2")  # a rule without predict_with_cache
+  assert plan(2, 2, True, True, "default") == ({}, "2/2")
+  off = dict(predict_after_host=0, predict_after_device=0)
+  assert plan(2, 2, False, False, "off") == (off, "off")
+  assert plan(2, 2, False, False, "flip") == (off, "off")
+  assert plan(2, 2, True, True, "flip") == (off, "off")
+  assert plan(2, 2, False, True, "flip") == ({"predict_with_cache": True}, "2/2")
+  assert plan(0, 0, False, True, "flip") == (dict(predict_after_host=2, predict_after_device=1,
+                                                   predict_with_cache=True), "2/1")
+  assert plan(0, 0, None, False, "flip") == (dict(predict_after_host=2, predict_after_device=1),
+                                             "2/1")
+  assert plan(0, 3, None, True, "flip") == (off, "off")
 
 
 # ---- llama.cpp at the same expert bytes ---------------------------------------------------------
