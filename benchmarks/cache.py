@@ -1,4 +1,4 @@
-"""python -m benchmarks.cache: the device-side expert cache on a 35B MoE model in an emulated 16 GiB GPU.
+"""python -m benchmarks.cache: a device-side expert cache, 35B MoE model, emulated 16 GiB GPU.
 
   python -m benchmarks.cache [--models realistic,uniform] [--budgets auto,7,12,experts]
       [--arms cache,predict,llama] [--gen 256] [--time-limit 540] [--merge] [--write]
@@ -156,7 +156,7 @@ class Session(offload.Session):
     policy, predict = ARMS[arm]
     r = Row(model, budget, arm, gen_tokens=self.gen)
     t0 = time.perf_counter()
-    eng = None
+    eng = weights = None
     try:
       b, pattern = self.point(budget)
       placed = self.plan(b, pattern, "auto" if policy else 0.0, policy or "lru")
@@ -196,7 +196,7 @@ class Session(offload.Session):
     finally:  # closed, not left to the collector (offload.Session.measure says why)
       if eng is not None:
         eng.close()
-      del eng
+      del eng, weights  # the cache's device memory goes with the last reference to the weights
       gc.collect()
     return r
 
@@ -220,7 +220,8 @@ def decode(eng, ids: list[int], gen: int, params: SamplingParams, seed: int):
   jax.block_until_ready(out)
   seconds = time.perf_counter() - t
   after = engine.expert_cache_stats(eng.weights)
-  return [first] + np.concatenate([np.asarray(o)[:, 0] for o in out]).tolist(), seconds, before, after
+  toks = [first] + np.concatenate([np.asarray(o)[:, 0] for o in out]).tolist()
+  return toks, seconds, before, after
 
 
 def child(args) -> None:

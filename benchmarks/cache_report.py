@@ -129,7 +129,8 @@ def parse_models(text: str) -> list[str]:
   return [m for m in MODELS if m in out]
 
 
-def plan_points(models: list[str], budgets: list[str], arms: list[str]) -> list[tuple[str, str, str]]:
+def plan_points(models: list[str], budgets: list[str],
+                arms: list[str]) -> list[tuple[str, str, str]]:
   """(model, budget, arm) of the jaxvt arms in run order, most telling first: the realistic file
   at 7 GiB (the cache arms, then the prediction arms), its other budgets' cache arms in the
   order given, then the uniform file at 7 GiB (cache off and LRU)."""

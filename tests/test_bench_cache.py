@@ -131,7 +131,7 @@ def test_llama_rows_one_per_budget(monkeypatch, tmp_path):
   assert len(failed) == 1 and "exit 1" in failed[0].note and failed[0].arm == LLAMA
 
 
-# ---- verdicts and the section ---------------------------------------------------------------------
+# ---- verdicts and the section --------------------------------------------------------------------
 
 def _row(model, budget, arm, tok_s, cache_gib=None, **kw):
   policy = cache_report.ARMS[arm][0] if arm in cache_report.ARMS else ""
@@ -231,7 +231,8 @@ def test_render_the_section():
   args = types.SimpleNamespace(time_limit=540, device_gb=16.0, gen=256, prompt=16,
                                temperature=1.0)
   body = cache_report.render(rows, {"frac": "0.1167", "llama_gen": 128}, args,
-                             "python -m benchmarks.cache --time-limit 540", "gpu:H200", "2026-12-04",
+                             "python -m benchmarks.cache --time-limit 540", "gpu:H200",
+                             "2026-12-04",
                              500.0, ["realistic 12 lfru"], ["a note"])
   assert body.startswith("## Expert cache")
   assert "Command: `python -m benchmarks.cache --time-limit 540` (500 s in all" in body
@@ -256,7 +257,7 @@ def test_merge_keeps_this_calls_rows_and_marks_the_earlier():
                                                                (LLAMA, 0.0, True)]
 
 
-# ---- the parent, its child faked -------------------------------------------------------------------
+# ---- the parent, its child faked -----------------------------------------------------------------
 
 def test_main_runs_the_child_then_llama_and_merges(tmp_path, monkeypatch):
   from benchmarks import cache, report
@@ -308,7 +309,7 @@ def test_main_runs_the_child_then_llama_and_merges(tmp_path, monkeypatch):
   assert "llama.cpp" in body and "1.667x" not in body.split("Goals")[0]
 
 
-# ---- the child's arms, end to end --------------------------------------------------------------------
+# ---- the child's arms, end to end ----------------------------------------------------------------
 
 def test_child_arms_end_to_end(tmp_path, capsys, monkeypatch):
   """Cache off and LRU with every routed expert of a tiny MoE file in the host tier: the cached

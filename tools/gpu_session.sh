@@ -31,8 +31,8 @@
 # TESTS (test files for `tests`), AUTO_GB (auto's budget on the 16 GiB card for `profile`,
 # which takes GiB, not "auto"; default 3.78). `cache`: CACHE_S (its --time-limit, default 540,
 # which covers writing the two 19 GiB files on a fresh machine), CACHE_ARMS, CACHE_BUDGETS,
-# CACHE_MODELS (its --arms, --budgets, --models), CACHE_MERGE=1 (--merge: this call's rows and
-# an earlier call's on the same machine, for the work split over two calls).
+# CACHE_MODELS, CACHE_ROWS (its --arms, --budgets, --models, --rows), CACHE_MERGE=1 (--merge:
+# this call's rows and an earlier call's, for the work split over two calls).
 set -uo pipefail
 what=${1:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -131,8 +131,10 @@ case "$what" in
       --time-limit ${SERVE_S:-500} 2>&1 | tee "$OUT/serve.txt" | tail -40 ;;
   cache)
     start_llama  # the llama.cpp arms run last and wait for a build in progress
-    python3 -m benchmarks.cache --time-limit ${CACHE_S:-540} --arms ${CACHE_ARMS:-cache,predict,llama} \
-      --budgets ${CACHE_BUDGETS:-auto,7,12,experts} --models ${CACHE_MODELS:-realistic,uniform} \
+    python3 -m benchmarks.cache --time-limit ${CACHE_S:-540} \
+      --arms ${CACHE_ARMS:-cache,predict,llama} --budgets ${CACHE_BUDGETS:-auto,7,12,experts} \
+      --models ${CACHE_MODELS:-realistic,uniform} \
+      --rows ${CACHE_ROWS:-/tmp/jaxvt-bench-cache-rows.json} \
       $([ -n "${CACHE_MERGE:-}" ] && echo --merge) --write 2>&1 | tee "$OUT/cache.txt" | tail -40
     cp /tmp/llama_build.log "$OUT/" 2>/dev/null ;;
   mesh)
