@@ -44,6 +44,13 @@ def define_model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("num_processes", 1, "Several hosts: how many processes (one per host).",
                        flag_values=fv)
   flags.DEFINE_integer("process_id", 0, "Several hosts: this process's index.", flag_values=fv)
+  flags.DEFINE_string("expert_cache_gb", "auto", "GiB of device memory that keeps the routed "
+                      "experts recent tokens used from the host tier, so decode reads them from "
+                      "the device; 'auto' takes what the plan leaves free, 0 turns it off.",
+                      flag_values=fv)
+  flags.DEFINE_enum("expert_cache_policy", "lru", ["lru", "lfru"], "Which experts the expert "
+                    "cache evicts: the least recently used (lru) or the least used lately "
+                    "(lfru: a use count decayed by 1/8 a token).", flag_values=fv)
   flags.DEFINE_boolean("force", False, "Run a budget the planner calls unsafe.", flag_values=fv)
   flags.DEFINE_boolean("deterministic", None, "Compile with XLA's algorithm choices fixed, so every "
                        "run and every --offload-gb gives the same tokens (default: on; "
@@ -83,6 +90,7 @@ def validate_model_flags(F) -> float | str:
   if F.coordinator is None and (F.num_processes != 1 or F.process_id != 0):
     raise JaxvtError("--num-processes / --process-id need --coordinator HOST:PORT")
   inputs.processes(F.num_processes, F.process_id, cli=True)
+  inputs.expert_cache_gb(F.expert_cache_gb, cli=True)
   return offload
 
 
@@ -97,7 +105,8 @@ def load_options(F) -> dict:
   return dict(max_context=F.max_context, offload_gb=inputs.offload_gb(F.offload_gb),
               device_gb=F.device_gb, force=F.force, mesh=F.mesh,
               offload_pattern=tuple(F.offload_pattern), deterministic=deterministic,
-              compile_cache=cache)
+              compile_cache=cache, expert_cache_gb=inputs.expert_cache_gb(F.expert_cache_gb),
+              expert_cache_policy=F.expert_cache_policy)
 
 
 class Bar:

@@ -43,7 +43,7 @@ from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_
                              first_token_fn, prefill_chunks, prefill_fn,
                              xla_workspace_bytes)
 from jaxvt.offload import placement as placement_mod
-from jaxvt.offload import host_tier
+from jaxvt.offload import expert_cache, host_tier
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
 from jaxvt.offload.plan import Policy, parse_overrides
@@ -441,7 +441,8 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
          force: bool = False, device=None, max_context: int = 2048, kernels: bool | None = None,
          offload_pattern: tuple[str, ...] = (), mesh: sharding.Sizes | None = None,
          prefill_chunk: int = PREFILL_CHUNK,
-         workspace_of: Callable[[object], int | None] | None = None) -> Placed:
+         workspace_of: Callable[[object], int | None] | None = None,
+         expert_cache_gb: float | str | None = "auto", expert_cache_policy: str = "lru") -> Placed:
   """Where each of `model`'s weights goes, checked against the device's memory (JaxvtError for
   a plan that does not fit, unless `force`). `offload_gb`: GiB of weights for the host tier, or
   "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
@@ -452,7 +453,9 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
   `prefill_chunk`: tokens per prefill call (capped at max_context): the workspace planned for is
   a chunk this long's. `workspace_of(plan)` (plan_workspace_bytes): XLA's workspace of a
   candidate plan's program, which replaces the estimate where memory is planned tight
-  (Placed.settle)."""
+  (Placed.settle). `expert_cache_gb`: device memory for the expert cache, which keeps recently
+  used host-tier routed experts on the device ("auto" or None: what the plan leaves free; 0:
+  none; jaxvt.offload.expert_cache); `expert_cache_policy`: "lru" or "lfru"."""
   if prefill_chunk < 1:
     raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
   device = device or jax.devices()[0]
@@ -466,7 +469,8 @@ def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None
       cfg, model.decls, units, offload_gb=offload_gb, device_gb=device_gb, force=force,
       device=device, max_context=max_context, kernels=kernels,
       policy=Policy(overrides=parse_overrides(offload_pattern)), host_copies=copies, devices=n,
-      prefill_chunk=prefill_chunk, workspace_of=workspace_of)
+      prefill_chunk=prefill_chunk, workspace_of=workspace_of, expert_cache_gb=expert_cache_gb,
+      expert_cache_policy=expert_cache_policy)
 
 
 def place(model: Model, placed: Placed, par: Par, *, host=None,
@@ -479,7 +483,15 @@ def place(model: Model, placed: Placed, par: Par, *, host=None,
                          times=times, staging=host_tier.staging_for)
   if host is not None:
     host.register_tables(weights)
+  if placed.expert_cache is not None:
+    weights = expert_cache.attach(weights, placed.expert_cache, par)
   return weights
+
+
+def expert_cache_stats(weights: dict) -> expert_cache.CacheStats | None:
+  """The expert cache's counters (hits, misses and their bytes since it was made) of weights
+  from `place`; None without a cache."""
+  return expert_cache.stats(weights)
 
 
 def _file_tokenizer(m: Model, given: Tokenizer | None = None) -> Tokenizer:
@@ -500,7 +512,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
          mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK, deterministic: bool = True,
          compile_cache: bool | str | None = None,
          while_loading: Callable[[Engine], object] | None = None,
-         tokenizer: Tokenizer | None = None) -> Engine:
+         tokenizer: Tokenizer | None = None, expert_cache_gb: float | str | None = "auto",
+         expert_cache_policy: str = "lru") -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
@@ -518,11 +531,13 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   warmed); running the model there fails. On a mesh of several devices it runs after the
   weights are placed. `tokenizer`: one built from this very file (its GGUFFile.identity; the
   CLI builds it before JAX starts), taken instead of building another; JaxvtError if it is
-  another file's, or the file changed since."""
+  another file's, or the file changed since. `expert_cache_gb`, `expert_cache_policy`: as for
+  `plan` (on_plan may resize the cache: Placed.with_expert_cache)."""
   t0 = time.perf_counter()
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
   device_gb = inputs.device_gb(device_gb)
+  expert_cache_gb = inputs.expert_cache_gb(expert_cache_gb)
   programs.use_compile_cache(programs.cache_root(compile_cache, os.environ),
                              programs.env_flag(os.environ, "JAXVT_EXPORT_STORE"))
   m = open_model(model)
@@ -548,7 +563,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
                   max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
                   mesh=par, prefill_chunk=prefill_chunk,
-                  workspace_of=workspace_of if par.size == 1 else None)
+                  workspace_of=workspace_of if par.size == 1 else None,
+                  expert_cache_gb=expert_cache_gb, expert_cache_policy=expert_cache_policy)
     if on_plan:
       on_plan(placed)
     host_tier = HostTier() if placed.host_bytes else None
@@ -560,7 +576,11 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       if overlap:  # compile on this thread while loader threads place the weights
         job = loader.Placing(placing)
         try:
-          early = Engine(cfg=cfg, ex=ex, weights=loader.abstract_weights(m, placed.placement, par),
+          shapes = loader.abstract_weights(m, placed.placement, par)
+          if placed.expert_cache is not None:
+            shapes[expert_cache.CACHE] = expert_cache.abstract_tables(placed.expert_cache,
+                                                                      cfg.n_layers, par)
+          early = Engine(cfg=cfg, ex=ex, weights=shapes,
                          tokenizer=tokenizer, max_context=max_context, path=m.path,
                          prefill_chunk=placed.shape.prefill_chunk)
           while_loading(early)

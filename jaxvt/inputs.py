@@ -32,7 +32,8 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6  # float32 logits / t stay finite i
 FLAGS = {"max_tokens": "--max-tokens", "max_context": "--max-context", "temperature":
          "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "offload_gb": "--offload-gb", "device_gb": "--device-gb", "num_processes":
-         "--num-processes", "process_id": "--process-id", "prompt": "--prompt"}
+         "--num-processes", "process_id": "--process-id", "prompt": "--prompt",
+         "expert_cache_gb": "--expert-cache-gb"}
 
 
 def _label(name: str, cli: bool) -> str:
@@ -113,7 +114,7 @@ def top_k_for(top_k: int, vocab: int) -> int:
   return 0 if top_k >= vocab else top_k
 
 
-def offload_gb(value: Any, cli: bool = False) -> float | str:
+def offload_gb(value: Any, cli: bool = False, name: str = "offload_gb") -> float | str:
   """'auto', or GiB in [0, MAX_GIB] (a string such as "7" or "auto" from the command line)."""
   if isinstance(value, str):
     s = value.strip()
@@ -122,9 +123,14 @@ def offload_gb(value: Any, cli: bool = False) -> float | str:
     try:
       value = float(s)
     except ValueError:
-      raise JaxvtError(f"{_label('offload_gb', cli)} takes a number of GiB or 'auto' "
+      raise JaxvtError(f"{_label(name, cli)} takes a number of GiB or 'auto' "
                        f"(got {_show(s)})") from None
-  return number("offload_gb", value, lo=0.0, hi=MAX_GIB, cli=cli)
+  return number(name, value, lo=0.0, hi=MAX_GIB, cli=cli)
+
+
+def expert_cache_gb(value: Any, cli: bool = False) -> float | str:
+  """The expert cache's size: 'auto' (None too), or GiB in [0, MAX_GIB] (0: no cache)."""
+  return "auto" if value is None else offload_gb(value, cli, "expert_cache_gb")
 
 
 def device_gb(value: Any, cli: bool = False) -> float | None:

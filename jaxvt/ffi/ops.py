@@ -276,22 +276,29 @@ def qmatmul_ref(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Arra
 
 
 @functools.cache
-def _experts_call(rows: int, cols: int, experts: int, act_bytes: int):
-  def call(x, data, table, fmts, layer, ids, *ring):  # ring: () or a decode expert ring
+def _experts_call(rows: int, cols: int, experts: int, act_bytes: int, cslot: int | None = None):
+  """cslot None: the plain call (operands end with the ring, if any); else the expert cache's
+  (where, ctab, then the ring), a slot of `cslot` bytes."""
+  suffix = "" if cslot is None else "_cached"
+
+  def call(x, data, table, fmts, layer, ids, *rest):  # rest: [where, ctab,] and () or a ring
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
     attrs = dict(rows=np.int64(rows), cols=np.int64(cols), experts=np.int64(experts))
+    if cslot is not None:
+      attrs["cslot"] = np.int64(cslot)
     if act_bytes == 0:
-      return jax.ffi.ffi_call("jaxvt_qmatmul_experts", out)(x, data, table, fmts, layer, ids,
-                                                            *ring, **attrs)
+      return jax.ffi.ffi_call("jaxvt_qmatmul_experts" + suffix, out)(
+          x, data, table, fmts, layer, ids, *rest, **attrs)
     scratch = jax.ShapeDtypeStruct((x.size // cols, act_bytes), jnp.uint8)
-    return jax.ffi.ffi_call("jaxvt_qmatmul_experts_q8", (out, scratch))(
-        x, data, table, fmts, layer, ids, *ring, **attrs)[0]
+    return jax.ffi.ffi_call(f"jaxvt_qmatmul_experts{suffix}_q8", (out, scratch))(
+        x, data, table, fmts, layer, ids, *rest, **attrs)[0]
 
   return _vmappable(call, lambda *a: None)
 
 
 def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
-                    mode: str = "ggml", ring: jax.Array | None = None) -> jax.Array:
+                    mode: str = "ggml", ring: jax.Array | None = None,
+                    cache: tuple | None = None) -> jax.Array:
   """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows].
 
   out[t, j] = W[layer, ids[t, j]] @ (x[t] or x[t, j]); only routed experts' bytes are read, each
@@ -299,6 +306,9 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   it; a negative id routes its slot nowhere: out[t, j] = 0 and nothing is read for it (a sharded
   MoE marks the slots of other devices' experts so). ring: a decode expert ring
   (prefetch.fetch_experts): the experts it holds for `layer` are read from it (the same bytes).
+  cache: (where int32 [T, k], ctab, cslot), the expert cache's decisions for this call and the
+  stack's table (jaxvt.ffi.expert_cache): hits are read from the cache, fills written to it
+  (the same bytes).
   """
   _check(w, "qmatmul_experts", experts=True)
   m = w.meta
@@ -306,8 +316,9 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   ids = _ids(ids)
   _check_x_ids(x, ids, m.cols, "qmatmul_experts")
   act = _act_bytes(w) if numerics.integer_products(_mode(mode)) else 0
-  return _experts_call(m.rows, m.cols, m.experts, act)(x, w.data, w.table, w.fmts, _layer(layer),
-                                                       ids, *_rings(ring))
+  extra = () if cache is None else (cache[0].reshape(ids.shape), cache[1])
+  return _experts_call(m.rows, m.cols, m.experts, act, None if cache is None else cache[2])(
+      x, w.data, w.table, w.fmts, _layer(layer), ids, *extra, *_rings(ring))
 
 
 def _rings(*rings) -> tuple:  # an experts call's ring operands: none, or every one given
@@ -315,32 +326,47 @@ def _rings(*rings) -> tuple:  # an experts call's ring operands: none, or every 
 
 
 @functools.cache
-def _experts2_call(rows: int, cols: int, experts: int, acts: tuple[int, int] | None):
+def _experts2_call(rows: int, cols: int, experts: int, acts: tuple[int, int] | None,
+                   cslots: tuple[int, int] | None = None):
   """(fused GPU call, separate calls); acts: the two stacks' activation scratch bytes under
-  ggml's arithmetic (None: float32)."""
-  def fused(x, d0, t0, f0, d1, t1, f1, layer, ids, *rings):
+  ggml's arithmetic (None: float32); cslots: the expert cache's slot bytes of the two stacks
+  (None: no cache; else the operands after ids are where, ctab0, ctab1, then the rings)."""
+  def fused(x, d0, t0, f0, d1, t1, f1, layer, ids, *rest):
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
-    return jax.ffi.ffi_call("jaxvt_qmatmul_experts2", (out, out))(
-        x, d0, t0, f0, d1, t1, f1, layer, ids, *rings, rows=np.int64(rows), cols=np.int64(cols),
-        experts=np.int64(experts), ggml=np.int64(acts is not None))
+    attrs = dict(rows=np.int64(rows), cols=np.int64(cols), experts=np.int64(experts),
+                 ggml=np.int64(acts is not None))
+    name = "jaxvt_qmatmul_experts2"
+    if cslots is not None:
+      name += "_cached"
+      attrs.update(cslot0=np.int64(cslots[0]), cslot1=np.int64(cslots[1]))
+    return jax.ffi.ffi_call(name, (out, out))(x, d0, t0, f0, d1, t1, f1, layer, ids, *rest,
+                                              **attrs)
 
-  def separate(x, d0, t0, f0, d1, t1, f1, layer, ids, *rings):
+  def separate(x, d0, t0, f0, d1, t1, f1, layer, ids, *rest):
     a0, a1 = acts if acts is not None else (0, 0)
-    r0, r1 = (rings[:1], rings[1:]) if rings else ((), ())
-    return (_experts_call(rows, cols, experts, a0)(x, d0, t0, f0, layer, ids, *r0),
-            _experts_call(rows, cols, experts, a1)(x, d1, t1, f1, layer, ids, *r1))
+    c0 = c1 = None
+    if cslots is not None:
+      (where, ct0, ct1), rest = rest[:3], rest[3:]
+      c0, c1 = cslots
+    r0, r1 = (rest[:1], rest[1:]) if rest else ((), ())
+    e0 = () if cslots is None else (where, ct0)
+    e1 = () if cslots is None else (where, ct1)
+    return (_experts_call(rows, cols, experts, a0, c0)(x, d0, t0, f0, layer, ids, *e0, *r0),
+            _experts_call(rows, cols, experts, a1, c1)(x, d1, t1, f1, layer, ids, *e1, *r1))
 
   return fused, separate
 
 
 def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Array,
-                     mode: str = "ggml", rings=(None, None)) -> tuple[jax.Array, jax.Array]:
+                     mode: str = "ggml", rings=(None, None),
+                     caches=(None, None)) -> tuple[jax.Array, jax.Array]:
   """(qmatmul_experts(x, w0, ...), qmatmul_experts(x, w1, ...)) for two expert stacks of one shape
   (a MoE's gate and up): one launch on a GPU ("f32" or "q8"), with the same bits as two. rings:
-  the two stacks' decode expert rings (both or neither)."""
+  the two stacks' decode expert rings (both or neither); caches: their expert cache operands
+  (both or neither, one `where`)."""
   if _mode(mode) == "ggml":  # the CPU's mode: separate calls
-    return (qmatmul_experts(x, w0, layer, ids, mode, rings[0]),
-            qmatmul_experts(x, w1, layer, ids, mode, rings[1]))
+    return (qmatmul_experts(x, w0, layer, ids, mode, rings[0], caches[0]),
+            qmatmul_experts(x, w1, layer, ids, mode, rings[1], caches[1]))
   _check(w0, "qmatmul_experts2", experts=True)
   _check(w1, "qmatmul_experts2", experts=True)
   if w0.shape != w1.shape:
@@ -350,8 +376,11 @@ def qmatmul_experts2(x: jax.Array, w0: QWeight, w1: QWeight, layer, ids: jax.Arr
   ids = _ids(ids)
   _check_x_ids(x, ids, m.cols, "qmatmul_experts2")
   acts = (_act_bytes(w0), _act_bytes(w1)) if numerics.integer_products(mode) else None
-  fused, separate = _experts2_call(m.rows, m.cols, m.experts, acts)
-  args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids,
+  cached = caches[0] is not None
+  fused, separate = _experts2_call(m.rows, m.cols, m.experts, acts,
+                                   (caches[0][2], caches[1][2]) if cached else None)
+  extra = (caches[0][0].reshape(ids.shape), caches[0][1], caches[1][1]) if cached else ()
+  args = (x, w0.data, w0.table, w0.fmts, w1.data, w1.table, w1.fmts, _layer(layer), ids, *extra,
           *_rings(*rings))
   if _ffi.available("cpu"):
     return jax.lax.platform_dependent(*args, cpu=separate, default=fused)
@@ -382,17 +411,23 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
 
 
 def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None,
-         rings=None):
+         rings=None, cache=None):
   """on_read(stage, out): sees the output of the products that read gate and up ("gate_up", the
   activation h) and of the one that reads down ("down"): prefetch orders a ring's next copy after
-  the ring's last reader. rings: decode expert rings of the three stacks (kernels only)."""
+  the ring's last reader. rings: decode expert rings of the three stacks; cache: the expert
+  cache's operands of the three stacks (expert_cache.CacheTables.operands; kernels only)."""
   x = jnp.asarray(x, jnp.float32)
-  kw = (lambda k: {"ring": rings.get(k)}) if rings else (lambda k: {})  # only mm that take one
+
+  def kw(k):  # only mm that take them
+    return {**({"ring": rings.get(k)} if rings else {}),
+            **({"cache": cache[k]} if cache else {})}
+
   if mm2 is None:
     g, u = mm(x, w_gate, layer, ids, mode, **kw("gate")), mm(x, w_up, layer, ids, mode, **kw("up"))
   else:
     g, u = mm2(x, w_gate, w_up, layer, ids, mode,
-               **({"rings": (rings.get("gate"), rings.get("up"))} if rings else {}))
+               **({"rings": (rings.get("gate"), rings.get("up"))} if rings else {}),
+               **({"caches": (cache["gate"], cache["up"])} if cache else {}))
   h = silu_mul(g, u, mode)  # [T, k, ffn]
   if on_read is not None:
     on_read("gate_up", h)
@@ -403,14 +438,16 @@ def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_re
 
 
 def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
-                mode: str = "ggml", on_read=None, rings=None):
+                mode: str = "ggml", on_read=None, rings=None, cache=None):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once.
   on_read(stage, out): sees the products' outputs, gate/up's then down's (see _moe; for
   jaxvt.model.moe's prefetch). rings: {"gate", "up", "down"} decode expert rings
-  (prefetch.fetch_experts): experts they hold for `layer` are read from them, the same bytes."""
+  (prefetch.fetch_experts): experts they hold for `layer` are read from them, the same bytes.
+  cache: {"gate", "up", "down"}: (where, ctab, cslot) each (jaxvt.ffi.expert_cache): the
+  expert cache's hits read from it, its fills written to it, the same bytes."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
-              qmatmul_experts2, on_read, rings)
+              qmatmul_experts2, on_read, rings, cache)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,

@@ -50,7 +50,8 @@ class Products:
   with predict_blocks blocks an expert (0: the extension's default). predict_scale > 0: the
   counts are for a layer with that many routed stacks in the host tier; one with k of them gets
   count * predict_scale / k (at most 8), copied by proportionally fewer blocks, decided per layer
-  on the device.
+  on the device. predict_with_cache: whether decode still predicts where the weights carry an
+  expert cache (jaxvt.offload.expert_cache), which holds the experts recent tokens used.
   """
 
   tiled_rows: int = 0
@@ -68,6 +69,7 @@ class Products:
   predict_inline: bool = False
   predict_blocks: int = 0
   predict_scale: int = 0
+  predict_with_cache: bool = False
 
   def predicted_ids(self) -> int:
     """How many of the next layer's likeliest experts a decode fetch is given: the most any

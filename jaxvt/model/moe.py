@@ -68,8 +68,8 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None,
       ids, wts = local_experts(ids, wts, w["moe.w_gate"].meta.experts)
   with jax.named_scope("experts"):
     routed = ex.backend.experts(ex, b * t, cfg.n_experts_used, cfg.n_experts)
-    views, kw, layer = sched.experts(state, w, li, slot) if sched else ({n: w[n] for n in ROUTED},
-                                                                         {}, None)
+    views, kw, layer = (sched.experts(state, w, li, slot, ids) if sched else
+                        ({n: w[n] for n in ROUTED}, {}, None))
     (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
     y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
     if sched:

@@ -249,15 +249,17 @@ def _specs(cfg: ModelConfig, mesh: Sizes) -> dict:
 
 
 def _weight_specs(weights: dict, specs: dict) -> dict:
-  """The in_specs pytree of `weights` (a QWeight's three arrays share its spec)."""
+  """The in_specs pytree of `weights` (a QWeight's three arrays share its spec; what no
+  declaration names, the expert cache's address tables, is replicated)."""
   return {k: dataclasses.replace(w, data=specs[k], table=specs[k], fmts=specs[k])
-          if isinstance(w, QWeight) else specs[k] for k, w in weights.items()}
+          if isinstance(w, QWeight) else specs.get(k, P()) for k, w in weights.items()}
 
 
 def _local(weights: dict, specs: dict) -> dict:
   """Inside shard_map: drop each sharded QWeight's leading shard axis (size 1 on a device)."""
   return {k: dataclasses.replace(w, data=w.data[0], table=w.table[0], fmts=w.fmts[0])
-          if isinstance(w, QWeight) and specs[k] != P() else w for k, w in weights.items()}
+          if isinstance(w, QWeight) and specs.get(k, P()) != P() else w
+          for k, w in weights.items()}
 
 
 CACHE_SPECS = {"k": P(None, None, None, TP), "v": P(None, None, None, TP),

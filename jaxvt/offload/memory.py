@@ -142,7 +142,8 @@ def estimate_workspace_bytes(cfg: ModelConfig, shape: RunShape) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Breakdown:
-  """Device memory in bytes; `weights + kv_cache + state + workspace + slack + free == capacity`."""
+  """Device memory in bytes; `weights + kv_cache + state + workspace + expert_cache + slack +
+  free == capacity`."""
   capacity: int
   weights: int
   kv_cache: int
@@ -150,11 +151,13 @@ class Breakdown:
   workspace: int
   slack: int
   workspace_source: str  # "XLA memory analysis" | "estimate"
+  expert_cache: int = 0  # the device expert cache (jaxvt.offload.expert_cache): what was free
 
   @property
   def headroom(self) -> int:
     """Capacity minus everything allocated (may be negative)."""
-    return self.capacity - self.weights - self.kv_cache - self.state - self.workspace
+    return (self.capacity - self.weights - self.kv_cache - self.state - self.workspace
+            - self.expert_cache)
 
   @property
   def free(self) -> int:

@@ -16,6 +16,7 @@ import jax
 from jaxvt.errors import JaxvtError
 from jaxvt.model.config import ModelConfig
 from jaxvt.offload import cost, memory, probe, report
+from jaxvt.offload.expert_cache import CachePlan, cache_plan
 from jaxvt.offload.plan import DEVICE, GiB, HOST, Plan, Policy, ceil_gib, plan
 
 
@@ -32,13 +33,48 @@ class Placed:
   devices: int = 1  # > 1: a mesh; the plan, its budget and its bytes are per device
   cfg: ModelConfig | None = None  # what the plan was checked for (one device's, on a mesh)
   shape: memory.RunShape | None = None
+  expert_cache: CachePlan | None = None  # the device expert cache, in breakdown.expert_cache
+
+  def with_expert_cache(self, gb: float | str | None = "auto", policy: str = "lru",
+                        force: bool = False) -> "Placed":
+    """Gives the device expert cache `gb` GiB (None or "auto": what the plan leaves free beyond
+    the slack; 0: no cache) and returns self. The cache holds host-tier routed experts, so a
+    plan without any, or on a mesh, gets none (an explicit size there is a JaxvtError)."""
+    self.breakdown = dataclasses.replace(self.breakdown, expert_cache=0)
+    self.expert_cache = None
+    auto = gb is None or gb == "auto"
+    want = 0 if auto else int(float(gb) * GiB)
+    if not auto and want < 0:
+      raise JaxvtError(f"--expert-cache-gb {gb} must be 0 or more (0: no expert cache)")
+    if not auto and want == 0:
+      return self
+    free = max(0, self.breakdown.free)
+    if self.devices > 1:
+      if auto:
+        return self
+      raise JaxvtError("the expert cache runs on one device; pass --expert-cache-gb 0 with "
+                       "--mesh")
+    if not auto and want > free and not force:
+      raise JaxvtError(f"--expert-cache-gb {float(gb):g} does not fit: {free / GiB:.2f} GiB is "
+                       "free beside the plan; lower it or raise --offload-gb")
+    cfg = self.cfg
+    cp = cache_plan(self.plan, cfg.n_experts if cfg else 0, free if auto else want, policy,
+                    cfg.n_experts_used if cfg else 1)
+    if cp is None and not auto and self.plan.host_bytes:
+      raise JaxvtError(f"--expert-cache-gb {float(gb):g} holds fewer experts a layer than a "
+                       "token routes; raise it, or pass 0")
+    if cp is not None:
+      self.expert_cache = cp
+      self.breakdown = dataclasses.replace(self.breakdown, expert_cache=cp.nbytes)
+    return self
 
   def recheck(self, workspace_bytes: int, force: bool = False) -> None:
     """Checks the plan again with XLA's compiled workspace in place of the estimate (raises
     JaxvtError, naming the smallest safe budget, when the headroom falls under the slack and
     not `force`); the breakdown then says "XLA memory analysis"."""
-    self.breakdown = memory.check(self.plan, self.facts, self.cfg, self.shape, workspace_bytes,
-                                  force=force)
+    bd = memory.check(self.plan, self.facts, self.cfg, self.shape, workspace_bytes, force=force)
+    cp = self.expert_cache
+    self.breakdown = dataclasses.replace(bd, expert_cache=cp.nbytes if cp else 0)
 
   def settle(self, workspace_of: Callable[[Plan], int | None], *, auto: bool,
              force: bool = False, tries: int = 4) -> None:
@@ -118,6 +154,8 @@ class Placed:
           f"{r} {n} ({b / GiB:.2f} GiB)" for r, (n, b) in roles.items()))
     lines.append(f"  device memory: {bd.capacity / GiB:.2f} GiB ({self.facts.source}), "
                  f"headroom {bd.headroom / GiB:.2f} GiB, slack {bd.slack / GiB:.2f} GiB")
+    if self.expert_cache is not None:
+      lines.append("  " + self.expert_cache.describe())
     return "\n".join(lines)
 
   def full_report(self) -> str:
@@ -130,6 +168,8 @@ class Placed:
     each = (f"per device (--mesh {mesh}: {self.devices} devices): the budget, the weights and "
             "the memory below are each device's\n" if self.devices > 1 else "")
     text = f"{self.reason}\n{each}" + self.full_report()
+    if self.expert_cache is not None:
+      text += self.expert_cache.describe() + "\n"
     bd = self.breakdown
     if bd.headroom < bd.slack:
       text += (f"UNSAFE: headroom {bd.headroom / GiB:.2f} GiB is below the slack; "
@@ -154,7 +194,9 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
                     max_context: int = 2048, kernels: bool = True,
                     policy: Policy = Policy(), host_copies=None, devices: int = 1,
                     prefill_chunk: int | None = None,
-                    workspace_of: Callable[[Plan], int | None] | None = None) -> Placed:
+                    workspace_of: Callable[[Plan], int | None] | None = None,
+                    expert_cache_gb: float | str | None = "auto",
+                    expert_cache_policy: str = "lru") -> Placed:
   """Plans `units` (jaxvt.model.declare.UnitBytes) for `device`; raises JaxvtError for unsafe
   plans.
 
@@ -168,7 +210,8 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   `workspace_of(plan)` (engine.plan_workspace_bytes; None: the estimate decides): where memory
   is planned tight (weights offloaded, --device-gb, or less free memory than the workspace
   estimate), XLA's analysis of each candidate plan's own program replaces the estimate and
-  decides, `auto` included (Placed.settle); the estimate's verdict is then provisional."""
+  decides, `auto` included (Placed.settle); the estimate's verdict is then provisional.
+  `expert_cache_gb` / `expert_cache_policy`: the device expert cache (Placed.with_expert_cache)."""
   device = device or jax.devices()[0]
   sizes = {(u.name, u.layer): u.nbytes for u in units}
   facts = _facts(device, device_gb)
@@ -209,6 +252,7 @@ def plan_for_engine(cfg: ModelConfig, decls, units, *, offload_gb: float | str =
   if tight:
     out.settle(workspace_of, auto=auto, force=force)
   need_kernels(out.plan)
+  out.with_expert_cache(expert_cache_gb if kernels else 0, expert_cache_policy, force)
   host_total = out.plan.host_bytes if host_copies is None else sum(
       u.nbytes * host_copies.get(u.unit, 1) for u, k in zip(out.plan.units, out.plan.kinds)
       if k == HOST)

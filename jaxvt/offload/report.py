@@ -32,6 +32,7 @@ def placement_table(plan: Plan) -> list[str]:
 def memory_lines(bd: Breakdown, facts: DeviceFacts) -> list[str]:
   rows = [("weights", bd.weights, ""), ("KV cache", bd.kv_cache, ""),
           ("DeltaNet state", bd.state, ""), ("workspace", bd.workspace, f"({bd.workspace_source})"),
+          *([("expert cache", bd.expert_cache, "")] if bd.expert_cache else []),
           ("slack", bd.slack, ""), ("free", bd.free, "" if bd.fits else "(SHORT: below slack)")]
   out = [f"device memory: {_gib(bd.capacity)} GiB ({facts.source})"]
   for name, n, note in rows:

@@ -11,6 +11,11 @@ would, so the logits do not change:
   l + 1 will likely use; where l + 1 is a host-tier layer its likeliest experts are copied into
   expert rings before it runs (`start_expert_rings`, the router seen one layer on: `next_router`).
 
+With an expert cache in the weights (jaxvt.offload.expert_cache; calls of few routed slots, as
+decode's) each host-tier layer's call first decides which of its experts the cache holds
+(`expert_cache.assign`), and its experts kernels read those from the cache and fill it with the
+others as they read them.
+
 `ExpertSchedule` is what the model calls (through `Exec.schedule`): `begin` before the layer scan
 returns the weights it reads and the state (`Rings`, a pytree carried through the scan), the
 per-layer hooks thread that state, and `end` joins the copies still under way. How much moves is
@@ -25,9 +30,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import prefetch
+from jaxvt.ffi import expert_cache, prefetch
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.moe import route
+from jaxvt.offload.expert_cache import CACHE
 from jaxvt.qweight import QWeight
 
 ROUTED = ("moe.w_gate", "moe.w_up", "moe.w_down")
@@ -65,6 +71,16 @@ def predicted(w: dict, cfg: ModelConfig, ex, n_tokens: int) -> tuple[str, ...]:
       or p.experts(cfg.n_experts_used) != "matvec" or (ex.par is not None and ex.par.size > 1)):
     return ()
   return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
+
+
+def cached(w: dict, cfg: ModelConfig, ex, n_tokens: int) -> bool:
+  """Whether a call of n_tokens tokens reads host-tier routed experts through the expert cache
+  the weights carry: few enough routed slots for the per-slot experts kernels, no layer rings
+  (prefill copies whole layers instead), one device."""
+  slots = n_tokens * cfg.n_experts_used
+  return (CACHE in w and cfg.is_moe and bool(ex.kernels) and slots < expert_cache.MAX_CALL_SLOTS
+          and ex.products.experts(slots) == "matvec" and not prefetched(w, cfg, ex, n_tokens)
+          and (ex.par is None or ex.par.size == 1))
 
 
 def start_expert_rings(w: dict, names: tuple[str, ...], sets: int) -> tuple[dict, ...]:
@@ -132,8 +148,13 @@ class ExpertSchedule:
     (the weights the scan reads, the state it carries). Two sets of expert rings alternate by
     layer where a period's layers are even (a layer's parity is then its place in the period's)."""
     sets = 2 if period % 2 == 0 and ex.products.predict_sets == 2 else 1
+    use_cache = cached(w, cfg, ex, n_tokens)
+    if CACHE in w and not use_cache:  # the call reads the host tier as without a cache
+      w = {k: v for k, v in w.items() if k != CACHE}
+    predict = () if use_cache and not ex.products.predict_with_cache else predicted(
+        w, cfg, ex, n_tokens)
     rings = Rings(start_rings(w, prefetched(w, cfg, ex, n_tokens), ex.products.prefetch_rings),
-                  start_expert_rings(w, predicted(w, cfg, ex, n_tokens), sets))
+                  start_expert_rings(w, predict, sets))
     return (next_router(w) if rings.experts else w), rings
 
   def end(self, x: jax.Array, rings: Rings) -> jax.Array:
@@ -162,10 +183,11 @@ class ExpertSchedule:
                                           scale=p.predict_scale)
     return rings._replace(experts=tuple(sets)), pred
 
-  def experts(self, rings: Rings, w: dict, li, slot: int):
+  def experts(self, rings: Rings, w: dict, li, slot: int, ids):
     """The routed stacks layer `li` reads (a ring's copy where one holds it; waits on the
-    device for that copy) and the experts kernels' extra arguments. Returns (views by name,
-    kwargs, the layer's state for after_experts)."""
+    device for that copy) and the experts kernels' extra arguments (with an expert cache: its
+    decisions for the routed `ids`). Returns (views by name, kwargs, the layer's state for
+    after_experts)."""
     views = {n: w[n] for n in ROUTED}
     lr = dict(rings.layers)
     for n in lr:
@@ -180,6 +202,8 @@ class ExpertSchedule:
     kw = {"on_read": read.__setitem__} if lr or xr else {}
     if xr:
       kw["rings"] = {STAGE[n]: r for n, r in xr.items()}
+    if CACHE in w:
+      kw["cache"] = w[CACHE].operands(expert_cache.assign(ids, li, w[CACHE].stab))
     return views, kw, _Layer(rings._replace(layers=lr), slot, read)
 
   def after_experts(self, layer: _Layer, w: dict, li, pred, ex) -> Rings:

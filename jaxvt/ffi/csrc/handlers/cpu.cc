@@ -10,6 +10,7 @@
 
 #include "common/act.h"
 #include "common/attn.h"
+#include "common/expert_cache.h"
 #include "common/formats.h"
 #include "common/gdn.h"
 #include "common/prefetch.h"
@@ -169,23 +170,45 @@ struct ExpertGroups {
   }
 };
 
-// Where each group's expert of layer `layer` is read: base + e * mat_bytes, or from a decode
-// expert ring (prefetch.h) that holds it, complete, for that layer (ops run in order here, so a
-// fetch's copy is done).
+// The expert cache's operands of a call (expert_cache.h): the decisions, the stack's cache
+// table, a slot's bytes. `where` nullptr: no cache.
+struct CacheArgs {
+  const int32_t* where = nullptr;
+  const uint32_t* ctab = nullptr;
+  int64_t n_layers = 0;
+  int64_t cslot = 0;
+};
+
+// Where each group's expert of layer `layer` is read: base + e * mat_bytes, from the expert
+// cache's slot (a hit; a fill first copies the expert's bytes there, so it reads the slot too), or
+// from a decode expert ring (prefetch.h) that holds it, complete, for that layer (ops run in
+// order here, so a fetch's copy is done). first_slot[g]: a slot of the call routed to group g.
 std::vector<const uint8_t*> ExpertBases(const std::optional<ffi::Buffer<ffi::U8>>& ring,
                                         const ffi::Buffer<ffi::S32>& layer,
-                                        const std::vector<int32_t>& experts, const uint8_t* base,
-                                        int64_t mat_bytes) {
+                                        const std::vector<int32_t>& experts,
+                                        const std::vector<int32_t>& first_slot,
+                                        const uint8_t* base, int64_t mat_bytes,
+                                        const CacheArgs& cache) {
   std::vector<const uint8_t*> out(experts.size());
+  const int32_t l = layer.typed_data()[0];
   const auto* h =
       ring.has_value() && static_cast<int64_t>(ring->element_count()) >= prefetch::kXHeader
           ? reinterpret_cast<const prefetch::XHeader*>(ring->typed_data())
           : nullptr;
+  uint8_t* part = cache.where ? xcache::entry<uint8_t>(cache.ctab, cache.n_layers, l) : nullptr;
   for (size_t g = 0; g < experts.size(); ++g) {
     out[g] = base + static_cast<int64_t>(experts[g]) * mat_bytes;
-    const int j = h ? prefetch::expert_slot(h, layer.typed_data()[0], experts[g]) : -1;
+    const int j = h ? prefetch::expert_slot(h, l, experts[g]) : -1;
     if (j >= 0 && h->tag[j] == h->seq)
       out[g] = ring->typed_data() + prefetch::kXHeader + j * h->slot;
+    const int32_t wj = part ? cache.where[first_slot[g]] : -1;
+    if (wj >= 0) {
+      out[g] = part + wj * cache.cslot;
+    } else if (wj <= -2) {
+      uint8_t* dst = part + (-wj - 2) * cache.cslot;
+      std::memcpy(dst, out[g], static_cast<size_t>(mat_bytes));
+      out[g] = dst;
+    }
   }
   return out;
 }
@@ -199,7 +222,8 @@ template <typename B, typename Assign, typename MakeBatch, typename Gemv>
 ffi::Error RunExperts(const Layer& L, const ffi::Buffer<ffi::S32>& ids,
                       const std::optional<ffi::Buffer<ffi::U8>>& ring,
                       const ffi::Buffer<ffi::S32>& layer, int64_t nx, float* yp, int64_t rows,
-                      int64_t cols, int64_t experts, Assign assign, MakeBatch batch, Gemv gemv) {
+                      int64_t cols, int64_t experts, const CacheArgs& cache, Assign assign,
+                      MakeBatch batch, Gemv gemv) {
   const int64_t S = static_cast<int64_t>(ids.element_count());
   auto id_dims = ids.dimensions();
   const int64_t k = id_dims.size() >= 1 ? id_dims.back() : 1;
@@ -216,7 +240,12 @@ ffi::Error RunExperts(const Layer& L, const ffi::Buffer<ffi::S32>& ids,
   }
   const int64_t per = RowsPerTask(rows, G, mat_bytes, S / std::max<int64_t>(G, 1));
   const int64_t tpg = (rows + per - 1) / per;
-  const auto bases = ExpertBases(ring, layer, eg.expert_of_group, L.base, mat_bytes);
+  if (cache.where && mat_bytes > cache.cslot)
+    return ffi::Error::InvalidArgument("jaxvt: an expert does not fit the expert cache's slot");
+  std::vector<int32_t> first(G);
+  for (int64_t g = 0; g < G; ++g) first[g] = eg.slots[g][0];
+  const auto bases =
+      ExpertBases(ring, layer, eg.expert_of_group, first, L.base, mat_bytes, cache);
   auto task = [&](int64_t t) {
     const int64_t g = t / tpg, c = t % tpg;
     gemv(bases[g], batches[g], c * per, std::min(rows, (c + 1) * per));
@@ -225,12 +254,12 @@ ffi::Error RunExperts(const Layer& L, const ffi::Buffer<ffi::S32>& ids,
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmulExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                               ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
-                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
-                               std::optional<ffi::Buffer<ffi::U8>> ring,
-                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
-                               int64_t rows, int64_t cols, int64_t experts) {
+ffi::Error ExpertsQ8(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data,
+                     const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::S32>& fmts,
+                     const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& ids,
+                     const std::optional<ffi::Buffer<ffi::U8>>& ring, const CacheArgs& cache,
+                     ffi::ResultBuffer<ffi::F32>& y, ffi::ResultBuffer<ffi::U8>& act,
+                     int64_t rows, int64_t cols, int64_t experts) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
@@ -241,7 +270,7 @@ ffi::Error QMatmulExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   std::vector<const uint8_t*> ar(ids.element_count());
   std::vector<float*> yr(ids.element_count());
   return RunExperts<cpu::QBatch>(
-      L, ids, ring, layer, nx, yp, rows, cols, experts,
+      L, ids, ring, layer, nx, yp, rows, cols, experts, cache,
       [&](int64_t p, int32_t s, int64_t xi) {
         ar[p] = xa[xi];
         yr[p] = yp + s * rows;
@@ -255,12 +284,12 @@ ffi::Error QMatmulExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 }
 
 // x: [T, cols] (one row per token) or [T, k, cols] (one per routed slot); ids [T, k].
-ffi::Error QMatmulExpertsCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                             ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
-                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
-                             std::optional<ffi::Buffer<ffi::U8>> ring,
-                             ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
-                             int64_t experts) {
+ffi::Error ExpertsF32(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data,
+                      const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::S32>& fmts,
+                      const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& ids,
+                      const std::optional<ffi::Buffer<ffi::U8>>& ring, const CacheArgs& cache,
+                      ffi::ResultBuffer<ffi::F32>& y, int64_t rows, int64_t cols,
+                      int64_t experts) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
@@ -272,7 +301,7 @@ ffi::Error QMatmulExpertsCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer d
   std::vector<const float*> xr(S), s16(S), s32(S);
   std::vector<float*> yr(S);
   return RunExperts<cpu::Batch>(
-      L, ids, ring, layer, nx, yp, rows, cols, experts,
+      L, ids, ring, layer, nx, yp, rows, cols, experts, cache,
       [&](int64_t p, int32_t s, int64_t xi) {
         xr[p] = xp + xi * cols;
         s16[p] = xs.p16[xi];
@@ -286,6 +315,76 @@ ffi::Error QMatmulExpertsCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer d
       [&](const uint8_t* base, const cpu::Batch& b, int64_t r0, int64_t r1) {
         cpu::gemv_rows(L.fmt, base, cols, b, r0, r1);
       });
+}
+
+ffi::Error QMatmulExpertsCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                             ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             std::optional<ffi::Buffer<ffi::U8>> ring,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
+                             int64_t experts) {
+  return ExpertsF32(x, data, table, fmts, layer, ids, ring, CacheArgs{}, y, rows, cols, experts);
+}
+
+ffi::Error QMatmulExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                               ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                               std::optional<ffi::Buffer<ffi::U8>> ring,
+                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
+                               int64_t rows, int64_t cols, int64_t experts) {
+  return ExpertsQ8(x, data, table, fmts, layer, ids, ring, CacheArgs{}, y, act, rows, cols,
+                   experts);
+}
+
+CacheArgs CacheOf(const ffi::Buffer<ffi::S32>& ids, const ffi::Buffer<ffi::S32>& where,
+                  const ffi::Buffer<ffi::U32>& ctab, int64_t cslot) {
+  if (where.element_count() != ids.element_count()) return CacheArgs{};
+  return CacheArgs{where.typed_data(), ctab.typed_data(),
+                   static_cast<int64_t>(ctab.element_count()) / 2, cslot};
+}
+
+ffi::Error QMatmulExpertsCachedCpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                                   ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                                   ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::U32> ctab,
+                                   std::optional<ffi::Buffer<ffi::U8>> ring,
+                                   ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
+                                   int64_t experts, int64_t cslot) {
+  return ExpertsF32(x, data, table, fmts, layer, ids, ring, CacheOf(ids, where, ctab, cslot), y,
+                    rows, cols, experts);
+}
+
+ffi::Error QMatmulExpertsCachedQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                                     ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                                     ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::U32> ctab,
+                                     std::optional<ffi::Buffer<ffi::U8>> ring,
+                                     ffi::ResultBuffer<ffi::F32> y,
+                                     ffi::ResultBuffer<ffi::U8> act, int64_t rows, int64_t cols,
+                                     int64_t experts, int64_t cslot) {
+  return ExpertsQ8(x, data, table, fmts, layer, ids, ring, CacheOf(ids, where, ctab, cslot), y,
+                   act, rows, cols, experts);
+}
+
+// The expert cache's decision (expert_cache.h: xcache::assign_layer).
+ffi::Error ExpertCacheAssignCpu(NoStream, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> layer,
+                                ffi::Buffer<ffi::U32> stab, ffi::ResultBuffer<ffi::S32> where) {
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  int32_t* wp = where->typed_data();
+  auto* h = xcache::entry<xcache::Header>(stab.typed_data(),
+                                          static_cast<int64_t>(stab.element_count()) / 2,
+                                          layer.typed_data()[0]);
+  if (h == nullptr) {
+    std::fill(wp, wp + n, -1);
+    return ffi::Error::Success();
+  }
+  if (const char* bad = xcache::check_header(h))
+    return ffi::Error::InvalidArgument(std::string("jaxvt expert_cache_assign: ") + bad);
+  if (n > xcache::kMaxCallSlots)
+    return ffi::Error::InvalidArgument("jaxvt expert_cache_assign: at most 1024 routed slots");
+  std::vector<int32_t> scratch(n + 3 * static_cast<int64_t>(h->slots));
+  xcache::assign_layer(h, ids.typed_data(), n, wp, scratch.data());
+  return ffi::Error::Success();
 }
 
 ffi::Error QEmbedCpu(NoStream, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data,

@@ -42,6 +42,15 @@ gpu::WeightArgs WithRing(gpu::WeightArgs w, const std::optional<ffi::Buffer<ffi:
   return w;
 }
 
+// The expert cache's operands (expert_cache.h) on a stack's arguments.
+gpu::WeightArgs WithCache(gpu::WeightArgs w, const ffi::Buffer<ffi::S32>& where,
+                          const ffi::Buffer<ffi::U32>& ctab, int64_t cslot) {
+  w.where = where.typed_data();
+  w.ctab = ctab.typed_data();
+  w.cslot = cslot;
+  return w;
+}
+
 ffi::Error Status(gpuError_t e, const char* op) {
   if (e == gpuSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jaxvt ") + op + ": " + gpuGetErrorString(e));
@@ -106,6 +115,42 @@ ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                  rows, cols, experts, false, "qmatmul_experts");
 }
 
+ffi::Error QMatmulExpertsCachedGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                                   ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                                   ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::U32> ctab,
+                                   std::optional<ffi::Buffer<ffi::U8>> ring,
+                                   ffi::ResultBuffer<ffi::F32> y, int64_t rows, int64_t cols,
+                                   int64_t experts, int64_t cslot) {
+  const auto w = WithCache(WithRing(Weights(data, table, fmts, layer), ring), where, ctab, cslot);
+  return Experts(s, x, w, ids, y->typed_data(), rows, cols, experts, false,
+                 "qmatmul_experts (expert cache)");
+}
+
+ffi::Error QMatmulExpertsCachedQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                                     ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                                     ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::U32> ctab,
+                                     std::optional<ffi::Buffer<ffi::U8>> ring,
+                                     ffi::ResultBuffer<ffi::F32> y,
+                                     ffi::ResultBuffer<ffi::U8> scratch, int64_t rows,
+                                     int64_t cols, int64_t experts, int64_t cslot) {
+  (void)scratch;
+  const auto w = WithCache(WithRing(Weights(data, table, fmts, layer), ring), where, ctab, cslot);
+  return Experts(s, x, w, ids, y->typed_data(), rows, cols, experts, true,
+                 "qmatmul_experts (ggml arithmetic, expert cache)");
+}
+
+ffi::Error ExpertCacheAssignGpu(gpuStream_t s, ffi::Buffer<ffi::S32> ids,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::U32> stab,
+                                ffi::ResultBuffer<ffi::S32> where) {
+  return Status(gpu::launch_expert_cache_assign(
+                    s, ids.typed_data(), static_cast<int64_t>(ids.element_count()),
+                    layer.typed_data(), stab.typed_data(),
+                    static_cast<int64_t>(stab.element_count()) / 2, where->typed_data()),
+                "expert_cache_assign");
+}
+
 // x [B, cols], layer, then (data, table, fmts) per matrix; one result [B, rows_i] per matrix.
 ffi::Error QMatmulMultiGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t cols,
@@ -153,6 +198,28 @@ ffi::Error QMatmulExperts2Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                              ids.typed_data(), slots, k, y0->typed_data(),
                                              y1->typed_data(), rows, cols, experts, ggml != 0),
                 "qmatmul_experts2");
+}
+
+ffi::Error QMatmulExperts2CachedGpu(
+    gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data0, ffi::Buffer<ffi::U32> table0,
+    ffi::Buffer<ffi::S32> fmts0, ffi::AnyBuffer data1, ffi::Buffer<ffi::U32> table1,
+    ffi::Buffer<ffi::S32> fmts1, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+    ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::U32> ctab0, ffi::Buffer<ffi::U32> ctab1,
+    std::optional<ffi::Buffer<ffi::U8>> ring0, std::optional<ffi::Buffer<ffi::U8>> ring1,
+    ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1, int64_t rows, int64_t cols,
+    int64_t experts, int64_t ggml, int64_t cslot0, int64_t cslot1) {
+  const int64_t slots = static_cast<int64_t>(ids.element_count());
+  auto idd = ids.dimensions();
+  const int64_t k = idd.size() >= 1 ? idd.back() : 1;
+  const bool per_slot = static_cast<int64_t>(x.element_count()) / cols == slots;
+  const auto w0 = WithCache(WithRing(Weights(data0, table0, fmts0, layer), ring0), where, ctab0,
+                            cslot0);
+  const auto w1 = WithCache(WithRing(Weights(data1, table1, fmts1, layer), ring1), where, ctab1,
+                            cslot1);
+  return Status(gpu::launch_qmatmul_experts2(s, w0, w1, x.typed_data(), per_slot,
+                                             ids.typed_data(), slots, k, y0->typed_data(),
+                                             y1->typed_data(), rows, cols, experts, ggml != 0),
+                "qmatmul_experts2 (expert cache)");
 }
 
 ffi::Error QEmbedGpu(gpuStream_t s, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data,

@@ -26,6 +26,12 @@ struct WeightArgs {
   // A decode expert ring (prefetch.h, XHeader) holding some experts of some layer, or nullptr:
   // the per-slot experts kernels read an expert the ring holds for this layer from it.
   const uint8_t* ring = nullptr;
+  // The expert cache (common/expert_cache.h): the call's decisions where[slot] and this stack's
+  // cache table (uint32 [L, 2]: the address of the layer's partition, 0 where not cached), each
+  // slot `cslot` bytes. The per-slot experts kernels read hits from the cache and write fills.
+  const int32_t* where = nullptr;
+  const uint32_t* ctab = nullptr;
+  int64_t cslot = 0;
 };
 
 // Routed-expert calls of at most this many slots take the per-slot kernel (decode and short
@@ -82,6 +88,12 @@ gpuError_t launch_qembed(gpuStream_t s, const WeightArgs& w, const int32_t* ids,
 // out = the whole layer (experts x rows x cols, experts >= 1) as bf16 bits.
 gpuError_t launch_qdequant(gpuStream_t s, const WeightArgs& w, uint16_t* out, int64_t rows,
                            int64_t cols, int64_t experts);
+
+// The expert cache's decision for one call (common/expert_cache.h): ids [n] (n <= 1024), the
+// layer (device scalar), stab uint32 [L, 2] (each cached layer's state block) -> where [n].
+gpuError_t launch_expert_cache_assign(gpuStream_t s, const int32_t* ids, int64_t n,
+                                      const int32_t* layer, const uint32_t* stab,
+                                      int64_t n_layers, int32_t* where);
 
 // The MoE router (route.h, kernels_gpu_route.cu): logits [T, E] -> ids [T, k], weights [T, k];
 // E <= route::kMaxExperts, 1 <= k <= E.

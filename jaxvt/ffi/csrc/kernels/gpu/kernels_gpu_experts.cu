@@ -4,6 +4,7 @@
 // its own (decode, short prompts); larger ones read each routed expert once per 4 or 16 slots.
 #include <cstdint>
 
+#include "common/expert_cache.h"
 #include "common/formats.h"
 #include "common/prefetch.h"
 #include "kernels/gpu/kernels_gpu.h"
@@ -166,11 +167,26 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
   LayerRef L;
   const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
-  const uint8_t* base = ring_expert(
-      w.ring, *w.layer, e, L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols));
-  matvec_fmt<1, XM>(L.fmt, base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
-                    static_cast<int64_t>(blockIdx.x) * kWarps + wib,
-                    static_cast<int64_t>(gridDim.x) * kWarps, hold);
+  // The expert cache (expert_cache.h): a hit reads the slot; a fill reads where the expert lives
+  // and writes the slot as it goes. Block-uniform, as ring_expert needs.
+  const uint8_t* part =
+      w.where != nullptr ? xcache::entry<const uint8_t>(w.ctab, w.n_layers, *w.layer) : nullptr;
+  const int32_t wj = part != nullptr ? w.where[s] : -1;
+  const uint8_t* base =
+      wj >= 0 ? part + wj * w.cslot
+              : ring_expert(w.ring, *w.layer, e,
+                            L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols));
+  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
+  if (wj <= -2) {
+    R.mirror = reinterpret_cast<uintptr_t>(part + (-wj - 2) * w.cslot) -
+               reinterpret_cast<uintptr_t>(base);
+    matvec_fmt<1, XM, decltype(hold), true>(L.fmt, base, R, rows, cols,
+                                            smem_slots + wib * kSlotU4, lane, gwarp, nwarps, hold);
+    return;
+  }
+  matvec_fmt<1, XM>(L.fmt, base, R, rows, cols, smem_slots + wib * kSlotU4, lane, gwarp, nwarps,
+                    hold);
 }
 
 template <int XM>
@@ -259,6 +275,8 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
                       float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, bool ggml,
                       const Tuning& t) {
   if (slots <= 0 || rows <= 0) return gpuSuccess;
+  // the expert cache's decisions are the per-slot kernel's (a decode step's few slots)
+  if (w0.where != nullptr && slots > t.slot_max) return gpuErrorInvalidValue;
   // grid.y holds at most 65535 (matrix, slot) pairs: larger calls run in chunks of whole tokens
   // (each chunk is the same product restricted to its slots).
   const int64_t per = (65535 / nmat) / k * k;

@@ -95,6 +95,14 @@ __device__ __forceinline__ const uint8_t* commit(uint4* slot, const Pending& p, 
   return reinterpret_cast<const uint8_t*>(slot) + p.off;
 }
 
+// Writes a committed chunk to dst as well (the expert cache's fill: the bytes the warp just
+// read, to the same offsets of the cache slot; p.off is 0, windows start on 16-byte boundaries).
+__device__ __forceinline__ void mirror_store(uint4* dst, const Pending& p, int lane) {
+#pragma unroll
+  for (int j = 0; j < kLaneU4; ++j)
+    if (lane + 32 * j < p.n) dst[lane + 32 * j] = p.v[j];
+}
+
 // Copies [src, src+len) into the slot at once (no overlap with computation).
 __device__ __forceinline__ const uint8_t* load_chunk(uint4* slot, const uint8_t* src, int64_t len,
                                                      int lane) {
@@ -131,6 +139,7 @@ struct Rows {
   int64_t xs_stride;
   const uint8_t* xq;    // ggml arithmetic: quantized held rows (hold_xq), xq_stride bytes each
   int64_t xq_stride, xq_upad;
+  uintptr_t mirror;     // matvec<..., MR>: the fill's destination minus the weights' address
   __device__ __forceinline__ const float* xrow(int b) const {
     const int64_t r = dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
     return x + r * cols;
@@ -333,12 +342,22 @@ __device__ __forceinline__ uintptr_t ceil16(uintptr_t a) { return (a + 15) & ~ui
 // bytes are on their way while the activations are read and quantized.
 // A16 (Q4_K / Q5_K under ggml's arithmetic): base is 16-byte aligned, so is every k-block, in
 // memory and in the window (lds_32b).
-template <int F, int BT, int XM, class Pro, bool A16 = false>
+// MR: every byte read is also written to base + R.mirror + its offset (the expert cache's fill;
+// base and the destination 16-byte aligned, the matrix a multiple of 16 bytes).
+template <int F, int BT, int XM, class Pro, bool A16 = false, bool MR = false>
 __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps, const Pro& pro) {
   using T = Traits<F>;
   if constexpr (F == kF32) {
     if (cols * 4 > kWin) {
+      if constexpr (MR) {  // these rows are not windowed: the warp copies its rows first
+        const int64_t n16 = cols / 4;
+        for (int64_t r = gwarp; r < rows; r += nwarps) {
+          const uint4* src = reinterpret_cast<const uint4*>(base) + r * n16;
+          uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<uintptr_t>(src) + R.mirror);
+          for (int64_t i = lane; i < n16; i += 32) dst[i] = src[i];
+        }
+      }
       pro(R);
       matvec_f32_rows<BT, XM == 1 || XM == 3>(base, R, rows, cols, lane, gwarp, nwarps);
       return;
@@ -437,6 +456,7 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
       }
     }
     commit(reinterpret_cast<uint4*>(buf), p, lane);
+    if constexpr (MR) mirror_store(reinterpret_cast<uint4*>(cur.wa + R.mirror), p, lane);
     if (next(w)) issue_win(p, w);
     else --inflight;
     // Whole k-blocks of the current window, row by row.
@@ -492,7 +512,7 @@ struct NoPrologue {
   __device__ __forceinline__ void operator()(Rows<BT>&) const {}
 };
 
-template <int BT, int XM, class Pro = NoPrologue>
+template <int BT, int XM, class Pro = NoPrologue, bool MR = false>
 __device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, Rows<BT>& R, int64_t rows,
                            int64_t cols, uint4* slot, int lane, int64_t gwarp, int64_t nwarps,
                            const Pro& pro = Pro()) {
@@ -500,16 +520,16 @@ __device__ __forceinline__ void matvec_fmt(int fmt, const uint8_t* base, Rows<BT
   constexpr int XF = XM == 2 ? 3 : XM;
   const bool a16 = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
 #define JV_CASE(F, X) \
-  case F: matvec<F, BT, X>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro); return;
+  case F: matvec<F, BT, X, Pro, false, MR>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro); return;
 #define JV_CASE16(F)                                                                         \
   case F:                                                                                    \
     if constexpr (XM == 2) {                                                                 \
       if (a16) {                                                                             \
-        matvec<F, BT, XM, Pro, true>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro);   \
+        matvec<F, BT, XM, Pro, true, MR>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro); \
         return;                                                                              \
       }                                                                                      \
     }                                                                                        \
-    matvec<F, BT, XM>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro);                  \
+    matvec<F, BT, XM, Pro, false, MR>(base, R, rows, cols, slot, lane, gwarp, nwarps, pro);  \
     return;
   switch (fmt) {
     JV_CASE(kF32, XF) JV_CASE(kF16, XF) JV_CASE(kBF16, XF) JV_CASE(kQ4_0, XM) JV_CASE(kQ4_1, XM)
