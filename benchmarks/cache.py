@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import json
@@ -101,8 +102,13 @@ class Session(offload.Session):
 
   def plan(self, budget, pattern=(), cache_gb=0.0, policy: str = "lru"):
     """engine.plan at `budget` with `cache_gb` of expert cache ("auto": what the plan leaves free;
-    0: none); `auto` as jaxvt.load picks it, from XLA's analysis of the prefill (offload)."""
+    0: none); `auto` as jaxvt.load picks it, from XLA's analysis of the prefill (offload). The
+    cache is sized after the placement (Placed.with_expert_cache), so the arms of a budget share
+    one placement, planned once."""
     key = (budget, tuple(pattern), cache_gb, policy)
+    if key not in self.plans and cache_gb != 0.0:
+      self.plans[key] = copy.copy(self.plan(budget, pattern)).with_expert_cache(
+          cache_gb, policy, force=True)
     if key not in self.plans:
       wo = None
       if budget == "auto" and self.par.size == 1:
@@ -276,7 +282,8 @@ class Rows(offload.Child):
 def command_of(args) -> str:
   """The command line of this run, with the options that differ from their defaults."""
   ap, out = parser(), ["python -m benchmarks.cache"]
-  for name in ("models", "budgets", "arms", "gen", "temperature", "time_limit"):
+  for name in ("realistic", "uniform", "models", "budgets", "arms", "prompt", "gen",
+               "temperature", "time_limit"):
     v = getattr(args, name)
     if v != ap.get_default(name) or name == "time_limit":
       out.append(f"--{name.replace('_', '-')} {v}")

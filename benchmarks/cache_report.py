@@ -278,7 +278,7 @@ def goals(rows: list[Row]) -> list[tuple[str, str, str]]:
 def same_tokens(rows: list[Row]) -> tuple[str, str, str]:
   """Every jaxvt row of a model decoded the same tokens (the cache and the rings change where
   experts are read from, never the bits)."""
-  jx = [r for r in rows if r.ok and r.arm in ARMS]
+  jx = [r for r in rows if r.ok and r.arm in ARMS and r.decode_tok_s]
   if not jx:
     return "the same tokens in every jaxvt arm of a model", "NOT RUN", "no jaxvt row"
   bad = []
