@@ -53,7 +53,7 @@ ROWS = "/tmp/jaxvt-bench-cache-rows.json"
 # where the kernel rule predicts no experts at all, a flipped arm predicts this many after a
 # host-tier and after a device layer (the CUDA tuning row's counts)
 PREDICT_ON = (2, 2)
-LLAMA_CALL_S = 30  # one llama-bench call (load + tg), for the time kept for the llama.cpp arm
+LLAMA_CALL_S = 20  # one llama-bench call (load + tg), for the time kept for the llama.cpp arm
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
                   help="the realistic-routing file (written when missing at the default path)")
   ap.add_argument("--uniform", default=offload.MODEL,
                   help="the uniform-routing file (benchmarks.offload's, written when missing)")
-  ap.add_argument("--models", default="realistic,uniform")
+  ap.add_argument("--models", default="realistic,uniform",
+                  help="the files of the jaxvt arms (llama.cpp's arm runs on the realistic one)")
   ap.add_argument("--budgets", default="auto,7,12,experts",
                   help="GiB in the host tier, auto, or experts (every routed expert)")
   ap.add_argument("--arms", default="cache,predict,llama",
@@ -292,17 +293,15 @@ def command_of(args) -> str:
 
 
 def ensure_models(args, models: list[str], log) -> None:
-  """The files the run needs, each written once per machine (offload.ensure_model)."""
-  if "realistic" in models:
-    if args.realistic == REALISTIC:
-      offload.ensure_model(args.realistic, log, routing=RoutingStats())
-    elif not os.path.exists(args.realistic):
-      raise JaxvtError(f"no such file: {args.realistic}; pass --realistic PATH of a MoE GGUF file")
-  if "uniform" in models:
-    if args.uniform == offload.MODEL:
-      offload.ensure_model(args.uniform, log)
-    elif not os.path.exists(args.uniform):
-      raise JaxvtError(f"no such file: {args.uniform}; pass --uniform PATH of a MoE GGUF file")
+  """The files of `models`, each written once per machine at its default path
+  (offload.ensure_model); a file given by path must exist."""
+  for m in models:
+    path, default, routing = ((args.realistic, REALISTIC, RoutingStats()) if m == "realistic"
+                              else (args.uniform, offload.MODEL, None))
+    if path == default:
+      offload.ensure_model(path, log, routing=routing)
+    elif not os.path.exists(path):
+      raise JaxvtError(f"no such file: {path}; pass --{m} PATH of a MoE GGUF file")
 
 
 def llama_rows(binary: str, args, meta: dict, budgets: list[str], deadline: float,
@@ -344,8 +343,9 @@ def main(args) -> str:
   budgets = cache_report.parse_budgets(args.budgets)
   arms = cache_report.parse_arms(args.arms)
   points = cache_report.plan_points(models, budgets, arms)
-  want_llama = "llama" in arms and "realistic" in models
-  ensure_models(args, models, log)
+  want_llama = "llama" in arms  # on the realistic file, whichever files the jaxvt arms use
+  ensure_models(args, list(dict.fromkeys([m for m, _, _ in points] + ["realistic"] * want_llama)),
+                log)
   llama = offload_llama.find(args.llama_bench) if want_llama else None
   notes = []
   if llama and not os.access(llama, os.X_OK):
@@ -375,16 +375,16 @@ def main(args) -> str:
     rows = cache_report.merge(rows, before)
     metas = {**old.get("meta", {}), **metas}
     if before:
-      notes.append(f"rows marked `earlier call` come from an earlier call of this benchmark on "
-                   f"the same machine ({old.get('date', '?')}), merged with --merge")
-  info = dict(meta=metas, date=report.stamp(), frac=frac)
+      notes.append(f"rows marked `earlier call` come from `{old.get('command', '?')}` on the same "
+                   f"machine ({old.get('date', '?')}), merged with --merge")
+  info = dict(meta=metas, date=report.stamp(), frac=frac, command=command_of(args))
   with open(args.rows, "w") as f:
     json.dump(dict(rows=[dataclasses.asdict(r) for r in rows], info=info), f, indent=1)
   with contextlib.suppress(OSError):
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "cache_rows.json"), "w") as f:
       json.dump(dict(rows=[dataclasses.asdict(r) for r in rows], info=info), f, indent=1)
   meta = dict(metas.get("realistic", {}), frac=frac, llama_gen=args.llama_gen)
-  body = cache_report.render(rows, meta, args, command_of(args), report.machine(), report.stamp(),
+  body = cache_report.render(rows, meta, args, info["command"], report.machine(), report.stamp(),
                              time.time() - t_start, skipped, notes)
   if args.write:
     report.write_section("cache", body)

@@ -274,7 +274,8 @@ def test_main_runs_the_child_then_llama_and_merges(tmp_path, monkeypatch):
       return self
 
   monkeypatch.setattr(cache, "Rows", FakeRows)
-  monkeypatch.setattr(cache, "ensure_models", lambda *a: None)
+  ensured = []
+  monkeypatch.setattr(cache, "ensure_models", lambda args, models, log: ensured.append(models))
   monkeypatch.setattr(cache.offload, "pool_fraction", lambda gb: "0.1167")
   monkeypatch.setattr(offload_llama, "find", lambda p: "/bin/llama-bench")
   monkeypatch.setattr(cache, "llama_rows", lambda binary, args, meta, budgets, end, log: [
@@ -306,7 +307,17 @@ def test_main_runs_the_child_then_llama_and_merges(tmp_path, monkeypatch):
       ("12", "lru", True), ("12", "lfru", True), ("7", "off-nopred", False),
       ("7", "lru-flip", False), ("7", LLAMA, False)}
   assert "earlier call" in body and os.path.exists(tmp_path / "cache_rows.json")
-  assert "llama.cpp" in body and "1.667x" not in body.split("Goals")[0]
+  assert "come from `python -m benchmarks.cache --models realistic --budgets 7,12 --arms cache " \
+         "--time-limit 540` on the same machine" in body
+  # the uniform file's arms and llama.cpp's (on the realistic file) in one call
+  third = cache.parser().parse_args(["--models", "uniform", "--arms", "cache,llama", "--rows",
+                                     rows_path])
+  cache.main(third)
+  cmd = started[2][0]
+  assert json.loads(cmd[cmd.index("--points") + 1]) == [["uniform", "7", "off"],
+                                                        ["uniform", "7", "lru"]]
+  assert cmd[cmd.index("--facts") + 1] == "realistic"
+  assert ensured == [["realistic"], ["realistic"], ["uniform", "realistic"]]  # the files used
 
 
 # ---- the child's arms, end to end ----------------------------------------------------------------
