@@ -70,7 +70,9 @@ def parser() -> argparse.ArgumentParser:
                   help="arms or groups: cache (off,lru,lfru), predict (off-nopred,lru-flip), "
                        "llama, jaxvt (every jaxvt arm)")
   ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before each decode")
-  ap.add_argument("--gen", type=int, default=256, help="tokens of the timed decode")
+  ap.add_argument("--gen", type=int, default=256, help="tokens of each timed decode")
+  ap.add_argument("--repeats", type=int, default=2,
+                  help="timed decodes an arm, each after its own prompt")
   ap.add_argument("--llama-gen", type=int, default=128, help="llama-bench's tg tokens")
   ap.add_argument("--temperature", type=float, default=1.0,
                   help="sampling temperature (routing statistics are of temperature 1)")
@@ -93,10 +95,12 @@ class Session(offload.Session):
   one arm at one budget."""
 
   def __init__(self, path: str, prompt: int, gen: int, device_gb: float | None,
-               temperature: float = 1.0):
+               temperature: float = 1.0, repeats: int = 1):
     super().__init__(path, prompt, gen, device_gb)
-    rng = np.random.default_rng(1)  # the warm-up's prompt: not the timed one
-    self.warm_ids = rng.integers(10, self.cfg.vocab_size - 10, prompt).tolist()
+    ids = lambda seed: np.random.default_rng(seed).integers(10, self.cfg.vocab_size - 10,
+                                                            prompt).tolist()
+    self.warm_ids = ids(1)  # the warm-up's prompt: none of the timed ones
+    self.timed_ids = [ids(100 + i) for i in range(repeats)]
     self.params = SamplingParams(temperature=temperature)
     self.routed = {d.name for d in self.model.decls if d.role == "routed_experts"}
     self.plans: dict[tuple, object] = {}
@@ -184,16 +188,21 @@ class Session(offload.Session):
       t1 = time.perf_counter()
       decode(eng, self.warm_ids, self.gen, self.params, seed=1)  # compiles, fills the cache
       t2 = time.perf_counter()
-      toks, seconds, before, after = decode(eng, self.ids, self.gen, self.params, seed=0)
+      toks, seconds, counts = [], 0.0, dict(hits=0, misses=0, hit_bytes=0, host_bytes=0)
+      for i, ids in enumerate(self.timed_ids):  # the cache carries over from one to the next
+        t, sec, before, after = decode(eng, ids, self.gen, self.params, seed=i)
+        toks, seconds = toks + t, seconds + sec
+        r.decode_samples.append((len(t) - 1) / sec)  # the first token comes from prefill
+        for k in counts if ec is not None else ():
+          counts[k] += getattr(after, k) - getattr(before, k)
       r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
-      steps = len(toks) - 1  # the first token comes from prefill
+      steps = len(toks) - len(self.timed_ids)
       r.decode_tok_s, r.tokens = steps / seconds, cache_report.tokens_crc(toks)
       if ec is None:
         r.host_mb_per_token = placed.plan.host_read_bytes / 1e6
       else:
-        r.hits, r.misses = after.hits - before.hits, after.misses - before.misses
-        r.hit_bytes = after.hit_bytes - before.hit_bytes
-        r.miss_bytes = after.host_bytes - before.host_bytes
+        r.hits, r.misses, r.hit_bytes = counts["hits"], counts["misses"], counts["hit_bytes"]
+        r.miss_bytes = counts["host_bytes"]
         r.host_mb_per_token = (self.uncached_read_bytes(placed, set(ec.layers))
                                + r.miss_bytes / steps) / 1e6
       r.ok = True
@@ -241,7 +250,7 @@ def child(args) -> None:
   took: list[float] = []
   for m in models:
     s = Session(args.realistic if m == "realistic" else args.uniform, args.prompt, args.gen,
-                args.device_gb, args.temperature)
+                args.device_gb, args.temperature, args.repeats)
     mine = [p for p in points if p[0] == m]
     with offload.gpu_lock():
       if m == "realistic":  # llama.cpp's pairs: every budget's expert bytes, one layer's
@@ -283,7 +292,7 @@ class Rows(offload.Child):
 def command_of(args) -> str:
   """The command line of this run, with the options that differ from their defaults."""
   ap, out = parser(), ["python -m benchmarks.cache"]
-  for name in ("realistic", "uniform", "models", "budgets", "arms", "prompt", "gen",
+  for name in ("realistic", "uniform", "models", "budgets", "arms", "prompt", "gen", "repeats",
                "temperature", "time_limit"):
     v = getattr(args, name)
     if v != ap.get_default(name) or name == "time_limit":
@@ -356,7 +365,8 @@ def main(args) -> str:
   cmd = [sys.executable, "-m", "benchmarks.cache", "--child", "arms", "--points",
          json.dumps(points), "--facts", "realistic" if want_llama else "",
          "--deadline", f"{end - keep:.1f}"]
-  for name in ("realistic", "uniform", "budgets", "prompt", "gen", "temperature", "device_gb"):
+  for name in ("realistic", "uniform", "budgets", "prompt", "gen", "repeats", "temperature",
+               "device_gb"):
     cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
   err = os.path.join(os.environ.get("OUT", "/tmp"), "cache_child.err")
   rows, info = [], {}

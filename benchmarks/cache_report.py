@@ -67,7 +67,9 @@ class Row:
   compile_s: float = 0.0  # the warm-up decode: compiles, fills the cache
   measure_s: float = 0.0
   flags: str = ""  # llama.cpp's flags
-  decode_samples: list = dataclasses.field(default_factory=list)  # llama.cpp: each call's rate
+  # each timed decode's tok/s (jaxvt: one a prompt; llama.cpp: one a llama-bench call, whose
+  # median is decode_tok_s)
+  decode_samples: list = dataclasses.field(default_factory=list)
   earlier: bool = False  # from an earlier call's rows (--merge)
 
   @property
@@ -325,13 +327,13 @@ def _cell(r: Row, off: dict) -> str:
   t = f"{r.load_s:.0f}/{r.compile_s:.0f}/{r.measure_s:.0f}" if r.load_s else ""
   if r.arm == LLAMA:
     t = f"{r.measure_s:.0f}" if r.measure_s else ""
-    if len(r.decode_samples) > 1:
-      x += f" (calls {min(r.decode_samples):.1f}-{max(r.decode_samples):.1f})"
+  spread = (f" ({min(r.decode_samples):.1f}-{max(r.decode_samples):.1f})"
+            if len(r.decode_samples) > 1 else "")
   slots = f"{r.slots} x {r.cached_layers}" if r.slots else ""
   note = "; ".join(s for s in (r.flags, r.note, "earlier call" if r.earlier else "") if s)
   return (f"| {r.model} | {r.budget} | {r.arm} | {r.policy} | {r.predict} | {r.host_gib:.2f} | "
           f"{r.expert_gib:.2f} | {r.cache_gib:.2f} | {slots} | {hr} | {r.host_mb_per_token:.0f} | "
-          f"{r.decode_tok_s:.2f} | {x} | {t} | {note} |")
+          f"{r.decode_tok_s:.2f}{spread} | {x} | {t} | {note} |")
 
 
 def table(rows: list[Row]) -> list[str]:
@@ -367,10 +369,12 @@ def render(rows: list[Row], meta: dict, args, command: str, machine: str, date: 
       "prediction (predict: the predicted-experts rings' experts after a host / a device "
       "layer); `off-nopred`: no cache, no prediction; `lru-flip`: the cache with prediction "
       f"flipped from its default. Each arm: a warm-up decode of {args.gen} tokens after another "
-      f"prompt (compiles, fills the cache), then a timed decode of {args.gen} tokens after a "
-      f"{args.prompt}-token prompt, sampled at temperature {args.temperature:g}, seed 0. Hit "
-      "rate and host MB/tok are the timed decode's (the cache's counters); without a cache, "
-      "host MB/tok is the plan's. x off: decode against the same file and budget's `off`. "
+      f"prompt (compiles, fills the cache), then {args.repeats} timed decodes of {args.gen} "
+      f"tokens, each after its own {args.prompt}-token prompt (the same in every arm), sampled "
+      f"at temperature {args.temperature:g}; decode tok/s: all their tokens over all their time "
+      "(in brackets: the slowest and fastest one). Hit rate and host MB/tok are the timed "
+      "decodes' (the cache's counters); without a cache, host MB/tok is the plan's. x off: "
+      "decode against the same file and budget's `off`. "
       f"llama.cpp: llama-bench tg{meta.get('llama_gen', '?')} (-r 2), the median of "
       "separate calls, with the same bytes of routed experts on the CPU (--n-cpu-moe N: N "
       "layers' experts nearest jaxvt's host-tier experts at that budget).\n", *table(rows)]

@@ -229,7 +229,7 @@ def test_prediction_decides_with_and_without_the_cache():
 def test_render_the_section():
   rows = _good_rows() + [Row("realistic", "12", "lru-flip", note="not asked", earlier=True)]
   args = types.SimpleNamespace(time_limit=540, device_gb=16.0, gen=256, prompt=16,
-                               temperature=1.0)
+                               temperature=1.0, repeats=2)
   body = cache_report.render(rows, {"frac": "0.1167", "llama_gen": 128}, args,
                              "python -m benchmarks.cache --time-limit 540", "gpu:H200",
                              "2026-12-04",
@@ -242,7 +242,7 @@ def test_render_the_section():
   assert table[0].startswith("| realistic | auto | off |")  # budgets in order, off first
   lru7 = next(l for l in table if l.startswith("| realistic | 7 | lru |"))
   assert "| 90.0% | 60 | 140.00 | 1.400 |" in lru7
-  assert any("llama.cpp" in l and "(calls 78.0-83.0)" in l and "0.800" in l for l in table)
+  assert any("llama.cpp" in l and "| 80.00 (78.0-83.0) | 0.800 |" in l for l in table)
   assert "earlier call" in table[[i for i, l in enumerate(table) if "not asked" in l][0]]
   assert "Not run (time limit, or not asked for): realistic 12 lfru." in body
   assert "\nNote: a note." in body and body.count("**MET**") == 6
@@ -337,7 +337,7 @@ def test_child_arms_end_to_end(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(offload, "LOCK", str(tmp_path / "lock"))
   pts = [["realistic", "experts", "off"], ["realistic", "experts", "lru"]]
   args = types.SimpleNamespace(child="arms", points=json.dumps(pts), facts="", realistic=path,
-                               uniform=path, budgets="experts", prompt=8, gen=24,
+                               uniform=path, budgets="experts", prompt=8, gen=24, repeats=2,
                                temperature=0.0, device_gb=16.0, deadline=0.0, time_limit=120)
   cache.child(args)
   out = capsys.readouterr().out
@@ -349,6 +349,6 @@ def test_child_arms_end_to_end(tmp_path, capsys, monkeypatch):
   assert lru.cache_gib > 0 and lru.slots > 0 and lru.cached_layers > 0 and lru.policy == "lru"
   assert lru.hits > 0 and lru.hits + lru.misses > 0
   assert lru.host_mb_per_token < off.host_mb_per_token
-  assert lru.tokens == off.tokens and lru.gen_tokens == 24
+  assert lru.tokens == off.tokens and lru.gen_tokens == 24 and len(lru.decode_samples) == 2
   meta = json.loads(next(l for l in out.splitlines() if l.startswith("META "))[5:])
   assert meta["budgets"]["experts"]["expert_gib"] == pytest.approx(off.expert_gib)

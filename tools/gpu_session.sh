@@ -30,9 +30,10 @@
 # 19 GiB model on a fresh machine and llama.cpp's 160 s besides the jaxvt arms), MESH_S (480),
 # TESTS (test files for `tests`), AUTO_GB (auto's budget on the 16 GiB card for `profile`,
 # which takes GiB, not "auto"; default 3.78). `cache`: CACHE_S (its --time-limit, default 540,
-# which covers writing the two 19 GiB files on a fresh machine), CACHE_ARMS, CACHE_BUDGETS,
+# which covers writing the files it uses on a fresh machine), CACHE_ARMS, CACHE_BUDGETS,
 # CACHE_MODELS, CACHE_ROWS (its --arms, --budgets, --models, --rows), CACHE_MERGE=1 (--merge:
-# this call's rows and an earlier call's, for the work split over two calls).
+# this call's rows and an earlier call's). Everything takes two calls: CACHE_MODELS=realistic
+# CACHE_ARMS=cache,predict, then CACHE_MODELS=uniform CACHE_ARMS=cache,llama CACHE_MERGE=1.
 set -uo pipefail
 what=${1:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -92,7 +93,7 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 
 case "$what" in
   build|tests|determinism|sweep|tier|profile|mesh|serve|cache) setup ;;
-  *) sed -n '2,35p' "$0"; exit 2 ;;
+  *) sed -n '2,36p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
