@@ -5,6 +5,8 @@ the child's arms end to end on a tiny MoE file."""
 import dataclasses
 import json
 import os
+import sys
+import time
 import types
 
 import pytest
@@ -105,30 +107,45 @@ def test_llama_configs_pair_each_budget_with_its_expert_bytes():
       "-ngl 99 -ot exps=CPU"]
 
 
-def test_llama_rows_one_per_budget(monkeypatch, tmp_path):
+FAKE_LLAMA = """#!{python}
+import json, sys
+args = sys.argv[1:]
+if "--help" in args:
+  print("--n-cpu-moe N")
+  sys.exit(0)
+with open({calls!r}, "a") as f:
+  f.write(" ".join(args) + "\\n")
+if "28" in args:
+  sys.exit("out of memory")
+n_cpu = int(args[args.index("--n-cpu-moe") + 1]) if "--n-cpu-moe" in args else 41
+calls = sum(1 for _ in open({calls!r}))
+print(json.dumps([dict(n_prompt=0, n_gen=int(args[args.index("-n") + 1]), n_threads=16,
+                       avg_ts=200.0 - 3 * n_cpu + calls % 3)]))
+"""
+
+
+def test_llama_rows_one_per_budget(tmp_path):
+  """llama-bench (a fake answering 200 - 3 N tok/s, N the layers of experts on the CPU, and
+  failing for N = 28) at each budget's expert bytes: decode alone, in separate calls."""
   from benchmarks import cache
-  from benchmarks.offload_report import Run
-
-  def run_all(binary, model, meta, prompt, gen, deadline, log, pick=None):
-    assert prompt == 0 and gen == 64  # decode alone, --llama-gen tokens
-    out = []
-    for label, flags, gib in pick(True):
-      r = Run("llama.cpp", gib, True, host_gib=gib, point=f"llama.cpp:{label}",
-              decode_tok_s=50.0 + gib, gen_tokens=gen)
-      r.decode_samples = [r.decode_tok_s, r.decode_tok_s + 1]
-      out.append(r)
-    out.append(Run("llama.cpp", 1.0, False, note="-ngl 99 --n-cpu-moe 3: exit 1: oops"))
-    return out
-
-  monkeypatch.setattr(offload_llama, "run_all", run_all)
+  calls = tmp_path / "calls"
+  fake = tmp_path / "llama-bench"
+  fake.write_text(FAKE_LLAMA.format(python=sys.executable, calls=str(calls)))
+  fake.chmod(0o755)
   args = types.SimpleNamespace(realistic="m.gguf", llama_gen=64)
-  rows = cache.llama_rows("llama-bench", args, META, ["7", "experts"], 0.0, print)
+  rows = cache.llama_rows(str(fake), args, META, ["auto", "7", "12", "experts"],
+                          time.time() + 600, lambda s: None)
   by = {r.budget: r for r in rows}
-  assert by["7"].flags == "-ngl 99 --n-cpu-moe 16" and by["7"].ok
-  assert by["7"].decode_tok_s == pytest.approx(56.72) and by["7"].expert_gib == pytest.approx(6.72)
-  assert by["experts"].flags == "-ngl 99 -ot exps=CPU" and len(by["experts"].decode_samples) == 2
-  failed = [r for r in rows if not r.ok]
-  assert len(failed) == 1 and "exit 1" in failed[0].note and failed[0].arm == LLAMA
+  assert [r.arm for r in rows] == [LLAMA] * 4
+  assert by["auto"].flags == "-ngl 99 --n-cpu-moe 9" and by["auto"].ok
+  assert by["7"].flags == "-ngl 99 --n-cpu-moe 16" and by["7"].expert_gib == pytest.approx(6.72)
+  assert len(by["7"].decode_samples) == offload_llama.DECODE_CALLS
+  assert 152.0 - 1 <= by["7"].decode_tok_s <= 152.0 + 2  # the median of its calls
+  assert by["experts"].flags == "-ngl 99 -ot exps=CPU"
+  assert 77.0 <= by["experts"].decode_tok_s <= 80.0
+  assert not by["12"].ok and "exit 1" in by["12"].note and "--n-cpu-moe 28" in by["12"].flags
+  lines = calls.read_text().splitlines()
+  assert all("-p 0 " in c and "-n 64 " in c for c in lines)
 
 
 # ---- verdicts and the section --------------------------------------------------------------------
