@@ -5,7 +5,6 @@ the child's arms end to end on a tiny MoE file."""
 import dataclasses
 import json
 import os
-import sys
 import time
 import types
 
@@ -107,20 +106,16 @@ def test_llama_configs_pair_each_budget_with_its_expert_bytes():
       "-ngl 99 -ot exps=CPU"]
 
 
-FAKE_LLAMA = """#!{python}
-import json, sys
-args = sys.argv[1:]
-if "--help" in args:
-  print("--n-cpu-moe N")
-  sys.exit(0)
-with open({calls!r}, "a") as f:
-  f.write(" ".join(args) + "\\n")
-if "28" in args:
-  sys.exit("out of memory")
-n_cpu = int(args[args.index("--n-cpu-moe") + 1]) if "--n-cpu-moe" in args else 41
-calls = sum(1 for _ in open({calls!r}))
-print(json.dumps([dict(n_prompt=0, n_gen=int(args[args.index("-n") + 1]), n_threads=16,
-                       avg_ts=200.0 - 3 * n_cpu + calls % 3)]))
+FAKE_LLAMA = r"""#!/bin/sh
+case " $* " in *" --help "*) echo "--n-cpu-moe N"; exit 0 ;; esac
+echo "$*" >> {calls}
+case " $* " in *" --n-cpu-moe 28 "*) echo "out of memory" >&2; exit 1 ;; esac
+ncpu=41; calls=$(wc -l < {calls})
+while [ $# -gt 0 ]; do
+  [ "$1" = --n-cpu-moe ] && ncpu=$2; [ "$1" = -n ] && gen=$2; shift
+done
+echo "[{{\"n_prompt\": 0, \"n_gen\": $gen, \"n_threads\": 16, \
+\"avg_ts\": $((200 - 3 * ncpu + calls % 3))}}]"
 """
 
 
@@ -130,7 +125,7 @@ def test_llama_rows_one_per_budget(tmp_path):
   from benchmarks import cache
   calls = tmp_path / "calls"
   fake = tmp_path / "llama-bench"
-  fake.write_text(FAKE_LLAMA.format(python=sys.executable, calls=str(calls)))
+  fake.write_text(FAKE_LLAMA.format(calls=str(calls)))
   fake.chmod(0o755)
   args = types.SimpleNamespace(realistic="m.gguf", llama_gen=64)
   rows = cache.llama_rows(str(fake), args, META, ["auto", "7", "12", "experts"],
