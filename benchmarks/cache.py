@@ -345,6 +345,34 @@ def load_rows(path: str) -> tuple[list[Row], dict]:
   return [Row(**r) for r in saved["rows"]], saved.get("info", {})
 
 
+def children(args, points: list[tuple], facts: str, deadline: float, frac: str,
+             log) -> tuple[list[Row], dict]:
+  """The jaxvt arms `points` in a child process under the emulated card (and the META of the
+  files in `facts`), until `deadline`. A child that dies (a crash in an arm) fails that arm,
+  and a new one runs the arms after it while a minute is left. Returns (rows, {"meta": {file:
+  META}, "skipped": [points not run]})."""
+  rows, info, todo = [], {"meta": {}, "skipped": []}, list(points)
+  err = os.path.join(os.environ.get("OUT", "/tmp"), "cache_child.err")
+  while True:
+    cmd = [sys.executable, "-m", "benchmarks.cache", "--child", "arms", "--points",
+           json.dumps(todo), "--facts", facts, "--deadline", f"{deadline:.1f}"]
+    for name in ("realistic", "uniform", "budgets", "prompt", "gen", "repeats", "temperature",
+                 "device_gb"):
+      cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    ch = Rows(cmd, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}, err, log).wait(deadline + 10)
+    rows += ch.runs
+    info["meta"].update(ch.info.get("meta", {}))
+    info["skipped"] += ch.info.get("skipped", [])
+    seen = {r.key for r in ch.runs} | {tuple(s.split()) for s in ch.info.get("skipped", [])}
+    todo = [p for p in todo if tuple(p) not in seen]
+    if not (ch.p.returncode and todo and deadline - time.time() > 60):
+      break
+    rows.append(Row(*todo[0], note=f"the child process died (exit {ch.p.returncode}) in this arm"))
+    todo, facts = todo[1:], "" if "realistic" in info["meta"] else facts
+  info["skipped"] += [" ".join(p) for p in todo]  # killed at the time limit
+  return rows, info
+
+
 def main(args) -> str:
   t_start = time.time()
   log = lambda s: print(s, flush=True)
@@ -362,17 +390,9 @@ def main(args) -> str:
   end = t_start + args.time_limit - 15
   keep = LLAMA_CALL_S * offload_llama.DECODE_CALLS * len(budgets) if llama else 0
   frac = offload.pool_fraction(args.device_gb)
-  cmd = [sys.executable, "-m", "benchmarks.cache", "--child", "arms", "--points",
-         json.dumps(points), "--facts", "realistic" if want_llama else "",
-         "--deadline", f"{end - keep:.1f}"]
-  for name in ("realistic", "uniform", "budgets", "prompt", "gen", "repeats", "temperature",
-               "device_gb"):
-    cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-  err = os.path.join(os.environ.get("OUT", "/tmp"), "cache_child.err")
   rows, info = [], {}
   if points or want_llama:
-    ch = Rows(cmd, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}, err, log).wait(end - keep + 10)
-    rows, info = ch.runs, ch.info
+    rows, info = children(args, points, "realistic" if want_llama else "", end - keep, frac, log)
   metas = info.get("meta", {})
   skipped = list(info.get("skipped", []))
   if want_llama and llama and "realistic" in metas:

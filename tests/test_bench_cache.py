@@ -281,6 +281,7 @@ def test_main_runs_the_child_then_llama_and_merges(tmp_path, monkeypatch):
       pts = json.loads(cmd[cmd.index("--points") + 1])
       self.runs = [_row(m, b, a, 100.0 + i) for i, (m, b, a) in enumerate(pts)]
       self.info = {"meta": {"realistic": dict(META, model="realistic")}, "skipped": ["x y z"]}
+      self.p = types.SimpleNamespace(returncode=0)
 
     def wait(self, deadline):
       return self
@@ -330,6 +331,43 @@ def test_main_runs_the_child_then_llama_and_merges(tmp_path, monkeypatch):
                                                         ["uniform", "7", "lru"]]
   assert cmd[cmd.index("--facts") + 1] == "realistic"
   assert ensured == [["realistic"], ["realistic"], ["uniform", "realistic"]]  # the files used
+
+
+def test_a_child_that_dies_fails_its_arm_and_a_new_one_runs_the_rest(monkeypatch):
+  from benchmarks import cache
+  started = []
+
+  class Dying:
+    """Runs its first point, skips one named "late", dies in the next (exit -11) the first time;
+    the next child runs all it gets."""
+
+    def __init__(self, cmd, env, err, log):
+      pts = [tuple(p) for p in json.loads(cmd[cmd.index("--points") + 1])]
+      started.append((pts, cmd[cmd.index("--facts") + 1]))
+      first = len(started) == 1
+      run = pts[:1] if first else [p for p in pts if p[2] != "late"]
+      self.runs = [_row(*p, 100.0) for p in run]
+      self.info = {"meta": {"realistic": {"model": "realistic"}} if first else {},
+                   "skipped": [" ".join(p) for p in pts if p[2] == "late"]}
+      self.p = types.SimpleNamespace(returncode=-11 if first else 0)
+
+    def wait(self, deadline):
+      return self
+
+  monkeypatch.setattr(cache, "Rows", Dying)
+  args = cache.parser().parse_args([])
+  pts = [("realistic", "7", "off"), ("realistic", "7", "late"), ("realistic", "7", "lru"),
+         ("realistic", "7", "lfru")]
+  rows, info = cache.children(args, pts, "realistic", time.time() + 300, "0.1", print)
+  assert [p for p, _ in started] == [pts, pts[3:]] and started[1][1] == ""  # facts once
+  assert [(r.arm, r.ok) for r in rows] == [("off", True), ("lru", False), ("lfru", True)]
+  assert "child process died (exit -11)" in rows[1].note
+  assert info["skipped"] == ["realistic 7 late"] and "realistic" in info["meta"]
+  # no time left for a new child: what is left is listed as not run
+  started.clear()
+  rows, info = cache.children(args, pts, "", time.time() + 30, "0.1", print)
+  assert len(started) == 1 and info["skipped"] == ["realistic 7 late", "realistic 7 lru",
+                                                    "realistic 7 lfru"]
 
 
 # ---- the child's arms, end to end ----------------------------------------------------------------
