@@ -1,7 +1,8 @@
 """python -m benchmarks.cache: a device-side expert cache, 35B MoE model, emulated 16 GiB GPU.
 
   python -m benchmarks.cache [--models realistic,uniform] [--budgets auto,7,12,experts]
-      [--arms cache,predict,llama] [--gen 256] [--time-limit 540] [--merge] [--write]
+      [--arms cache,predict,llama] [--gen 256] [--repeats 2] [--time-limit 540] [--merge]
+      [--write]
 
 Two Qwen3.6-35B-A3B-shaped files written by jaxvt.synth with the same weights but the
 embedding, the output head and the routers: `realistic` (routing=RoutingStats(): a decode reuses
@@ -17,14 +18,15 @@ expert there, as llama.cpp's `-ot exps=CPU`) is placed, from the file opened onc
   llama.cpp   llama-bench with the same bytes of routed experts on the CPU (`--n-cpu-moe N`)
 
 on the realistic file, and `off` and `lru` at 7 GiB on the uniform file. An arm is a warm-up
-decode after another prompt (compiles the programs, fills the cache), then a timed decode after
-the prompt every arm shares; the cache's counters (engine.expert_cache_stats) before and after
-it give the hit rate and the bytes the misses read. The jaxvt arms run in one child process
-under the emulated card (XLA_PYTHON_CLIENT_MEM_FRACTION, --device-gb 16), most telling first
-(cache_report.plan_points); what would pass `--time-limit` is skipped and listed. Rows are saved
-to --rows; `--merge` adds an earlier call's rows for points this call did not run, so the work
-can be split over two calls (the jaxvt arms, then the rest with llama.cpp). `--write` writes the
-`cache` section of docs/BENCHMARKS.md.
+decode after another prompt (compiles the programs, fills the cache), then --repeats timed
+decodes, each after its own prompt (the same prompts in every arm); the cache's counters
+(engine.expert_cache_stats) around each give the hit rate and the bytes the misses read. The
+jaxvt arms run in a child process under the emulated card (XLA_PYTHON_CLIENT_MEM_FRACTION,
+--device-gb 16), most telling first (cache_report.plan_points); what would pass `--time-limit`
+is skipped and listed, and a child that dies fails its arm and a new one runs the rest. Rows
+are saved to --rows; `--merge` adds an earlier call's rows for points this call did not run, so
+the work can be split over two calls by file (llama.cpp's arm runs on the realistic file
+whatever --models says). `--write` writes the `cache` section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
