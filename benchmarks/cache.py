@@ -195,6 +195,8 @@ class Session(offload.Session):
         t, sec, before, after = decode(eng, ids, self.gen, self.params, seed=i)
         toks, seconds = toks + t, seconds + sec
         r.decode_samples.append((len(t) - 1) / sec)  # the first token comes from prefill
+        if ec is not None and before is None:
+          raise ValueError("the plan has a cache but the placed weights carry none")
         for k in counts if ec is not None else ():
           counts[k] += getattr(after, k) - getattr(before, k)
       r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
