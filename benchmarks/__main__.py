@@ -23,6 +23,7 @@ BENCHMARKS = {
     "serve": "jaxvt.serve against llama-server over HTTP: prompt reuse, 1-8 streams, memory per "
              "sequence (GPU)",
     "routing": "a MoE model's expert choices in a decode: reuse, skew, next-layer predictability",
+    "cache": "the device-side expert cache by budget: LRU, LFRU, prediction, llama.cpp (GPU)",
 }
 
 

@@ -288,6 +288,13 @@ def safe_points(facts: dict) -> list[tuple]:
   return [p for p in plan_points(facts["safe"], facts["top"], auto=facts["auto"]) if not p[2]]
 
 
+def too_late(took: list[float], deadline: float) -> bool:
+  """Whether a point as long as the median of the last three (`took`, seconds), and a tenth
+  more, would end past `deadline`."""
+  est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0
+  return time.time() + est > deadline
+
+
 def child(args) -> None:
   """One arm in this process; prints one JSON line per run (RUN), and META / RATES lines."""
   deadline = args.deadline or time.time() + args.time_limit
@@ -316,8 +323,7 @@ def child(args) -> None:
     print(f"SWEEP open {s.open_s:.1f} s; {len(points)} points: {points}", flush=True)
     took: list[float] = []
     for arm, budget, forced in points:
-      est = 1.1 * sorted(took[-3:])[len(took[-3:]) // 2] if took else 0.0  # a median
-      if time.time() + est > deadline:
+      if too_late(took, deadline):
         print(f"SKIP {arm} {budget}", flush=True)
         continue
       t = time.perf_counter()
@@ -396,16 +402,17 @@ def _offload_child(arm: str, args, env_extra: dict, deadline: float, log, points
   return Child(cmd, env_extra, err, log, signal=signal)
 
 
-def ensure_model(path: str, log) -> None:
+def ensure_model(path: str, log, routing=None) -> None:
   """Writes the Qwen3.6-35B-A3B-shaped file (jaxvt.synth: Q4_K_M-like formats, MTP block,
-  seed 0) at `path` unless it exists; under another name first, so a cut-off write never
-  stays behind as the model."""
+  seed 0; `routing`: write_model's, a jaxvt.synth_routing.RoutingStats) at `path` unless it
+  exists; under another name first, so a cut-off write never stays behind as the model."""
   if os.path.exists(path):
     return
   t = time.time()
   part = f"{path}.part{os.getpid()}"
   try:
-    synth.write_model(part, qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0)
+    synth.write_model(part, qwen36_35b_a3b_config(n_nextn=1), "q4_k_m", seed=0,
+                      routing=routing)
     os.replace(part, path)
   finally:
     with contextlib.suppress(FileNotFoundError):

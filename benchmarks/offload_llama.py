@@ -111,8 +111,10 @@ def _call(cmd: list[str], label: str, gib: float, left: float) -> Run:
 
 
 def run_all(binary: str, model: str, meta: dict, prompt: int, gen: int, deadline: float,
-            log) -> list[Run]:
-  """Every configuration that fits before `deadline`; waits for a build in progress."""
+            log, pick=None) -> list[Run]:
+  """Every configuration that fits before `deadline`; waits for a build in progress. `pick`:
+  has_ncmoe -> the configurations (label, flags, GiB of experts on the CPU) to run, in place of
+  `configs(meta, has_ncmoe)`."""
   build = os.path.join(os.path.dirname(os.path.dirname(binary)), BUILDING)
   while not os.access(binary, os.X_OK) and os.path.exists(build) and time.time() < deadline - 60:
     time.sleep(5)
@@ -120,7 +122,8 @@ def run_all(binary: str, model: str, meta: dict, prompt: int, gen: int, deadline
     log(f"llama.cpp arm skipped: {binary} was not built in time")
     return [Run("llama.cpp", 0.0, False, note="llama-bench not built in time")]
   runs = []
-  for label, extra, gib in configs(meta, _has_flag(binary, "--n-cpu-moe")):
+  has_ncmoe = _has_flag(binary, "--n-cpu-moe")
+  for label, extra, gib in (pick or (lambda has: configs(meta, has)))(has_ncmoe):
     left = deadline - time.time()
     if left < 30:
       log(f"SKIP llama.cpp {label} (time limit)")

@@ -14,6 +14,7 @@
 #                                          # 8192-token prompt at auto on the 16 GiB card
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
 #   bash tools/gpu_session.sh serve        # python -m benchmarks.serve against llama-server
+#   bash tools/gpu_session.sh cache        # python -m benchmarks.cache (the expert cache) --write
 #
 # What to carry to the machine (ignored by git):
 #   .whl/          the gguf, starlette and uvicorn wheels (the machine has no PyPI): installed
@@ -28,7 +29,11 @@
 # Environment: OFFLOAD_S (the sweep's --time-limit, default 540: it must cover writing the
 # 19 GiB model on a fresh machine and llama.cpp's 160 s besides the jaxvt arms), MESH_S (480),
 # TESTS (test files for `tests`), AUTO_GB (auto's budget on the 16 GiB card for `profile`,
-# which takes GiB, not "auto"; default 3.78).
+# which takes GiB, not "auto"; default 3.78). `cache`: CACHE_S (its --time-limit, default 540,
+# which covers writing the files it uses on a fresh machine), CACHE_ARMS, CACHE_BUDGETS,
+# CACHE_MODELS, CACHE_ROWS (its --arms, --budgets, --models, --rows), CACHE_MERGE=1 (--merge:
+# this call's rows and an earlier call's). Everything takes two calls: CACHE_MODELS=realistic
+# CACHE_ARMS=cache,predict, then CACHE_MODELS=uniform CACHE_ARMS=cache,llama CACHE_MERGE=1.
 set -uo pipefail
 what=${1:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -87,8 +92,8 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|mesh|serve) setup ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
+  build|tests|determinism|sweep|tier|profile|mesh|serve|cache) setup ;;
+  *) sed -n '2,36p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
@@ -125,6 +130,14 @@ case "$what" in
     python3 -m benchmarks.serve --budgets ${SERVE_BUDGETS:-auto,7,hbm} --memory --write \
       --tokens ${SERVE_TOKENS:-128} \
       --time-limit ${SERVE_S:-500} 2>&1 | tee "$OUT/serve.txt" | tail -40 ;;
+  cache)
+    start_llama  # the llama.cpp arms run last and wait for a build in progress
+    python3 -m benchmarks.cache --time-limit ${CACHE_S:-540} \
+      --arms ${CACHE_ARMS:-cache,predict,llama} --budgets ${CACHE_BUDGETS:-auto,7,12,experts} \
+      --models ${CACHE_MODELS:-realistic,uniform} \
+      --rows ${CACHE_ROWS:-/tmp/jaxvt-bench-cache-rows.json} \
+      $([ -n "${CACHE_MERGE:-}" ] && echo --merge) --write 2>&1 | tee "$OUT/cache.txt" | tail -40
+    cp /tmp/llama_build.log "$OUT/" 2>/dev/null ;;
   mesh)
     python3 -m benchmarks.mesh --time-limit ${MESH_S:-480} 2>&1 | tee "$OUT/mesh.txt" | tail -40 ;;
 esac
