@@ -65,12 +65,13 @@ def smol(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-  """A tiny qwen35moe file; one slot and one place in the queue; on 127.0.0.2 (loopback, but not
-  the default address) without a key."""
+  """A tiny qwen35moe file, its routed experts in the host tier (so the expert cache takes what
+  the server leaves); one slot and one place in the queue; on 127.0.0.2 (loopback, but not the
+  default address) without a key."""
   tmp = tmp_path_factory.mktemp("hybrid")
   path = hybrid_file(tmp, context_length=1024)
   s = Server(tmp, f"--model={path}", "--max_context=1024", "--max-batch=1", "--max-queue=1",
-             host="127.0.0.2")
+             "--offload-gb=64", host="127.0.0.2")
   gf = open_gguf(path)
   s.eos = Tokenizer.from_gguf_metadata(gf.metadata).stop_ids
   yield s
@@ -155,6 +156,10 @@ def test_hybrid_second_turn_reuses_the_first(hybrid):
   # the first prompt's end is a stored recurrent-state snapshot
   assert r2.usage.prompt_tokens_details.cached_tokens == len(first)
   assert "no authentication" in hybrid.stderr()  # 127.0.0.2 is not the default address
+  # the expert cache, sized after the batch and the prefix cache, served the decode's experts
+  assert "expert cache:" in hybrid.stderr()
+  xc = httpx.get(hybrid.url + "/health").json()["expert_cache"]
+  assert xc["hits"] > 0 and xc["misses"] > 0
 
 
 @pytest.mark.parametrize("content,status", [

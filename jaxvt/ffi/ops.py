@@ -279,7 +279,8 @@ def qmatmul_ref(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Arra
 def _experts_call(rows: int, cols: int, experts: int, act_bytes: int, cslot: int | None = None):
   """cslot None: the plain call (operands end with the ring, if any); else the expert cache's
   (where, ctab, then the ring), a slot of `cslot` bytes."""
-  suffix = "" if cslot is None else "_cached"
+  plain, q8 = (("jaxvt_qmatmul_experts", "jaxvt_qmatmul_experts_q8") if cslot is None else
+               ("jaxvt_qmatmul_experts_cached", "jaxvt_qmatmul_experts_cached_q8"))
 
   def call(x, data, table, fmts, layer, ids, *rest):  # rest: [where, ctab,] and () or a ring
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
@@ -287,11 +288,10 @@ def _experts_call(rows: int, cols: int, experts: int, act_bytes: int, cslot: int
     if cslot is not None:
       attrs["cslot"] = np.int64(cslot)
     if act_bytes == 0:
-      return jax.ffi.ffi_call("jaxvt_qmatmul_experts" + suffix, out)(
-          x, data, table, fmts, layer, ids, *rest, **attrs)
+      return jax.ffi.ffi_call(plain, out)(x, data, table, fmts, layer, ids, *rest, **attrs)
     scratch = jax.ShapeDtypeStruct((x.size // cols, act_bytes), jnp.uint8)
-    return jax.ffi.ffi_call(f"jaxvt_qmatmul_experts{suffix}_q8", (out, scratch))(
-        x, data, table, fmts, layer, ids, *rest, **attrs)[0]
+    return jax.ffi.ffi_call(q8, (out, scratch))(x, data, table, fmts, layer, ids, *rest,
+                                                **attrs)[0]
 
   return _vmappable(call, lambda *a: None)
 
@@ -337,7 +337,7 @@ def _experts2_call(rows: int, cols: int, experts: int, acts: tuple[int, int] | N
                  ggml=np.int64(acts is not None))
     name = "jaxvt_qmatmul_experts2"
     if cslots is not None:
-      name += "_cached"
+      name = "jaxvt_qmatmul_experts2_cached"
       attrs.update(cslot0=np.int64(cslots[0]), cslot1=np.int64(cslots[1]))
     return jax.ffi.ffi_call(name, (out, out))(x, d0, t0, f0, d1, t1, f1, layer, ids, *rest,
                                               **attrs)
