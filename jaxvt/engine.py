@@ -44,6 +44,7 @@ from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_
                              xla_workspace_bytes)
 from jaxvt.offload import placement as placement_mod
 from jaxvt.offload import expert_cache, host_tier
+from jaxvt.offload.expert_cache import stats as expert_cache_stats  # noqa: F401 (public)
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
 from jaxvt.offload.plan import Policy, parse_overrides
@@ -489,11 +490,6 @@ def place(model: Model, placed: Placed, par: Par, *, host=None,
     weights = expert_cache.attach(weights, placed.expert_cache, par)
   return weights
 
-
-def expert_cache_stats(weights: dict) -> expert_cache.CacheStats | None:
-  """The expert cache's counters (hits, misses and their bytes since it was made) of weights
-  from `place`; None without a cache."""
-  return expert_cache.stats(weights)
 
 
 def _file_tokenizer(m: Model, given: Tokenizer | None = None) -> Tokenizer:

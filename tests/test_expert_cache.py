@@ -263,6 +263,13 @@ def test_the_plan_gives_the_cache_what_is_free(moe_file):
   assert (bd.weights + bd.kv_cache + bd.state + bd.workspace + bd.expert_cache + bd.slack
           + bd.free == bd.capacity)
   assert "expert cache:" in placed.plan_text() and "expert cache" in placed.report()
+  # the prediction counts the cache's share of the cached layers' routed reads as device reads
+  routed = sum(u.read_bytes for u, k in zip(placed.plan.units, placed.plan.kinds)
+               if k == "host" and u.name.startswith("moe.w_") and u.layer in cp.layers)
+  moved = round(routed * cp.slots / cp.experts)
+  assert placed.prediction.host_read_bytes == plain.prediction.host_read_bytes - moved > 0
+  assert (placed.prediction.device_read_bytes ==
+          plain.prediction.device_read_bytes + moved)
   with pytest.raises(JaxvtError, match="--expert-cache-gb .* does not fit"):
     jaxvt.plan(m, offload_gb=0.004, device_gb=1, max_context=128, expert_cache_gb=5)
   with pytest.raises(JaxvtError, match="expert_cache_gb"):

@@ -117,11 +117,20 @@ def state_read_bytes(cfg: ModelConfig, shape: memory.RunShape, context_pos: int)
 
 
 def predict(plan: Plan, rates: Rates, cfg: ModelConfig, shape: memory.RunShape = memory.RunShape(),
-            context_pos: int | None = None) -> Prediction:
-  """Predicted decode-step time; `context_pos` defaults to half the context (a full run's mean)."""
+            context_pos: int | None = None, cache=None) -> Prediction:
+  """Predicted decode-step time; `context_pos` defaults to half the context (a full run's mean).
+  `cache` (expert_cache.CachePlan): the routed experts of its layers are read from the device
+  at least as often as it holds them (slots / experts: uniform routing; routing that reuses
+  experts hits more), and that share of their host reads becomes device reads."""
   pos = shape.max_context // 2 if context_pos is None else context_pos
   dev = plan.device_read_bytes + state_read_bytes(cfg, shape, pos)
   host = plan.host_read_bytes
+  if cache is not None:
+    share = cache.slots / cache.experts
+    hits = round(share * sum(u.read_bytes for u, k in zip(plan.units, plan.kinds)
+                             if k == HOST and u.role is Role.ROUTED_EXPERTS
+                             and u.layer in cache.layers))
+    dev, host = dev + hits, host - hits
   calls = kernel_calls(plan, cfg)
   fixed = (calls * rates.launch_us + cfg.n_layers * XLA_OPS_PER_LAYER * rates.op_us +
            rates.step_ms * 1000.0)

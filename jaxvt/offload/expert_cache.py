@@ -73,7 +73,8 @@ class CachePlan:
             f"{self.nbytes / (1 << 20):.1f} MiB")
     return (f"expert cache: {size}, {self.slots} of {self.experts} experts "
             f"({share:.0%}) in each of {len(self.layers)} host-tier MoE layers, "
-            f"{self.policy.upper()}")
+            f"{self.policy.upper()} (the prediction counts {share:.0%} of their routed reads "
+            "as hits, as under uniform routing; routing that reuses experts hits more)")
 
 
 def cache_plan(plan: Plan, experts: int, budget_bytes: int, policy: str = "lru",

@@ -67,6 +67,8 @@ class Placed:
     if cp is not None:
       self.expert_cache = cp
       self.breakdown = dataclasses.replace(self.breakdown, expert_cache=cp.nbytes)
+    if self.cfg is not None and self.shape is not None:
+      self.prediction = cost.predict(self.plan, self.rates, self.cfg, self.shape, cache=cp)
     return self
 
   def recheck(self, workspace_bytes: int, force: bool = False) -> None:
