@@ -403,23 +403,30 @@ class Engine:
 
 
 def plan_workspace_bytes(model: Model, placement, ex: Exec, max_context: int,
-                         prefill_chunk: int) -> int | None:
+                         prefill_chunk: int, cache=None) -> int | None:
   """xla_workspace_bytes of the engine that placing `model`'s weights as `placement` says
   would give, from the weights' shapes alone (loader.abstract_weights): nothing is placed. One
-  device (the 1 x 1 mesh of `ex.par`)."""
+  device (the 1 x 1 mesh of `ex.par`). `cache` (expert_cache.CachePlan): the weights carry an
+  expert cache's tables (its size does not change the programs)."""
   weights = loader.abstract_weights(model, placement, ex.par)
+  if cache is not None:
+    weights[expert_cache.CACHE] = expert_cache.abstract_tables(cache, model.cfg.n_layers, ex.par)
   return xla_workspace_bytes(Engine(cfg=model.cfg, ex=ex, weights=weights, tokenizer=None,
                                     max_context=max_context,
                                     prefill_chunk=min(prefill_chunk, max_context)))
 
 
 def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: int = PREFILL_CHUNK,
-                     seconds: list | None = None) -> Callable[[object], int | None]:
-  """plan()'s `workspace_of` (one device): plan_workspace_bytes of each candidate, timed."""
+                     seconds: list | None = None,
+                     cached: bool = True) -> Callable[[object], int | None]:
+  """plan()'s `workspace_of` (one device): plan_workspace_bytes of each candidate, timed; with
+  `cached`, of the program with the expert cache the candidate's host-tier experts would get."""
   def workspace_of(p):
     t = time.perf_counter()
+    cp = (expert_cache.cache_plan(p, model.cfg.n_experts, 1 << 62, "lru", 1)
+          if cached and ex.kernels else None)
     ws = plan_workspace_bytes(model, lambda n, l: p.placement.get((n, l), "device"), ex,
-                              max_context, prefill_chunk)
+                              max_context, prefill_chunk, cp)
     (seconds if seconds is not None else []).append(time.perf_counter() - t)  # load's check
     return ws
   return workspace_of
@@ -557,7 +564,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
     # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []
-    workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds)
+    workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds,
+                                    cached=expert_cache_gb != 0)
     placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
                   max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
                   mesh=par, prefill_chunk=prefill_chunk,
