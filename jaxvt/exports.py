@@ -40,7 +40,7 @@ import jax
 import jaxlib
 from jax import export
 
-from jaxvt.qweight import QMeta, QWeight
+from jaxvt.qweight import CacheTables, QMeta, QWeight
 
 SUFFIX = ".jaxexp"
 
@@ -56,10 +56,15 @@ def _qmeta_from(b: bytes):
 
 @functools.cache
 def _register() -> None:
-  """QWeight's pytree node serializable (its aux data is its QMeta); once per process."""
+  """QWeight's and CacheTables' pytree nodes serializable (their aux data: the QMeta, the slot
+  sizes); once per process."""
   export.register_pytree_node_serialization(QWeight, serialized_name="jaxvt.qweight.QWeight",
                                             serialize_auxdata=_qmeta_bytes,
                                             deserialize_auxdata=_qmeta_from)
+  export.register_pytree_node_serialization(
+      CacheTables, serialized_name="jaxvt.qweight.CacheTables",
+      serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+      deserialize_auxdata=lambda b: tuple(json.loads(b)))
 
 
 @functools.cache

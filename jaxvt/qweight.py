@@ -71,6 +71,35 @@ class QWeight:
     return self, layer
 
 
+STAGES = ("gate", "up", "down")  # the routed stacks' products, as the experts ops name them
+
+
+@jax.tree_util.register_pytree_node_class
+class CacheTables:
+  """The device expert cache (jaxvt.ffi.expert_cache) as a program sees it, under the weights'
+  "moe.cache": stab uint32 [L, 2] (each cached layer's state block's
+  address, 0 elsewhere) and per stage ("gate", "up", "down") the stack's cache table uint32
+  [L, 2] (the layer's partition of slots, 0 where that stack's layer is not cached) and a slot's
+  bytes (static). `owner` (the allocation, jaxvt.offload.expert_cache.ExpertCache) is kept
+  alive by the weights holding this object; it is not part of the pytree, so programs depend
+  only on the slot sizes, not on the cache's size or where it lives."""
+
+  def __init__(self, stab, ctabs: dict, cslots: dict, owner=None):
+    self.stab, self.ctabs, self.cslots, self.owner = stab, dict(ctabs), dict(cslots), owner
+
+  def tree_flatten(self):
+    return (self.stab, tuple(self.ctabs[s] for s in STAGES)), tuple(self.cslots[s] for s in STAGES)
+
+  @classmethod
+  def tree_unflatten(cls, cslots, children):
+    stab, ctabs = children
+    return cls(stab, dict(zip(STAGES, ctabs)), dict(zip(STAGES, cslots)))
+
+  def operands(self, where: jax.Array) -> dict:
+    """The experts ops' `cache` argument for a call whose decisions are `where`."""
+    return {s: (where, self.ctabs[s], self.cslots[s]) for s in STAGES}
+
+
 def split_u64(values) -> np.ndarray:
   """uint64 values -> uint32 [n, 2] (lo, hi) rows, the layout of QWeight.table."""
   v = np.asarray(values, dtype=np.uint64).reshape(-1)

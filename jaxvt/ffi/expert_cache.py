@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt import ffi as _ffi
+from jaxvt.qweight import STAGES, CacheTables  # noqa: F401 (re-exported)
 
 _ffi.register()
 
@@ -32,7 +33,6 @@ POLICIES = ("lru", "lfru")  # Header.policy 0, 1
 MAX_CALL_SLOTS = 1024  # routed slots of one call (expert_cache.h kMaxCallSlots)
 MAX_SLOTS = 1024  # slots of one layer (kMaxSlots)
 USE = 256  # LFRU: a use's weight (kUse)
-STAGES = ("gate", "up", "down")
 
 
 def layer_words(experts: int, slots: int) -> int:
@@ -50,31 +50,6 @@ def new_layer_state(experts: int, slots: int, policy: str) -> np.ndarray:
   s[:4] = (0, POLICIES.index(policy), slots, experts)
   s[HEADER_WORDS:HEADER_WORDS + experts + slots] = -1  # dir and owner
   return s
-
-
-@jax.tree_util.register_pytree_node_class
-class CacheTables:
-  """What a program needs of the cache: stab uint32 [L, 2] (each cached layer's state block's
-  address, 0 elsewhere) and per stage ("gate", "up", "down") the stack's cache table uint32
-  [L, 2] (the layer's partition of slots, 0 where that stack's layer is not cached) and a slot's
-  bytes (static). `owner` (the allocation, jaxvt.offload.expert_cache.ExpertCache) is kept
-  alive by the weights holding this object; it is not part of the pytree, so programs depend
-  only on the slot sizes, not on the cache's size or where it lives."""
-
-  def __init__(self, stab, ctabs: dict, cslots: dict, owner=None):
-    self.stab, self.ctabs, self.cslots, self.owner = stab, dict(ctabs), dict(cslots), owner
-
-  def tree_flatten(self):
-    return (self.stab, tuple(self.ctabs[s] for s in STAGES)), tuple(self.cslots[s] for s in STAGES)
-
-  @classmethod
-  def tree_unflatten(cls, cslots, children):
-    stab, ctabs = children
-    return cls(stab, dict(zip(STAGES, ctabs)), dict(zip(STAGES, cslots)))
-
-  def operands(self, where: jax.Array) -> dict:
-    """The experts ops' `cache` argument for a call whose decisions are `where`."""
-    return {s: (where, self.ctabs[s], self.cslots[s]) for s in STAGES}
 
 
 def assign(ids: jax.Array, layer, stab: jax.Array) -> jax.Array:
