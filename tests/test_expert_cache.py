@@ -223,26 +223,26 @@ def _slot_gib(path: str, slots: int) -> float:
   return (slots * one + expert_cache.xc.layer_words(cfg.n_experts, slots) * 4 * 8 + 1024) / 2**30
 
 
-@pytest.mark.parametrize("policy,slots", [("lru", None), ("lru", 3), ("lfru", 3)])
+@pytest.mark.parametrize("policy,slots", [("lru", 8), ("lru", 3), ("lfru", 3)])
 def test_greedy_tokens_are_the_same_with_the_cache(moe_file, policy, slots):
-  """Every routed expert in the host tier, and a third of them: the cache (as large as the
-  device allows, or 3 slots of 8 experts: evicting all the time) gives the tokens of a run with
-  every weight on the device, and counts its hits."""
+  """Every routed expert in the host tier, and a third of them: the cache (every expert, or 3
+  slots of 8 experts: evicting all the time) gives the tokens of a run with every weight on the
+  device, and counts its hits."""
   with jaxvt.load(moe_file, max_context=128, expert_cache_gb=0) as dev:
     want = dev.generate(PROMPT, max_tokens=16).tokens
-  gb = "auto" if slots is None else _slot_gib(moe_file, slots)
+  gb = _slot_gib(moe_file, slots)
   for offload in (64, 0.004):
     with jaxvt.load(moe_file, max_context=128, offload_gb=offload, expert_cache_gb=gb,
                     expert_cache_policy=policy) as e:
       cp = e.plan.expert_cache
       assert cp is not None and cp.policy == policy
-      if slots is None or offload == 64:  # (a third in the host tier: the same GiB, more slots)
-        assert cp.slots == (e.cfg.n_experts if slots is None else slots)
+      if offload == 64:  # (a third in the host tier: the same GiB, more slots)
+        assert cp.slots == slots
       assert e.memory.expert_cache == cp.nbytes
       assert e.generate(PROMPT, max_tokens=16).tokens == want
       s = jaxvt.engine.expert_cache_stats(e.weights)
       assert s.hits > 0 and s.misses > 0 and s.host_bytes > 0
-      if slots is not None and offload == 64:
+      if slots < e.cfg.n_experts and offload == 64:
         assert s.misses > slots * len(cp.layers)  # evicted
 
 
@@ -275,6 +275,14 @@ def test_the_plan_gives_the_cache_what_is_free(moe_file):
   with pytest.raises(JaxvtError, match="expert_cache_gb"):
     jaxvt.plan(m, offload_gb=0.004, device_gb=1, max_context=128, expert_cache_gb=-1)
   assert jaxvt.plan(m, offload_gb=0, device_gb=1, max_context=128).expert_cache is None
+  # the CPU backend's "device" is the host's own memory: no cache unless a size is given (a
+  # GPU's free memory gets one)
+  auto = jaxvt.plan(m, offload_gb=0.004, max_context=128)
+  if auto.facts.platform == "cpu":
+    assert auto.facts.host_memory and auto.expert_cache is None
+  else:
+    assert not auto.facts.host_memory and auto.expert_cache is not None
+  assert jaxvt.plan(m, offload_gb=0.004, max_context=128, expert_cache_gb=0.002).expert_cache
 
 
 def test_cache_plan_sizes_slots_from_bytes(moe_file):

@@ -65,13 +65,13 @@ def smol(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-  """A tiny qwen35moe file, its routed experts in the host tier (so the expert cache takes what
-  the server leaves); one slot and one place in the queue; on 127.0.0.2 (loopback, but not the
+  """A tiny qwen35moe file, its routed experts in the host tier and an expert cache (sized after
+  the batch and the prefix cache); one slot and one place in the queue; on 127.0.0.2 (loopback, but not the
   default address) without a key."""
   tmp = tmp_path_factory.mktemp("hybrid")
   path = hybrid_file(tmp, context_length=1024)
   s = Server(tmp, f"--model={path}", "--max_context=1024", "--max-batch=1", "--max-queue=1",
-             "--offload-gb=64", host="127.0.0.2")
+             "--offload-gb=64", "--expert-cache-gb=0.01", host="127.0.0.2")
   gf = open_gguf(path)
   s.eos = Tokenizer.from_gguf_metadata(gf.metadata).stop_ids
   yield s

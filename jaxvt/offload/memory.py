@@ -27,6 +27,7 @@ from jaxvt.model.config import ModelConfig
 from jaxvt.offload.plan import GiB, Plan, ceil_gib, gib_text
 
 SLACK_MIN_BYTES = GiB // 2
+CPU_SOURCE = "MemAvailable (CPU)"  # DeviceFacts.source of the CPU backend without --device-gb
 SLACK_FRACTION = 0.03
 # Host RAM to leave free after pinning the host tier: the Python process, the JAX runtime and the
 # loader's upload buffers. Pinned pages cannot be swapped or reclaimed, so running out invokes the OOM
@@ -47,6 +48,12 @@ class DeviceFacts:
     if self.capacity_bytes <= 0:
       raise JaxvtError(f"device capacity {self.capacity_bytes / GiB:.2f} GiB must be positive; "
                        "pass --device-gb N")
+
+  @property
+  def host_memory(self) -> bool:
+    """Whether this "device" is the host's own memory (the CPU backend, sized from
+    MemAvailable): a second copy of host-tier weights there gains nothing."""
+    return self.platform == "cpu" and self.source == CPU_SOURCE
 
   @property
   def slack(self) -> int:

@@ -40,7 +40,8 @@ class Placed:
     """Gives the device expert cache `gb` GiB (None or "auto": what the plan leaves free beyond
     the slack, or `free` bytes where given; 0: no cache) and returns self. The cache holds
     host-tier routed experts, so a plan without any, or on a mesh, gets none (an explicit size
-    there is a JaxvtError)."""
+    there is a JaxvtError); on the CPU backend, whose device memory is the host tier's own RAM,
+    only an explicit size makes one."""
     self.breakdown = dataclasses.replace(self.breakdown, expert_cache=0)
     self.expert_cache = None
     auto = gb is None or gb == "auto"
@@ -50,6 +51,8 @@ class Placed:
     if not auto and want == 0:
       return self
     free = max(0, self.breakdown.free if free is None else min(free, self.breakdown.free))
+    if auto and self.facts.host_memory:
+      return self
     if self.devices > 1:
       if auto:
         return self
@@ -188,7 +191,7 @@ def _facts(device, device_gb: float | None) -> memory.DeviceFacts:
     avail = memory.read_mem_available()
     if avail is None:
       raise JaxvtError("cannot read available memory for the CPU device; pass --device-gb N")
-    return memory.DeviceFacts(avail, "cpu", str(device.device_kind), "MemAvailable (CPU)")
+    return memory.DeviceFacts(avail, "cpu", str(device.device_kind), memory.CPU_SOURCE)
   return probe.device_facts(device, device_gb)
 
 
