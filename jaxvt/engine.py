@@ -564,8 +564,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
     # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
     # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []
-    workspace_of = xla_workspace_of(m, ex, max_context, prefill_chunk, seconds,
-                                    cached=expert_cache_gb != 0)
+    workspace_of = xla_workspace_of(
+        m, ex, max_context, prefill_chunk, seconds,
+        cached=expert_cache.expected(expert_cache_gb, device.platform, device_gb))
     placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
                   max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
                   mesh=par, prefill_chunk=prefill_chunk,

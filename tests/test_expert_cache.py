@@ -282,6 +282,10 @@ def test_the_plan_gives_the_cache_what_is_free(moe_file):
     assert auto.facts.host_memory and auto.expert_cache is None
   else:
     assert not auto.facts.host_memory and auto.expert_cache is not None
+  # what the load's memory check expects of the same rule
+  assert expert_cache.expected("auto", auto.facts.platform, None) == (auto.expert_cache is not None)
+  assert expert_cache.expected(0.5, "cpu", None) and expert_cache.expected("auto", "cpu", 16)
+  assert not expert_cache.expected(0, "cuda", None)
   assert jaxvt.plan(m, offload_gb=0.004, max_context=128, expert_cache_gb=0.002).expert_cache
 
 

@@ -107,6 +107,15 @@ def cache_plan(plan: Plan, experts: int, budget_bytes: int, policy: str = "lru",
   return CachePlan(int(slots), experts, policy, parts, slot_bytes, ebytes)
 
 
+def expected(gb, platform: str, device_gb: float | None) -> bool:
+  """Whether a plan with host-tier routed experts gets a cache for `--expert-cache-gb` `gb`:
+  not for 0, nor for "auto" on the CPU backend without --device-gb, whose device memory is the
+  host's own RAM (memory.DeviceFacts.host_memory; Placed.with_expert_cache decides so)."""
+  if gb == 0:
+    return False
+  return not (gb in (None, "auto") and platform == "cpu" and device_gb is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
   """Routed-expert reads of the cached layers since the cache was made, one per (token, slot):
