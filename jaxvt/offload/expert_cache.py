@@ -164,8 +164,10 @@ class ExpertCache:
     ctabs = {}
     for n in ROUTED:
       addr = np.zeros(n_layers, np.uint64)
-      for i, l in enumerate(dict(cp.parts).get(n, ())):
-        if self._fillable(weights[n], l):
+      parts = dict(cp.parts).get(n, ())
+      fillable = self._fillable(weights[n]) if parts else None
+      for i, l in enumerate(parts):
+        if fillable[l]:
           addr[l] = self.data[n].unsafe_buffer_pointer() + i * cp.slots * sb[n]
       ctabs[STAGE[n]] = split_u64(addr)
     put = lambda a: jax.device_put(a, table_sharding or device)
@@ -173,13 +175,17 @@ class ExpertCache:
                                   {STAGE[n]: sb.get(n, 0) for n in ROUTED}, owner=self)
 
   @staticmethod
-  def _fillable(w: QWeight, layer: int) -> bool:
-    """Whether the kernels can copy layer `layer`'s experts as they read them: 16-byte aligned
-    experts in the host tier (the GPU kernels copy whole 16-byte words)."""
-    table = np.asarray(w.table)
-    addr = int(table[layer, 0]) | (int(table[layer, 1]) << 32)
-    per = w.meta.rows * row_bytes(int(np.asarray(w.fmts)[layer]) & FMT_MASK, w.meta.cols)
-    return addr % 16 == 0 and per % 16 == 0
+  def _fillable(w: QWeight) -> list[bool]:
+    """Per layer, whether the kernels can copy its experts as they read them: 16-byte aligned
+    experts in the host tier (the GPU kernels copy whole 16-byte words). The table and formats
+    are read from the device once."""
+    table, fmts = np.asarray(w.table), np.asarray(w.fmts)
+    out = []
+    for l in range(w.meta.n_layers):
+      addr = int(table[l, 0]) | (int(table[l, 1]) << 32)
+      per = w.meta.rows * row_bytes(int(fmts[l]) & FMT_MASK, w.meta.cols)
+      out.append(addr % 16 == 0 and per % 16 == 0)
+    return out
 
   def tables(self) -> xc.CacheTables:
     return self._tables
