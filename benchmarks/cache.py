@@ -1,13 +1,16 @@
 """python -m benchmarks.cache: a device-side expert cache, 35B MoE model, emulated 16 GiB GPU.
 
-  python -m benchmarks.cache [--models realistic,uniform] [--budgets auto,7,12,experts]
+  python -m benchmarks.cache [--models realistic,high-locality,uniform]
+      [--budgets auto,7,12,experts]
       [--arms cache,predict,llama] [--gen 256] [--repeats 2] [--time-limit 540] [--merge]
       [--write]
 
-Two Qwen3.6-35B-A3B-shaped files written by jaxvt.synth with the same weights but the
-embedding, the output head and the routers: `realistic` (routing=RoutingStats(): a decode reuses
-experts as real Qwen3 routing does) and `uniform` (benchmarks.offload's file: uniform, memoryless
-routing, where a cache can only cost). Each budget (GiB in the host tier; `experts`: every routed
+Three Qwen3.6-35B-A3B-shaped files written by jaxvt.synth with the same weights but the
+embedding, the output head and the routers: `realistic` (jaxvt.synth_routing.PRESETS["realistic"]:
+a decode's experts reuse and drift so that an LRU cache hits as on real routing traces),
+`high-locality` (PRESETS["high-locality"]: real reuse, but a few topics whose experts take most
+selections, so the working set fits a cache: an upper bound) and `uniform` (benchmarks.offload's
+file: uniform, memoryless routing, where a cache can only cost). Each budget (GiB in the host tier; `experts`: every routed
 expert there, as llama.cpp's `-ot exps=CPU`) is placed, from the file opened once, in these arms
 (benchmarks.cache_report.ARMS):
 
@@ -17,7 +20,7 @@ expert there, as llama.cpp's `-ot exps=CPU`) is placed, from the file opened onc
   lru-flip    the LRU cache with the prediction flipped from its default (7 GiB only)
   llama.cpp   llama-bench with the same bytes of routed experts on the CPU (`--n-cpu-moe N`)
 
-on the realistic file, and `off` and `lru` at 7 GiB on the uniform file. An arm is a warm-up
+on the realistic file, and `off` and `lru` at 7 GiB on the high-locality and uniform files. An arm is a warm-up
 decode after another prompt (compiles the programs, fills the cache), then --repeats timed
 decodes, each after its own prompt (the same prompts in every arm); the cache's counters
 (engine.expert_cache_stats) around each give the hit rate and the bytes the misses read. The
@@ -48,9 +51,10 @@ from benchmarks import cache_report, offload, offload_llama, report
 from benchmarks.cache_report import ARMS, GiB, LLAMA, Row
 from benchmarks.cli import parser_of, run
 from jaxvt import JaxvtError, SamplingParams, engine, ffi
-from jaxvt.synth_routing import RoutingStats
+from jaxvt.synth_routing import PRESETS
 
-REALISTIC = "/tmp/jaxvt-qwen36-35b-a3b-realistic.gguf"
+REALISTIC = "/tmp/jaxvt-qwen36-35b-a3b-realistic-drift.gguf"
+HIGH_LOCALITY = "/tmp/jaxvt-qwen36-35b-a3b-high-locality.gguf"
 ROWS = "/tmp/jaxvt-bench-cache-rows.json"
 # where the kernel rule predicts no experts at all, a flipped arm predicts this many after a
 # host-tier and after a device layer (the CUDA tuning row's counts)
@@ -62,9 +66,11 @@ def parser() -> argparse.ArgumentParser:
   ap = parser_of("cache", __doc__, child=str)
   ap.add_argument("--realistic", default=REALISTIC,
                   help="the realistic-routing file (written when missing at the default path)")
+  ap.add_argument("--high-locality", default=HIGH_LOCALITY,
+                  help="the high-locality file (written when missing at the default path)")
   ap.add_argument("--uniform", default=offload.MODEL,
                   help="the uniform-routing file (benchmarks.offload's, written when missing)")
-  ap.add_argument("--models", default="realistic,uniform",
+  ap.add_argument("--models", default="realistic,high-locality,uniform",
                   help="the files of the jaxvt arms (llama.cpp's arm runs on the realistic one)")
   ap.add_argument("--budgets", default="auto,7,12,experts",
                   help="GiB in the host tier, auto, or experts (every routed expert)")
@@ -253,7 +259,7 @@ def child(args) -> None:
   models = list(dict.fromkeys([m for m, _, _ in points] + [m for m in args.facts.split(",") if m]))
   took: list[float] = []
   for m in models:
-    s = Session(args.realistic if m == "realistic" else args.uniform, args.prompt, args.gen,
+    s = Session(model_file(args, m)[0], args.prompt, args.gen,
                 args.device_gb, args.temperature, args.repeats)
     mine = [p for p in points if p[0] == m]
     with offload.gpu_lock():
@@ -296,7 +302,8 @@ class Rows(offload.Child):
 def command_of(args) -> str:
   """The command line of this run, with the options that differ from their defaults."""
   ap, out = parser(), ["python -m benchmarks.cache"]
-  for name in ("realistic", "uniform", "models", "budgets", "arms", "prompt", "gen", "repeats",
+  for name in ("realistic", "high_locality", "uniform", "models", "budgets", "arms", "prompt",
+               "gen", "repeats",
                "temperature", "time_limit"):
     v = getattr(args, name)
     if v != ap.get_default(name) or name == "time_limit":
@@ -305,12 +312,19 @@ def command_of(args) -> str:
   return " ".join(out)
 
 
+def model_file(args, m: str) -> tuple:
+  """(path, default path, write_model's routing) of model `m`."""
+  default, routing = {"realistic": (REALISTIC, PRESETS["realistic"]),
+                      "high-locality": (HIGH_LOCALITY, PRESETS["high-locality"]),
+                      "uniform": (offload.MODEL, None)}[m]
+  return getattr(args, m.replace("-", "_")), default, routing
+
+
 def ensure_models(args, models: list[str], log) -> None:
   """The files of `models`, each written once per machine at its default path
   (offload.ensure_model); a file given by path must exist."""
   for m in models:
-    path, default, routing = ((args.realistic, REALISTIC, RoutingStats()) if m == "realistic"
-                              else (args.uniform, offload.MODEL, None))
+    path, default, routing = model_file(args, m)
     if path == default:
       offload.ensure_model(path, log, routing=routing)
     elif not os.path.exists(path):
@@ -360,8 +374,8 @@ def children(args, points: list[tuple], facts: str, deadline: float, frac: str,
   while True:
     cmd = [sys.executable, "-m", "benchmarks.cache", "--child", "arms", "--points",
            json.dumps(todo), "--facts", facts, "--deadline", f"{deadline:.1f}"]
-    for name in ("realistic", "uniform", "budgets", "prompt", "gen", "repeats", "temperature",
-                 "device_gb"):
+    for name in ("realistic", "high_locality", "uniform", "budgets", "prompt", "gen", "repeats",
+                 "temperature", "device_gb"):
       cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     ch = Rows(cmd, {"XLA_PYTHON_CLIENT_MEM_FRACTION": frac}, err, log).wait(deadline + 10)
     rows += ch.runs

@@ -22,7 +22,7 @@ import zlib
 from jaxvt import JaxvtError
 
 GiB = 1 << 30
-MODELS = ("realistic", "uniform")
+MODELS = ("realistic", "high-locality", "uniform")
 BUDGETS = ("auto", "7", "12", "experts")  # experts: every routed expert in the host tier
 PREDICT_BUDGET = "7"  # where the prediction arms and the uniform file run
 # arm -> (cache policy, None without a cache; prediction: the product's default, off, flipped)
@@ -39,7 +39,7 @@ NOISE = 0.01  # a loss below this fraction of cache off's rate counts as measure
 
 @dataclasses.dataclass
 class Row:
-  model: str  # realistic | uniform
+  model: str  # realistic | high-locality | uniform
   budget: str  # auto | 7 | 12 | experts (the point's label)
   arm: str  # a key of ARMS, or llama.cpp
   ok: bool = False
@@ -135,7 +135,7 @@ def plan_points(models: list[str], budgets: list[str],
                 arms: list[str]) -> list[tuple[str, str, str]]:
   """(model, budget, arm) of the jaxvt arms in run order, most telling first: the realistic file
   at 7 GiB (the cache arms, then the prediction arms), its other budgets' cache arms in the
-  order given, then the uniform file at 7 GiB (cache off and LRU)."""
+  order given, then the high-locality and the uniform file at 7 GiB (cache off and LRU)."""
   cache = [a for a in GROUPS["cache"] if a in arms]
   pts = []
   if "realistic" in models:
@@ -144,8 +144,9 @@ def plan_points(models: list[str], budgets: list[str],
       pts += [("realistic", b, a) for a in cache]
       if b == PREDICT_BUDGET:
         pts += [("realistic", b, a) for a in GROUPS["predict"] if a in arms]
-  if "uniform" in models and PREDICT_BUDGET in budgets:
-    pts += [("uniform", PREDICT_BUDGET, a) for a in ("off", "lru") if a in arms]
+  for m in ("high-locality", "uniform"):
+    if m in models and PREDICT_BUDGET in budgets:
+      pts += [(m, PREDICT_BUDGET, a) for a in ("off", "lru") if a in arms]
   return pts
 
 
@@ -358,14 +359,13 @@ def render(rows: list[Row], meta: dict, args, command: str, machine: str, date: 
       "GPU machine `bash tools/gpu_session.sh cache`, llama-bench from "
       "`tools/build_llamacpp.sh`)  ", f"Machine: {machine}  ", f"Date: {date}\n",
       f"Models: the Qwen3.6-35B-A3B-shaped file (Q4_K_M-like weights, 40 trunk layers + MTP "
-      "block) written twice by jaxvt.synth with the same seed: `realistic` with "
-      "`routing=RoutingStats()` (a decode's expert choices reuse like real Qwen3 routing: "
-      "next-token reuse 0.45, reuse within 8 tokens 0.80; docs/BENCHMARKS.md `routing`), "
-      "`uniform` without (uniform, memoryless routing). The realistic file's choices are also "
-      "concentrated, which no published figure fixes and a cache favours: the top tenth of a "
-      "layer's experts take about 0.84 of a 512-token decode's choices (`routing`; uniform: "
-      "about 0.18), so its hit rates are an upper end and the uniform file's (about the share "
-      "of experts the cache holds) the lower one. An emulated 16 GiB card (XLA pool "
+      "block) written by jaxvt.synth with the same seed and three routings: `realistic` "
+      "(`routing=jaxvt.synth_routing.PRESETS['realistic']`: a drifting working set calibrated "
+      "to the LRU hit rates of real routing traces, next-token reuse and a capped skew; "
+      "docs/BENCHMARKS.md `routing`), `high-locality` (`PRESETS['high-locality']`: real reuse "
+      "from a few topics whose experts take about 0.84 of a decode's choices, so its hit rates "
+      "are an upper end) and `uniform` (no routing targets: uniform, memoryless routing, the "
+      "lower end). An emulated 16 GiB card (XLA pool "
       f"fraction {meta.get('frac', '?')}, --device-gb {args.device_gb:g}). Budgets: GiB in the "
       "host tier (`auto`: --offload-gb auto; `experts`: every routed expert, as `-ot "
       "exps=CPU`). Arms: `off` (--expert-cache-gb 0), `lru` / `lfru` (the cache takes the device "

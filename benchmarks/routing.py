@@ -1,6 +1,6 @@
 """python -m benchmarks.routing: the statistics of a MoE model's expert choices in a real decode.
 
-  python -m benchmarks.routing --model M [--model M2 ...] [--tokens 512] [--temperature 1]
+  python -m benchmarks.routing --model M [--model M2 ...] [--tokens 1024] [--temperature 1]
       [--seed 0] [--write]
 
 Loads M as jaxvt.load does, prefills a short prompt and decodes `--tokens` tokens, sampling at
@@ -14,7 +14,11 @@ layer, the statistics of jaxvt.synth_routing (defined in its docstring):
 - reuse@8: the fraction of a token's experts that one of the 8 tokens before it chose;
 - top10%: the share of the layer's selections taken by its ceil(E/10) most chosen experts;
 - next: next-layer predictability: the fraction of layer l+1's experts that a co-occurrence
-  predictor fitted on the first half of the decode names from layer l's, over the second half.
+  predictor fitted on the first half of the decode names from layer l's, over the second half;
+
+and the hit rate of a per-layer LRU cache (jaxvt.synth_routing.lru_hits) at the capacities of
+the real traces' curve (REAL_LRU_CURVE, shares of a layer's experts), mean over layers, beside
+the real hit rates. A decode of 1024 tokens or more lets a drifting working set show.
 
 `--write` writes the `routing` section of docs/BENCHMARKS.md.
 """
@@ -35,7 +39,7 @@ from benchmarks import report
 from benchmarks.cli import run
 from jaxvt import JaxvtError, SamplingParams
 from jaxvt.engine import Exec, decode_loop_fn, first_token_fn, prefill_fn
-from jaxvt.synth_routing import measure
+from jaxvt.synth_routing import REAL_LRU_CURVE, lru_name, measure
 
 PROMPT = "The capital of France is"
 COLUMNS = ("next_token_reuse", "reuse_within_8", "skew", "next_layer_predictability")
@@ -129,7 +133,19 @@ def table(stats: dict[str, np.ndarray]) -> list[str]:
   return rows
 
 
-def probe(path: str, tokens: int = 512, temperature: float = 1.0,
+def lru_table(stats: dict[str, np.ndarray], n_experts: int) -> list[str]:
+  """Markdown rows: the measured LRU hit rate (mean over layers, and the layers' range) at each
+  capacity of REAL_LRU_CURVE, beside the real traces' rate."""
+  rows = ["| LRU capacity (share of experts) | experts | real traces | this decode (mean) | "
+          "layers (min-max) |", "|---|---|---|---|---|"]
+  for share, real in REAL_LRU_CURVE:
+    v = stats[lru_name(share)]
+    rows.append(f"| {share:g} | {share * n_experts:.1f} | {real:.2f} | {np.mean(v):.3f} | "
+                f"{np.min(v):.3f}-{np.max(v):.3f} |")
+  return rows
+
+
+def probe(path: str, tokens: int = 1024, temperature: float = 1.0,
           seed: int = 0) -> tuple[dict[str, np.ndarray], object, list[int]]:
   """(the statistics of a decode of the model at `path` (measure's per-layer values), its
   ModelConfig, the token ids fed)."""
@@ -141,7 +157,7 @@ def probe(path: str, tokens: int = 512, temperature: float = 1.0,
       raise JaxvtError(f"{os.path.basename(path)} is not a MoE model ({cfg.arch}); pass a MoE "
                        "GGUF file")
     ids, fed = decode_trace(eng, tokens, temperature, seed)
-  return measure(ids, cfg.n_experts), cfg, fed
+  return measure(ids, cfg.n_experts, [c for c, _ in REAL_LRU_CURVE]), cfg, fed
 
 
 def main(args) -> str:
@@ -151,7 +167,7 @@ def main(args) -> str:
     k, E = cfg.n_experts_used, cfg.n_experts
     out += [f"### {os.path.basename(path)}: {cfg.arch}, {cfg.n_layers} MoE layers, top-{k} of "
             f"{E} experts (uniform memoryless: reuse@1 {k / E:.3f}); {len(set(fed))} distinct "
-            f"of {len(fed)} tokens\n", *table(stats), ""]
+            f"of {len(fed)} tokens\n", *table(stats), "", *lru_table(stats, E), ""]
   body = "\n".join(out)
   if args.write:
     models = " ".join(f"--model {os.path.basename(p)}" for p in args.model)
@@ -171,7 +187,7 @@ def cli(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.routing",
                                description=__doc__.splitlines()[0])
-  ap.add_argument("--tokens", type=int, default=512, help="tokens to decode")
+  ap.add_argument("--tokens", type=int, default=1024, help="tokens to decode")
   ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
   ap.add_argument("--seed", type=int, default=0, help="sampling seed")
   ap.add_argument("--write", action="store_true", help="write docs/BENCHMARKS.md's section")

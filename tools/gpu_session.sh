@@ -33,7 +33,9 @@
 # which covers writing the files it uses on a fresh machine), CACHE_ARMS, CACHE_BUDGETS,
 # CACHE_MODELS, CACHE_ROWS (its --arms, --budgets, --models, --rows), CACHE_MERGE=1 (--merge:
 # this call's rows and an earlier call's). Everything takes two calls: CACHE_MODELS=realistic
-# CACHE_ARMS=cache,predict, then CACHE_MODELS=uniform CACHE_ARMS=cache,llama CACHE_MERGE=1.
+# CACHE_ARMS=cache,predict, then CACHE_MODELS=high-locality,uniform CACHE_ARMS=cache,llama
+# CACHE_MERGE=1. (realistic: routing calibrated to real LRU curves; high-locality: the earlier
+# few-topic file, an upper bound for a cache; jaxvt.synth_routing.PRESETS.)
 set -uo pipefail
 what=${1:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -134,7 +136,7 @@ case "$what" in
     start_llama  # the llama.cpp arms run last and wait for a build in progress
     python3 -m benchmarks.cache --time-limit ${CACHE_S:-540} \
       --arms ${CACHE_ARMS:-cache,predict,llama} --budgets ${CACHE_BUDGETS:-auto,7,12,experts} \
-      --models ${CACHE_MODELS:-realistic,uniform} \
+      --models ${CACHE_MODELS:-realistic,high-locality,uniform} \
       --rows ${CACHE_ROWS:-/tmp/jaxvt-bench-cache-rows.json} \
       $([ -n "${CACHE_MERGE:-}" ] && echo --merge) --write 2>&1 | tee "$OUT/cache.txt" | tail -40
     cp /tmp/llama_build.log "$OUT/" 2>/dev/null ;;
