@@ -39,6 +39,8 @@ GROUPS = (
                              "mesh", "coordinator", "num_processes", "process_id")),
     ("server", ("host", "port", "api_key", "max_batch", "max_queue", "prefix_cache_gb",
                 "drain_seconds")),
+    ("connections", ("header_timeout", "timeout_keep_alive", "send_timeout",
+                     "limit_concurrency")),
     ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
 )
 
@@ -58,8 +60,20 @@ flags.DEFINE_float("prefix_cache_gb", None, "Device GiB for earlier prompts' sta
                    flag_values=FLAGS)
 flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, how long requests in flight may take to "
                    "finish before the server exits anyway.", flag_values=FLAGS)
+flags.DEFINE_float("header_timeout", 10.0, "Seconds a connection may take to send a request's "
+                   "headers (a new one, or one kept alive after a response) before it is closed.",
+                   flag_values=FLAGS)
+flags.DEFINE_float("timeout_keep_alive", 5.0, "Seconds an idle kept-alive connection stays open "
+                   "(uvicorn's).", flag_values=FLAGS)
+flags.DEFINE_float("send_timeout", 60.0, "Seconds one write of a response may wait for a client "
+                   "that does not read (a stalled stream) before the response is ended.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("limit_concurrency", None, "Open connections and requests at most; beyond "
+                     "it requests get 503 (default: no limit but the process's open files).",
+                     flag_values=FLAGS)
 cli.define_info_flags(FLAGS)
 log = logging.getLogger("jaxvt.serve")
+MAX_INCOMPLETE = 64 << 10  # bytes h11 buffers of a request head at most
 
 
 def _help(full: bool) -> str:
@@ -103,6 +117,11 @@ def _validate(F) -> None:
   if F.prefix_cache_gb is not None:
     inputs.number("--prefix-cache-gb", F.prefix_cache_gb, lo=0.0, hi=inputs.MAX_GIB)
   inputs.number("--drain-seconds", F.drain_seconds, lo=0.0, hi=86400.0)
+  inputs.number("--header-timeout", F.header_timeout, lo=0.1, hi=86400.0)
+  inputs.number("--timeout-keep-alive", F.timeout_keep_alive, lo=0.1, hi=86400.0)
+  inputs.number("--send-timeout", F.send_timeout, lo=0.1, hi=86400.0)
+  if F.limit_concurrency is not None:
+    inputs.whole("--limit-concurrency", F.limit_concurrency, 1, 1 << 20)
   if F.api_key is not None and not F.api_key:
     raise JaxvtError("--api-key is empty; pass a key, or leave the flag out")
   if F.mesh is not None:
@@ -118,6 +137,7 @@ def _serve(F) -> int:
   from jaxvt.offload.memory import serve_memory
   from jaxvt.prefix import PrefixCache, sequence_bytes
   from jaxvt.serve.app import build
+  from jaxvt.serve.limits import uvicorn_options
   from jaxvt.serve.loop import EngineLoop
 
   class Server(uvicorn.Server):
@@ -151,9 +171,11 @@ def _serve(F) -> int:
           f"reuse", file=sys.stderr)
     info = {"batch": mem.batch, "sequence_bytes": mem.sequence_bytes,
             "prefix_bytes": mem.prefix_bytes, "max_context": eng.max_context}
-    server = Server(uvicorn.Config(build(eng, loop, _model_id(F), F.api_key, info), host=F.host,
-                                   port=F.port, log_level="warning",
-                                   timeout_graceful_shutdown=F.drain_seconds))
+    app = build(eng, loop, _model_id(F), F.api_key, info, send_timeout=F.send_timeout)
+    server = Server(uvicorn.Config(app, host=F.host, port=F.port, log_level="warning",
+                                   timeout_graceful_shutdown=F.drain_seconds,
+                                   **uvicorn_options(F.timeout_keep_alive, F.header_timeout,
+                                                     F.limit_concurrency, MAX_INCOMPLETE)))
     # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish, then we exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda *_: setattr(server, "should_exit", True))

@@ -1,4 +1,5 @@
-"""Starlette routes of the OpenAI-compatible API over an EngineLoop: GET /health and /v1/models,
+"""Starlette routes of the OpenAI-compatible API over an EngineLoop: GET /health, /metrics
+(Prometheus, jaxvt.serve.metrics) and /v1/models,
 POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
 `"stream": true`), with OpenAI-style JSON errors. Every request is checked as the CLI checks its
 flags (jaxvt.inputs); a refused request is one log line and an error body, and the server goes on
@@ -16,14 +17,17 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxvt import inputs
 from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
+from jaxvt.serve.limits import SendTimeout, wait_or_gone
 from jaxvt.serve.loop import EngineLoop
+from jaxvt.serve.metrics import AccessLog, Metrics
 from jaxvt.serve.scheduler import QueueFull, Request
 
 log = logging.getLogger("jaxvt.serve")
@@ -101,13 +105,16 @@ def _logit_bias(value: Any, vocab: int) -> dict[int, float]:
 
 
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
-          info: dict | None = None) -> Starlette:
-  """The application. With `api_key`, every /v1 request needs `Authorization: Bearer KEY`.
+          info: dict | None = None, send_timeout: float = 60.0) -> Starlette:
+  """The application. With `api_key`, every /v1 request and /metrics need `Authorization: Bearer
+  KEY`. A response write that waits more than `send_timeout` seconds for the client ends it.
   /health reports the requests in flight, `info` (how the server sized itself), the device's
   memory (bytes in use and the peak, where the platform reports them), the prefix cache's
   entries, bytes and hits, and the expert cache's hits and misses."""
   tok = engine.tokenizer
   eos = frozenset(tok.stop_ids)
+  metrics = Metrics(loop, engine.weights, loop.sched.max_batch)
+  loop.observer = metrics
 
   def authorize(req: HttpRequest) -> None:
     if api_key is not None:
@@ -185,8 +192,9 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
             "model": model_id}
     if not data.get("stream"):
-      while not (await q.get())[1]:
-        pass
+      if not await wait_or_gone(q, lambda: loop.cancel(r)):
+        log.info("request %d cancelled: the client disconnected", r.id)
+        return Response(status_code=499)  # nobody is there to read it
       choice = {"index": 0, "finish_reason": finish_reason(r)}
       if chat:
         choice["message"] = {"role": "assistant", "content": r.text}
@@ -227,6 +235,10 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
           log.info("request %d cancelled: the client disconnected", r.id)
           loop.cancel(r)
 
+    # Server-sent events are framed here, not by sse-starlette: importing it replaces uvicorn's
+    # Server.handle_exit for the whole process so that SIGTERM ends every open stream at once,
+    # where this server lets the requests in flight finish (--drain-seconds); the framing it
+    # would take over is one line a chunk.
     return StreamingResponse(events(), media_type="text/event-stream")
 
   def answering(handler):
@@ -282,7 +294,16 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     return JSONResponse({"status": "ok", "requests": loop.counts(), "serve": info or {},
                          "memory": memory, "prefix_cache": reuse, "expert_cache": experts})
 
-  return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                           Route("/v1/completions", completions, methods=["POST"]),
-                           Route("/v1/chat/completions", chat, methods=["POST"])])
+  @answering
+  async def prometheus(req: HttpRequest):
+    authorize(req)
+    text, content_type = metrics.exposition()
+    return Response(text, headers={"Content-Type": content_type})
+
+  routes = [Route("/health", health), Route("/metrics", prometheus), Route("/v1/models", models),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"])]
+  return Starlette(routes=routes, middleware=[
+      Middleware(AccessLog, metrics=metrics, handlers=frozenset(r.path for r in routes)),
+      Middleware(SendTimeout, seconds=send_timeout)])
 

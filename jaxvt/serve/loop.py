@@ -5,7 +5,9 @@ slot, each row sampled with its request's own parameters (jaxvt.sampling.sample_
 
 A request learns of its progress through `Request.listener` (called on this thread with the
 request after each new token, and once more when it is done) and through the event `submit`
-returns (set when it is done). `cancel` (a client gone) frees its slot at the next step."""
+returns (set when it is done). `cancel` (a client gone) frees its slot at the next step.
+`observer` (jaxvt.serve.metrics.Metrics, or None) hears of each request's life: submitted,
+admitted, tokens, finished."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class EngineLoop:
     self._stop = False
     self._done: dict[int, threading.Event] = {}
     self.error: BaseException | None = None  # what stopped the loop, if anything did
+    self.observer = None  # submitted/admitted/tokens/finished(req), called with the lock held
     self.thread = threading.Thread(target=self._run, name="jaxvt-engine", daemon=True)
     self.thread.start()
 
@@ -41,6 +44,8 @@ class EngineLoop:
       if self._stop:
         raise RuntimeError("the server is shutting down")
       self.sched.submit(req)
+      if self.observer:
+        self.observer.submitted(req)
       ev = self._done[req.id] = threading.Event()
       self._cv.notify()
     return ev
@@ -69,6 +74,8 @@ class EngineLoop:
   def _finish(self, req: Request) -> None:
     """With the lock held: tells the request's waiters it is done."""
     ev = self._done.pop(req.id, None)
+    if self.observer:
+      self.observer.finished(req)
     if req.listener:
       req.listener(req)
     if ev:
@@ -85,6 +92,8 @@ class EngineLoop:
                 for s, t in sampled.items() if (r := reqs.get(s)) is not None}
       finished = self.sched.step(pieces)
       for r in reqs.values():
+        if self.observer:
+          self.observer.tokens(r)
         if r.done and r.decoder and (r.eos or r.finish_reason == "length"):  # not cut by a stop
           r.text += r.decoder.flush()
         if r.listener and not r.done:
@@ -129,6 +138,8 @@ class EngineLoop:
         if self.sched.idle() and self._stop:
           return
         admitted = self.sched.admit()
+        for req in admitted if self.observer else ():
+          self.observer.admitted(req)
       first = {}
       for req in admitted:
         logits, req.cached = self.session.prefill(req.slot, req.prompt)
