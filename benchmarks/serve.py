@@ -12,6 +12,9 @@ same client load measures, over the OpenAI API:
     time (the reuse ratio);
   - aggregate decode throughput at 1, 2, 4 and 8 concurrent streams (--tokens each, greedy, the
     end-of-generation tokens biased away so every stream makes all its tokens).
+`--budgets cpu` (alone or with others) adds the CPU arm (benchmarks.serve_cpu): the embedded
+default model on the CPU backend, one and four streams, beside the Python API's decode rate,
+written as its own section, `serve-cpu`.
 `--memory`: two more jaxvt servers at the first offloaded budget, with 1 and 8 sequences and no
 prompt reuse, give the peak device memory each added sequence costs, against the planner's
 figure. `--write` writes the `serve` section of docs/BENCHMARKS.md.
@@ -31,7 +34,7 @@ import time
 import httpx
 import numpy as np
 
-from benchmarks import report
+from benchmarks import report, serve_cpu
 from benchmarks.cli import child_env, parser_of, run
 from benchmarks.offload import MODEL, ensure_model, pool_fraction
 
@@ -185,14 +188,20 @@ def _health(s: Server) -> dict:
 
 def main(args) -> str:
   deadline = time.time() + args.time_limit
-  if args.model == MODEL:
-    ensure_model(MODEL, print)
-  vocab, per_layer, n_layers, eos_ids = _file_facts(args.model)
-  eos = {str(t): -100 for t in eos_ids}
+  budgets = [x for x in args.budgets.split(",") if x]
   logs = os.environ.get("OUT", "/tmp")
   os.makedirs(logs, exist_ok=True)
-  rows, mem = [], None
-  for b in [x for x in args.budgets.split(",") if x]:
+  rows, mem, cpu = [], None, None
+  if "cpu" in budgets:
+    print("jaxvt.serve on the CPU, the default model", flush=True)
+    cpu = serve_cpu.run(args, logs, Server, _file_facts)
+    budgets.remove("cpu")
+  if budgets or args.memory:
+    if args.model == MODEL:
+      ensure_model(MODEL, print)
+    vocab, per_layer, n_layers, eos_ids = _file_facts(args.model)
+    eos = {str(t): -100 for t in eos_ids}
+  for b in budgets:
     if time.time() > deadline:
       print(f"{b}: skipped (time limit)")
       continue
@@ -240,8 +249,12 @@ def main(args) -> str:
       mem = (b, per, peaks[8][1])
       print(f"memory at {b}: {per / GiB:.3f} GiB per added sequence, planner "
             f"{mem[2] / GiB:.3f} GiB", flush=True)
-  lines = _section(args, rows, mem)
-  return report.publish("serve", lines, args.write)
+  out = []
+  if cpu is not None:  # its own section: a CPU run leaves the GPU runs' section as it is
+    out.append(report.publish("serve-cpu", serve_cpu.section(cpu, sys.argv[1:]), args.write))
+  if rows or mem is not None:
+    out.append(report.publish("serve", _section(args, rows, mem), args.write))
+  return "\n\n".join(out)
 
 
 def _section(args, rows, mem) -> list[str]:
