@@ -113,7 +113,7 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
   entries, bytes and hits, and the expert cache's hits and misses."""
   tok = engine.tokenizer
   eos = frozenset(tok.stop_ids)
-  metrics = Metrics(loop, engine.weights, loop.sched.max_batch)
+  metrics = Metrics(loop, engine, loop.sched.max_batch)
   loop.observer = metrics
 
   def authorize(req: HttpRequest) -> None:

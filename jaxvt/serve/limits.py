@@ -71,7 +71,8 @@ class SendTimeout:
       return await self.app(scope, receive, send)
 
     async def bounded(message):
-      await asyncio.wait_for(send(message), self.seconds)
+      async with asyncio.timeout(self.seconds):  # no task per chunk, unlike wait_for
+        await send(message)
 
     token = _receive.set(receive)
     try:

@@ -81,11 +81,11 @@ _current: contextvars.ContextVar[Access | None] = contextvars.ContextVar("jaxvt_
 
 class Metrics:
   """The server's Prometheus registry (its own: several servers in one process stay apart) and
-  the engine loop's observer. `loop`: the EngineLoop (queue, slots, prefix cache); `weights`:
-  the engine's placed weights (the expert cache's counters)."""
+  the engine loop's observer. `loop`: the EngineLoop (queue, slots, prefix cache); `engine`:
+  its Engine (the expert cache's counters, read from its placed weights at each scrape)."""
 
-  def __init__(self, loop, weights: dict, max_batch: int):
-    self.loop, self.weights, self.max_batch = loop, weights, max_batch
+  def __init__(self, loop, engine, max_batch: int):
+    self.loop, self.engine, self.max_batch = loop, engine, max_batch
     self.registry = r = CollectorRegistry()
     self.http = Counter("http_requests", "HTTP requests answered", ["method", "handler", "status"],
                         registry=r)
@@ -188,7 +188,7 @@ class _Scraped:
       yield _counter("jaxvt:prefix_cache_requests_hit", "Prompts that reused a prefix", pc.hits)
       yield _gauge("jaxvt:prefix_cache_entries", "Sequences the prefix cache holds", entries)
       yield _gauge("jaxvt:prefix_cache_bytes", "Bytes the prefix cache holds", nbytes)
-    xs = expert_cache_stats(m.weights)
+    xs = expert_cache_stats(m.engine.weights)
     if xs is not None:
       yield _counter("jaxvt:expert_cache_hits", "Routed-expert reads from the cache", xs.hits)
       yield _counter("jaxvt:expert_cache_misses", "Routed-expert reads over the bus", xs.misses)
