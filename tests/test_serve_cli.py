@@ -20,7 +20,8 @@ def test_help_lists_the_server_and_placement_flags():
   p = _serve("--help")
   assert p.returncode == 0 and p.stderr == ""
   for flag in ("--offload-gb", "--device-gb", "--max-context", "--api-key", "--max-batch",
-               "--prefix-cache-gb", "--port", "--host"):
+               "--prefix-cache-gb", "--port", "--host", "--header-timeout", "--send-timeout",
+               "--timeout-keep-alive", "--limit-concurrency"):
     assert flag in p.stdout, flag
 
 
@@ -29,6 +30,9 @@ def test_help_lists_the_server_and_placement_flags():
     (["--max-batch", "0"], "--max-batch must be between 1 and"),
     (["--offload-gb", "lots"], "--offload-gb"),
     (["--api-key", ""], "--api-key is empty"),
+    (["--send-timeout", "0"], "--send-timeout must be at least 0.1"),
+    (["--header-timeout", "nan"], "--header-timeout"),
+    (["--limit-concurrency", "0"], "--limit-concurrency must be between 1 and"),
     (["--mesh", "tp=2"], "one device"),
     (["--model", "/nonexistent/model.gguf"], "not found"),
     (["extra"], "takes no arguments")])
