@@ -22,6 +22,7 @@ from jaxvt import inputs
 from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
 from jaxvt.serve import schema
+from jaxvt.serve.logprobs import CompletionLogprobs, chat_content
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import QueueFull, Request
 
@@ -50,6 +51,17 @@ def unsupported(data: schema.ChatRequest) -> None:
     raise ApiError(400, f"response_format: type {data.response_format.type!r} is not supported")
   if data.tools:
     raise ApiError(400, "tools: tool calls are not supported")
+
+
+def structured(data: schema.ChatRequest) -> dict:
+  """The Request fields a constrained decoder acts on, as plain dicts."""
+  return {"response_format": None if data.response_format is None else
+          data.response_format.model_dump(by_alias=True, exclude_none=True),
+          "tools": None if data.tools is None else [t.model_dump(exclude_none=True)
+                                                   for t in data.tools],
+          "tool_choice": (data.tool_choice.model_dump() if isinstance(
+              data.tool_choice, schema.NamedToolChoice) else data.tool_choice),
+          "parallel_tool_calls": data.parallel_tool_calls}
 
 
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
@@ -82,9 +94,10 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     except schema.BodyError as e:
       raise ApiError(e.status, str(e)) from None
 
-  def request(ids: list[int], data, default_tokens: int | None) -> Request:
-    """The Request of a validated body `data`. A max_tokens beyond the room the context leaves
-    is clamped to that room: such a generation ends with finish_reason "length"."""
+  def request(ids: list[int], data, default_tokens: int | None, **extra) -> Request:
+    """The Request of a validated body `data` (and `extra` Request fields). A max_tokens beyond
+    the room the context leaves is clamped to that room: such a generation ends with
+    finish_reason "length"."""
     if len(ids) + 1 > engine.max_context:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, more than --max-context "
                      f"{engine.max_context} allows")
@@ -94,12 +107,16 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     return Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=data.stop,
                    temperature=data.temperature,
                    top_k=inputs.top_k_for(data.top_k, engine.cfg.vocab_size), top_p=data.top_p,
-                   seed=seed, decoder=tok.stream_decoder(), logit_bias=dict(data.logit_bias))
+                   seed=seed, decoder=tok.stream_decoder(), logit_bias=dict(data.logit_bias),
+                   frequency_penalty=data.frequency_penalty,
+                   presence_penalty=data.presence_penalty, logprobs=data.alternatives, **extra)
 
   def submit(r: Request):
-    """Queues `r`; returns an asyncio queue that receives (new text, done) from the loop."""
+    """Queues `r`; returns an asyncio queue that receives (new text, done, how many of its
+    token_logprobs there are with that text) from the loop."""
     aloop, q = asyncio.get_running_loop(), asyncio.Queue()
-    r.listener = lambda r: aloop.call_soon_threadsafe(q.put_nowait, (r.release(), r.done))
+    r.listener = lambda r: aloop.call_soon_threadsafe(
+        q.put_nowait, (r.release(), r.done, len(r.token_logprobs)))
     try:
       loop.submit(r)
     except QueueFull as e:
@@ -122,25 +139,39 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     q = submit(r)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
             "model": model_id}
+    want_lps = r.logprobs is not None
+    legacy = CompletionLogprobs(tok)
+    sent = 0  # token_logprobs sent so far
+
+    def lps(upto: int) -> dict | None:
+      """The logprobs object of token_logprobs[sent:upto] (None without logprobs)."""
+      nonlocal sent
+      if not want_lps:
+        return None
+      entries = list(zip(r.tokens[sent:upto], r.token_logprobs[sent:upto]))
+      sent = upto
+      return {"content": chat_content(tok, entries)} if chat else legacy.take(entries)
+
     if not data.stream:
       while not (await q.get())[1]:
         pass
-      choice = {"index": 0, "finish_reason": finish_reason(r)}
+      choice = {"index": 0, "finish_reason": finish_reason(r), "logprobs": lps(len(r.tokens))}
       if chat:
         choice["message"] = {"role": "assistant", "content": r.text}
       else:
-        choice.update(text=r.text, logprobs=None)
+        choice["text"] = r.text
       return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                            "choices": [choice], "usage": usage(r)})
     kind = "chat.completion.chunk" if chat else "text_completion"
     with_usage = data.include_usage
 
-    def chunk(piece: str | None, reason: str | None, delta: dict | None = None) -> str:
+    def chunk(piece: str | None, reason: str | None, delta: dict | None = None,
+              logprobs: dict | None = None) -> str:
       if chat:
         choice = {"index": 0, "delta": delta or ({} if piece is None else {"content": piece}),
-                  "finish_reason": reason}
+                  "logprobs": logprobs, "finish_reason": reason}
       else:
-        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
       return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
     async def events():
@@ -148,13 +179,15 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         if chat:
           yield chunk(None, None, {"role": "assistant", "content": ""})
         while True:
-          piece, done = await q.get()
+          piece, done, n_lps = await q.get()
           if piece:
-            yield chunk(piece, None)
+            yield chunk(piece, None, logprobs=lps(n_lps))
           if done:
             break
         try:
-          yield chunk(None, finish_reason(r))
+          reason = finish_reason(r)
+          yield chunk(None, reason, logprobs=lps(len(r.token_logprobs)) if sent < len(
+              r.token_logprobs) else None)
         except ApiError as e:
           yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         if with_usage:
@@ -192,7 +225,8 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
     text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
                                                             msgs)
-    return await respond(request(tok.encode(text), data, None), data, chat=True)
+    r = request(tok.encode(text), data, None, **structured(data))
+    return await respond(r, data, chat=True)
 
   @answering
   async def models(req: HttpRequest):
