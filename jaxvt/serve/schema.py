@@ -91,7 +91,6 @@ class JsonSchemaFormat(_Model):
   # "schema" would shadow BaseModel.schema: the attribute is schema_, the JSON key "schema"
   schema_: dict[str, Any] | None = Field(None, alias="schema")
   strict: bool | None = None
-  model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class TextFormat(_Model):
