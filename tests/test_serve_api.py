@@ -15,6 +15,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from jaxvt.serve import schema
+from jaxvt.serve.loop import EngineLoop
+from jaxvt.serve.scheduler import Request
 from test_serve_fixtures import smol  # noqa: F401  (the in-process engine: the reference)
 from test_serve_http import KEY, Server
 
@@ -93,6 +95,25 @@ def test_penalties_change_greedy_tokens_as_the_reference_says(client, smol):
   r = client.chat.completions.create(model="m", messages=msgs, max_tokens=10, **GREEDY,
                                      presence_penalty=2.0)
   assert gap > 1e-3 and r.choices[0].message.content == smol.tokenizer.decode(want)
+
+
+def test_penalty_counts_follow_a_request_moved_to_another_slot(smol):
+  """A short request ends first and the last slot's penalized request moves down into its slot
+  (compaction): its generated-token counts move with it, and both penalized requests keep the
+  reference's tokens."""
+  ids = smol.encode_prompt(COUNT)
+  want, _, gap = reference(smol, ids, 12, freq=1.5, pres=2.0)
+  assert gap > 1e-3
+  loop = EngineLoop(smol, max_batch=3, max_queue=4)
+  try:
+    pen = dict(frequency_penalty=1.5, presence_penalty=2.0)
+    reqs = [Request(prompt=ids, max_tokens=2), Request(prompt=ids, max_tokens=12, **pen),
+            Request(prompt=ids, max_tokens=12, **pen)]
+    assert all(ev.wait(300) for ev in [loop.submit(r) for r in reqs])
+  finally:
+    assert loop.close()
+  assert reqs[2].slot == 0  # it moved from slot 2 into the first request's slot
+  assert reqs[1].tokens == want[:12] and reqs[2].tokens == want[:12]
 
 
 def _check_entry(tok, ref_lp, tid, logprob, top):
