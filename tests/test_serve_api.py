@@ -221,6 +221,7 @@ def test_max_tokens_past_the_context_is_clamped_with_finish_reason_length(client
     ("chat", {"service_tier": "fastest"}, "service_tier"),
     ("chat", {"b_field": 1, "a_field": 2}, "unknown fields: a_field, b_field"),
     ("chat", {"functions": []}, "unknown fields: functions"),
+    ("chat", {"x\n\x1b[2J": 1}, "unknown fields: x\\n\\x1b[2J"),  # escaped: one line
     ("completions", {"logprobs": 6}, "logprobs"), ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 3}, "best_of"), ("completions", {"suffix": "x"}, "suffix"),
     ("completions", {"n": 3}, "n"), ("completions", {"stop": ["a"] * 5}, "stop"),

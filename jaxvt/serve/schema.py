@@ -26,7 +26,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
                       ValidationInfo, field_validator, model_validator)
 
 from jaxvt import inputs
-from jaxvt.errors import JaxvtError
+from jaxvt.errors import MESSAGE_LIMIT, JaxvtError, escape
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
@@ -43,10 +43,11 @@ NOT_DECLARED = frozenset({
 
 
 class BodyError(Exception):
-  """A request body refused: `status` and a one-line message naming the field."""
+  """A request body refused: `status` and a one-line message naming the field (escaped: field
+  names and values come from the client)."""
 
   def __init__(self, status: int, message: str):
-    super().__init__(message)
+    super().__init__(escape(message, MESSAGE_LIMIT))
     self.status = status
 
 
