@@ -32,15 +32,17 @@ COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 
 
 class ApiError(Exception):
-  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None):
     super().__init__(message)
-    self.status, self.kind = status, kind
+    self.status, self.kind, self.param = status, kind, param
 
 
 def _error(e: ApiError) -> JSONResponse:
   log.warning("%d %s", e.status, e)
   headers = {"Retry-After": "1"} if e.status == 429 else None
-  return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}},
+  return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param,
+                                 "code": None}},
                       status_code=e.status, headers=headers)
 
 
@@ -48,9 +50,10 @@ def unsupported(data: schema.ChatRequest) -> None:
   """Declared fields the server does not act on: refused with a 400 naming them, never
   silently ignored."""
   if data.response_format is not None and data.response_format.type != "text":
-    raise ApiError(400, f"response_format: type {data.response_format.type!r} is not supported")
+    raise ApiError(400, f"response_format: type {data.response_format.type!r} is not supported",
+                   param="response_format")
   if data.tools:
-    raise ApiError(400, "tools: tool calls are not supported")
+    raise ApiError(400, "tools: tool calls are not supported", param="tools")
 
 
 def structured(data: schema.ChatRequest) -> dict:
@@ -92,7 +95,7 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     try:
       return schema.parse(raw, model, engine.cfg.vocab_size)
     except schema.BodyError as e:
-      raise ApiError(e.status, str(e)) from None
+      raise ApiError(e.status, str(e), param=e.param) from None
 
   def request(ids: list[int], data, default_tokens: int | None, **extra) -> Request:
     """The Request of a validated body `data` (and `extra` Request fields). A max_tokens beyond
