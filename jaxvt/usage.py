@@ -9,9 +9,9 @@ user types the flags (--max-tokens; booleans as --[no]chat). Imports nothing hea
 from __future__ import annotations
 
 import difflib
-import glob
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import textwrap
@@ -130,19 +130,40 @@ def help_text(flag_values: flags.FlagValues, full: bool = False, *, usage: str =
   return "\n".join(lines) + "\n"
 
 
+def _extension_file() -> str | None:
+  """Where `from jaxvt.ffi import _jaxvt_ffi` would load the extension from, found as the import
+  system finds it but without running jaxvt.ffi (which imports JAX): through sys.meta_path, so
+  an editable install's finder (scikit-build-core keeps the built module in site-packages, away
+  from the sources) answers as it does for the import."""
+  try:
+    package = importlib.util.find_spec("jaxvt.ffi")
+  except (ImportError, ValueError):
+    return None
+  search = list(package.submodule_search_locations or []) if package else []
+  for finder in sys.meta_path:
+    find = getattr(finder, "find_spec", None)
+    if find is None:
+      continue
+    try:
+      spec = find("jaxvt.ffi._jaxvt_ffi", search)
+    except (ImportError, OSError, ValueError):
+      continue
+    if spec is not None:
+      return spec.origin if spec.origin and os.path.isfile(spec.origin) else None
+  return None
+
+
 def extension_build() -> str:
-  """The CPU/GPU extension beside the package: its file's SHA-256 prefix, or "not built"
-  (found by its path: importing it would start JAX)."""
-  here = os.path.dirname(os.path.abspath(jaxvt.__file__))
-  found = sorted(glob.glob(os.path.join(here, "ffi", "_jaxvt_ffi*.so")) +
-                 glob.glob(os.path.join(here, "ffi", "_jaxvt_ffi*.pyd")))
-  if not found:
+  """The CPU/GPU extension jaxvt would load: its file's name and SHA-256 prefix, or "not built"
+  (found by its import spec: importing it would start JAX)."""
+  found = _extension_file()
+  if found is None:
     return "not built (the jnp reference path only)"
   h = hashlib.sha256()
-  with open(found[0], "rb") as f:
+  with open(found, "rb") as f:
     for chunk in iter(lambda: f.read(1 << 20), b""):
       h.update(chunk)
-  return f"{os.path.basename(found[0])} (sha256 {h.hexdigest()[:16]})"
+  return f"{os.path.basename(found)} (sha256 {h.hexdigest()[:16]})"
 
 
 def _dist_version(name: str) -> str:

@@ -77,6 +77,33 @@ def test_version_names_the_installed_packages(capsys):
   assert "extension: " in out
 
 
+class _EditableFinder:
+  """What an editable install (scikit-build-core's redirect mode) puts on sys.meta_path: the
+  compiled module lives in site-packages, not beside the sources."""
+
+  def __init__(self, origin: str):
+    self.origin = origin
+
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname != "jaxvt.ffi._jaxvt_ffi":
+      return None
+    import importlib.machinery
+    return importlib.machinery.ModuleSpec(fullname, None, origin=self.origin)
+
+
+def test_version_finds_the_extension_where_the_import_would(tmp_path, monkeypatch):
+  built = tmp_path / "site" / "_jaxvt_ffi.cpython-311-x86_64-linux-gnu.so"
+  built.parent.mkdir()
+  built.write_bytes(os.urandom(4096))
+  monkeypatch.setattr(sys, "meta_path", [_EditableFinder(str(built)), *sys.meta_path])
+  import hashlib
+  want = hashlib.sha256(built.read_bytes()).hexdigest()[:16]
+  assert usage.extension_build() == f"{built.name} (sha256 {want})"
+  monkeypatch.setattr(sys, "meta_path", [_EditableFinder(str(tmp_path / "gone.so")),
+                                         *sys.meta_path[1:]])
+  assert usage.extension_build().startswith("not built")
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--no-such-flag"], "unknown flag --no-such-flag; see --help"),
     (["--temprature", "0.5"], "did you mean --temperature?"),
