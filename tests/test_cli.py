@@ -67,6 +67,49 @@ def test_help_lists_every_flag_in_groups_without_starting_jax(flag):
   assert max(len(l) for l in text.splitlines()) <= 100
 
 
+def _descriptions(text: str) -> dict[str, str]:
+  """--help's flag entries: the flag's dashed name -> (metavariable, its description with the
+  wrapped lines joined by spaces)."""
+  out, name = {}, None
+  for line in text.splitlines():
+    m = re.match(r"  (?:-\w, )?--(?:\[no\])?([\w-]+)(?: (\S+))?(?:\s{2,}(.*))?$", line)
+    if m:
+      name = m.group(1)
+      out[name] = [m.group(2), m.group(3) or ""]
+    elif name and line.startswith(" " * 30):
+      out[name][1] = (out[name][1] + " " + line.strip()).strip()
+    else:
+      name = None
+  return out
+
+
+@pytest.mark.parametrize("module", ["jaxvt.run", "jaxvt.serve"])
+def test_help_shows_each_flags_own_words(module):
+  """Each flag's description is its help string word for word (absl's "<a|b>: " enum prefix and
+  "repeat this option to specify a list of values" suffix left out, no word broken across
+  lines), and every value flag names a metavariable (no --port X)."""
+  p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                     cwd=ROOT, timeout=60)
+  assert p.returncode == 0, p.stderr
+  import importlib
+  fv = importlib.import_module(module if module == "jaxvt.run" else module + ".__main__").FLAGS
+  shown = _descriptions(p.stdout)
+  assert "repeat this option" not in p.stdout and "<lru|lfru>" not in p.stdout
+  for line in p.stdout.splitlines():
+    assert not re.search(r"[A-Za-z]-$", line), line  # a word broken at its hyphen
+  for n in fv:
+    f = fv[n]
+    if n != f.name or n in ("flagfile", "undefok"):
+      continue
+    metavar, said = shown[n.replace("_", "-")]
+    assert (metavar is None) == (f.flag_type() == "bool"), (n, metavar)
+    assert metavar != "X", n
+    own = f.help.replace(";\n    repeat this option to specify a list of values", "")
+    if f.flag_type() == "string enum":
+      own = own[len("<" + "|".join(f.parser.enum_values) + ">: "):]
+    assert " ".join(said.split()).startswith(" ".join(own.rstrip(".").split())), (n, said)
+
+
 def test_version_names_the_installed_packages(capsys):
   rc, out, err = in_process(capsys, "--version")
   assert rc == 0 and err == ""
