@@ -51,8 +51,8 @@ flags.DEFINE_boolean("interactive", False, "A conversation: each line on stdin i
                      "answered in the chat template, and each turn prefills only what is new "
                      "(an empty line or end of input ends it).", short_name="i",
                      flag_values=FLAGS)
-flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
-                     "generate.", flag_values=FLAGS)
+flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown to stdout; "
+                     "do not generate.", flag_values=FLAGS)
 cli.define_info_flags(FLAGS)
 
 

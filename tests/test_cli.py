@@ -182,6 +182,17 @@ def test_prompt_argument_must_be_utf8(capsys):
   one_line_error(*in_process(capsys, "caf\udce9"), "the prompt is not valid UTF-8")
 
 
+def test_plan_goes_to_stdout_as_the_readme_says():
+  """--plan's plan is the command's output (stdout, so `--plan > plan.txt` keeps it); in a run
+  the plan is a report beside the answer (stderr). The README's flag table says the same."""
+  p = cli("--plan", timeout=300)
+  assert p.returncode == 0 and p.stderr == "", p.stderr
+  assert p.stdout.startswith("model: ") and "offload plan: budget" in p.stdout
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    row = [l for l in f if l.startswith("| `--plan` |")]
+  assert len(row) == 1 and "to stdout" in row[0], row
+
+
 # ---- only jaxvt's lines ----------------------------------------------------------------------
 
 def test_quiet_keeps_jaxvt_notes_and_drops_jax_warnings(capsys, caplog):
