@@ -2,8 +2,12 @@
 flags, and a mistake is one line on stderr with exit status 2, answered before JAX starts."""
 
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -38,3 +42,49 @@ def test_a_mistake_is_one_line_and_status_2(args, says):
   assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("jaxvt: error: ")
   assert says in lines[0], lines[0]
   assert "Traceback" not in p.stderr
+
+
+def test_a_busy_port_is_refused_before_the_model_loads():
+  """A port another server listens on: one line naming the port and the fix, status 2, and
+  nothing loaded first (no placement report)."""
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    p = _serve("--host", "127.0.0.1", "--port", str(port))
+  lines = p.stderr.strip().splitlines()
+  assert p.returncode == 2 and len(lines) == 1, p.stderr
+  assert lines[0].startswith("jaxvt: error: ") and f"port {port} is in use" in lines[0]
+  assert "--port" in lines[0]
+
+
+def test_serving_is_said_once_the_port_listens():
+  """--port 0: the system picks the port, and the "serving on" line names it once a client can
+  connect (read the line, connect at once, ask /health)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+         "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  proc = subprocess.Popen([sys.executable, "-m", "jaxvt.serve", "--host", "127.0.0.1",
+                           "--port", "0", "--max-batch", "1", "--prefix-cache-gb", "0"],
+                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+                          env=env)
+  try:
+    deadline = time.monotonic() + 300
+    seen = []
+    while time.monotonic() < deadline:
+      line = proc.stderr.readline()
+      assert line, "".join(seen)  # the server exited before saying it serves
+      seen.append(line)
+      if "serving" in line:
+        break
+    m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", seen[-1])
+    assert m and int(m.group(1)) != 0, seen[-1]
+    with socket.create_connection(("127.0.0.1", int(m.group(1))), timeout=5) as conn:
+      conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+      assert conn.recv(64).startswith(b"HTTP/1.1 200"), seen
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    try:
+      proc.wait(timeout=60)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
