@@ -193,6 +193,20 @@ def test_plan_goes_to_stdout_as_the_readme_says():
   assert len(row) == 1 and "to stdout" in row[0], row
 
 
+def test_default_context_follows_a_shorter_trained_context(tmp_path):
+  """A model trained on 256 tokens: without --max-context the run uses 256 and says so in one
+  note; --max-context 2048 given explicitly is still refused in one line."""
+  path = write_model(tmp_path / "short.gguf", tensors=True,
+                     metadata={"llama.context_length": 256})
+  p = cli("--model", path, "--max-tokens", "2", "--nocompile-cache")
+  assert p.returncode == 0, p.stderr
+  notes = [l for l in p.stderr.splitlines() if l.startswith("jaxvt: note:")]
+  assert len(notes) == 1 and "trained context is 256 tokens" in notes[0], p.stderr
+  assert "using 256" in notes[0]
+  p = cli("--model", path, "--max-context", "2048", "--max-tokens", "2", "--nocompile-cache")
+  one_line_error(p.returncode, p.stdout, p.stderr, "--max-context 2048 is outside 1..256")
+
+
 # ---- only jaxvt's lines ----------------------------------------------------------------------
 
 def test_quiet_keeps_jaxvt_notes_and_drops_jax_warnings(capsys, caplog):
