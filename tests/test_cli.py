@@ -343,6 +343,41 @@ def test_no_home_directory_refuses_a_shared_directory(tmp_path, monkeypatch):
   assert cachedir.default_root({"XDG_CACHE_HOME": "/x"}) == "/x/jaxvt"
 
 
+def _uid_without_passwd() -> int:
+  import pwd
+  for uid in range(12345, 13345):
+    try:
+      pwd.getpwuid(uid)
+    except KeyError:
+      return uid
+  raise AssertionError("every uid from 12345 to 13344 has a passwd entry")
+
+
+def test_no_home_and_no_passwd_entry_answers_in_the_chat_template(tmp_path):
+  """A real uid with no passwd entry (a user namespace maps this process to one) and no HOME:
+  the chat template's renderer, a child process, starts in the same conditions (no
+  monkeypatched pwd there) and the run answers."""
+  uid = _uid_without_passwd()
+  ns = ["unshare", "--user", f"--map-user={uid}", f"--map-group={uid}"]
+  try:
+    probe = subprocess.run([*ns, "true"], capture_output=True, timeout=30)
+  except FileNotFoundError:
+    pytest.skip("no unshare(1) here")
+  if probe.returncode != 0:
+    pytest.skip(f"no user namespaces here ({probe.stderr.decode().strip()})")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("HOME", "XDG_CACHE_HOME", "JAXVT_COMPILE_CACHE")}
+  env.update(JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path), PYTHONPATH=ROOT)
+  code = ("import os, sys\n"
+          "assert os.getuid() == %d and os.path.expanduser('~') == '~', 'not homeless'\n"
+          "from jaxvt import run\n"
+          "sys.exit(run.main(['jaxvt.run', '--max-tokens', '4']))\n" % uid)
+  p = subprocess.run([*ns, sys.executable, "-c", code], capture_output=True, text=True,
+                     cwd=tmp_path, env=env, timeout=300)
+  assert p.returncode == 0 and p.stdout.strip(), p.stderr
+  assert f"uid {uid} has no passwd entry" in p.stderr
+
+
 # ---- the chat template's renderer dies with the CLI ------------------------------------------
 
 def _children(pid: int) -> list[int]:
