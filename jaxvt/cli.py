@@ -23,7 +23,9 @@ def define_model_flags(fv: flags.FlagValues) -> None:
   --mesh, the several-host flags, --force), --deterministic, --compile-cache and --verbose."""
   flags.DEFINE_string("model", None, "GGUF file to run (default: the embedded SmolLM2-135M-Instruct "
                       "Q4_1).", flag_values=fv)
-  flags.DEFINE_integer("max_context", 2048, "Context length to allocate (prompt + generation).",
+  flags.DEFINE_integer("max_context", inputs.DEFAULT_CONTEXT, "Context length to allocate "
+                       "(prompt + generation), at most the model's trained context (default: "
+                       f"{inputs.DEFAULT_CONTEXT}, or the trained context where that is shorter).",
                        flag_values=fv)
   flags.DEFINE_string("offload_gb", "0", "GiB of weights to keep in the pinned host tier, read in "
                       "place by the kernels; 'auto' picks the best safe budget. With --mesh, per "
@@ -94,6 +96,12 @@ def validate_model_flags(F) -> float | str:
   return offload
 
 
+def max_context(F) -> int | None:
+  """--max-context where the user gave it; None leaves the default to the model
+  (inputs.context_for)."""
+  return F.max_context if F["max_context"].present else None
+
+
 def load_options(F) -> dict:
   """jaxvt.load's keyword arguments from define_model_flags' flags (checked already)."""
   from jaxvt import programs
@@ -102,7 +110,7 @@ def load_options(F) -> dict:
   cache = F.compile_cache  # None: JAXVT_COMPILE_CACHE or the default directory
   if cache:  # on even where the environment says off; in its directory if it names one
     cache = programs.cache_root(None, os.environ) or True
-  return dict(max_context=F.max_context, offload_gb=inputs.offload_gb(F.offload_gb),
+  return dict(max_context=max_context(F), offload_gb=inputs.offload_gb(F.offload_gb),
               device_gb=F.device_gb, force=F.force, mesh=F.mesh,
               offload_pattern=tuple(F.offload_pattern), deterministic=deterministic,
               compile_cache=cache, expert_cache_gb=inputs.expert_cache_gb(F.expert_cache_gb),

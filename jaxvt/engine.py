@@ -510,7 +510,8 @@ def _file_tokenizer(m: Model, given: Tokenizer | None = None) -> Tokenizer:
   return given
 
 
-def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float | str = 0.0,
+def load(model: str | None = None, *, max_context: int | None = None,
+         offload_gb: float | str = 0.0,
          device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
          progress: Callable[[int], None] | None = None, device=None,
          on_plan: Callable[[Placed], None] | None = None, offload_pattern: tuple[str, ...] = (),
@@ -521,6 +522,8 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
          expert_cache_policy: str = "lru") -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
+  `max_context`: tokens of context to allocate, at most the model's trained context (None: 2048,
+  or the trained context where that is shorter, said in a JaxvtWarning).
   `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
   `mesh`: "tp=N", "ep=N" or "tp=N,ep=M" shards the model over that many local devices
   (jaxvt.parallel), and then `offload_gb` and `device_gb` are per device; `on_plan` sees the plan
@@ -539,7 +542,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   another file's, or the file changed since. `expert_cache_gb`, `expert_cache_policy`: as for
   `plan` (on_plan may resize the cache: Placed.with_expert_cache)."""
   t0 = time.perf_counter()
-  max_context = inputs.max_context(max_context)
+  max_context = None if max_context is None else inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
   device_gb = inputs.device_gb(device_gb)
   expert_cache_gb = inputs.expert_cache_gb(expert_cache_gb)
@@ -547,6 +550,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
                              programs.env_flag(os.environ, "JAXVT_EXPORT_STORE"))
   m = open_model(model)
   cfg = m.cfg
+  max_context = inputs.context_for(max_context, cfg.context_length)
   if max_context < 1 or max_context > cfg.context_length:
     raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
                      "model's trained context); pick a value in that range")

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any, Iterable
 
-from jaxvt.errors import JaxvtError, escape
+from jaxvt.errors import JaxvtError, JaxvtWarning, escape
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -88,6 +89,23 @@ def max_tokens(value: Any, cli: bool = False) -> int:
 def max_context(value: Any, cli: bool = False) -> int:
   """At least 1; the model's own limit is checked when the file is open."""
   return whole("max_context", value, 1, INT32_MAX, cli)
+
+
+DEFAULT_CONTEXT = 2048
+
+
+def context_for(value: int | None, trained: int) -> int:
+  """The context to allocate for a model trained on `trained` tokens: `value` as given (load
+  refuses one past `trained`), or with None DEFAULT_CONTEXT, or `trained` where that is shorter
+  (a JaxvtWarning says so)."""
+  if value is not None:
+    return value
+  if trained < DEFAULT_CONTEXT:
+    warnings.warn(JaxvtWarning(
+        f"the model's trained context is {trained} tokens, less than the default "
+        f"--max-context {DEFAULT_CONTEXT}; using {trained}"), stacklevel=3)
+    return trained
+  return DEFAULT_CONTEXT
 
 
 def seed(value: Any, cli: bool = False) -> int:

@@ -51,8 +51,8 @@ flags.DEFINE_boolean("interactive", False, "A conversation: each line on stdin i
                      "answered in the chat template, and each turn prefills only what is new "
                      "(an empty line or end of input ends it).", short_name="i",
                      flag_values=FLAGS)
-flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown; do not "
-                     "generate.", flag_values=FLAGS)
+flags.DEFINE_boolean("plan", False, "Print the placement plan and memory breakdown to stdout; "
+                     "do not generate.", flag_values=FLAGS)
 cli.define_info_flags(FLAGS)
 
 
@@ -211,7 +211,7 @@ def open_preset(name: str):  # the imports here and below: the CLI imports JAX o
 
 
 def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
-                max_context: int = 2048, mesh: str | None = None,
+                max_context: int | None = None, mesh: str | None = None,
                 offload_pattern: tuple[str, ...] = ()) -> str:
   """`--plan`: the plan for the file at `path` (or a PRESETS name, weightless) without placing
   any weights; with `mesh`, one device's plan (its shards, its budget)."""
@@ -222,7 +222,7 @@ def plan_report(path: str, *, offload_gb: float | str = 0.0, device_gb: float | 
   weightless = path.lower() in PRESETS and not os.path.exists(path)
   m = open_preset(path.lower()) if weightless else open_model(path)
   placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=True,
-                max_context=max_context, kernels=True, offload_pattern=offload_pattern,
+                max_context=inputs.context_for(max_context, m.cfg.context_length), kernels=True, offload_pattern=offload_pattern,
                 mesh=mesh_mod.parse(mesh))
   head = (f"{PRESETS[m.path][0]} (weightless; {m.cfg.n_layers} layers)" if weightless else
           f"{path} ({m.cfg.arch}, {m.cfg.n_layers} layers)")
@@ -329,7 +329,7 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
     from jaxvt.sampling import SamplingParams
     if F.plan:
       text = plan_report(path, offload_gb=offload, device_gb=F.device_gb,
-                         max_context=F.max_context, mesh=F.mesh,
+                         max_context=cli.max_context(F), mesh=F.mesh,
                          offload_pattern=tuple(F.offload_pattern))
       _print_escaped(text)
       unsafe = [l for l in text.splitlines() if l.startswith("UNSAFE:")]

@@ -9,10 +9,11 @@ user types the flags (--max-tokens; booleans as --[no]chat). Imports nothing hea
 from __future__ import annotations
 
 import difflib
-import glob
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
+import re
 import sys
 import textwrap
 
@@ -58,7 +59,14 @@ METAVARS = {"model": "PATH", "prompt": "TEXT", "max_tokens": "N", "temperature":
             "top_k": "K", "top_p": "P", "seed": "S", "max_context": "N", "offload_gb": "N|auto",
             "offload_pattern": "REGEX[=host|device]", "device_gb": "N", "mesh": "tp=N|ep=N|tp=N,ep=M",
             "coordinator": "HOST:PORT", "num_processes": "N", "process_id": "I",
-            "expert_cache_gb": "N|auto", "expert_cache_policy": "lru|lfru"}
+            "expert_cache_gb": "N|auto", "expert_cache_policy": "lru|lfru",
+            # jaxvt.serve's
+            "host": "ADDRESS", "port": "PORT", "api_key": "KEY", "max_batch": "N",
+            "max_queue": "N", "prefix_cache_gb": "N", "drain_seconds": "S",
+            "header_timeout": "S", "timeout_keep_alive": "S", "send_timeout": "S",
+            "limit_concurrency": "N"}
+# A flag not named above: by its type.
+TYPE_METAVARS = {"int": "N", "float": "N"}
 HELP_FLAGS = ("-h", "--help", "--helpfull")
 WIDTH, INDENT = 100, 30
 
@@ -73,15 +81,28 @@ def _entry(flag: flags.Flag) -> str:
     name = "--" + ("" if flag.name.startswith("help") or flag.name in ("version", "verbose")
                    else "[no]") + flag.name.replace("_", "-")
   else:
-    name = f"{spelling(flag.name)} {METAVARS.get(flag.name, 'X')}"
+    metavar = METAVARS.get(flag.name) or TYPE_METAVARS.get(flag.flag_type(), "TEXT")
+    name = f"{spelling(flag.name)} {metavar}"
   if flag.short_name:
     name = f"-{flag.short_name}, {name}"
   return name
 
 
+_ENUM_PREFIX = re.compile(r"^<[^<>]*>: ")
+_LIST_NOTE = re.compile(r";\s*repeat this option to specify a list of values\.?$")
+
+
+def _wrap(text: str, width: int) -> list[str]:
+  """Lines of at most `width` characters, broken between words only (never inside a word such
+  as Retry-After or --offload-gb)."""
+  return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
 def _text(flag: flags.Flag) -> str:
   """The flag's help string, with "(default: ...)" where it does not say it already."""
-  text = flag.help.split(";     repeat this option")[0]  # absl's note on a repeated flag
+  # absl's own additions: "<a|b>: " before an enum's help, "; repeat this option to specify a
+  # list of values" after a repeatable flag's (which says so in its own words)
+  text = _LIST_NOTE.sub("", _ENUM_PREFIX.sub("", flag.help.strip()))
   if ("default" in text or flag.default is None or isinstance(flag, flags.BooleanFlag)
       or isinstance(flag, flags.MultiFlag)):
     return text
@@ -92,7 +113,7 @@ def _text(flag: flags.Flag) -> str:
 def _rows(pairs, indent: int = INDENT) -> list[str]:
   out = []
   for left, text in pairs:
-    body = textwrap.wrap(text, WIDTH - indent) or [""]
+    body = _wrap(text, WIDTH - indent) or [""]
     if len(left) + 2 > indent - 2:
       out.append("  " + left)
       out.extend(" " * indent + line for line in body)
@@ -106,7 +127,7 @@ def help_text(flag_values: flags.FlagValues, full: bool = False, *, usage: str =
               summary: str = SUMMARY, examples=EXAMPLES, groups=GROUPS) -> str:
   """--help: usage, what the CLI does, examples, the flags in groups (and with `full`, the
   environment variables it reads). The defaults are jaxvt.run's page; jaxvt.serve passes its own."""
-  lines = [usage, "", *textwrap.wrap(summary, WIDTH), "", "examples:"]
+  lines = [usage, "", *_wrap(summary, WIDTH), "", "examples:"]
   for cmd, what in examples:
     lines += [f"  # {what}", f"  {cmd}"]
   shown = set()
@@ -121,7 +142,7 @@ def help_text(flag_values: flags.FlagValues, full: bool = False, *, usage: str =
     lines += ["", "other:"] + _rows((_entry(f), _text(f)) for f in rest)
   prompt = (" a PROMPT after the flags is the same as --prompt (after --, everything is the "
             "prompt)." if "prompt" in flag_values else "")
-  lines += [""] + textwrap.wrap(
+  lines += [""] + _wrap(
       "Flags take --max-tokens or --max_tokens spellings, and --flag=value or --flag value;"
       + prompt + ("" if full else " --helpfull also lists the environment variables jaxvt reads."),
       WIDTH)
@@ -130,19 +151,40 @@ def help_text(flag_values: flags.FlagValues, full: bool = False, *, usage: str =
   return "\n".join(lines) + "\n"
 
 
+def _extension_file() -> str | None:
+  """Where `from jaxvt.ffi import _jaxvt_ffi` would load the extension from, found as the import
+  system finds it but without running jaxvt.ffi (which imports JAX): through sys.meta_path, so
+  an editable install's finder (scikit-build-core keeps the built module in site-packages, away
+  from the sources) answers as it does for the import."""
+  try:
+    package = importlib.util.find_spec("jaxvt.ffi")
+  except (ImportError, ValueError):
+    return None
+  search = list(package.submodule_search_locations or []) if package else []
+  for finder in sys.meta_path:
+    find = getattr(finder, "find_spec", None)
+    if find is None:
+      continue
+    try:
+      spec = find("jaxvt.ffi._jaxvt_ffi", search)
+    except (ImportError, OSError, ValueError):
+      continue
+    if spec is not None:
+      return spec.origin if spec.origin and os.path.isfile(spec.origin) else None
+  return None
+
+
 def extension_build() -> str:
-  """The CPU/GPU extension beside the package: its file's SHA-256 prefix, or "not built"
-  (found by its path: importing it would start JAX)."""
-  here = os.path.dirname(os.path.abspath(jaxvt.__file__))
-  found = sorted(glob.glob(os.path.join(here, "ffi", "_jaxvt_ffi*.so")) +
-                 glob.glob(os.path.join(here, "ffi", "_jaxvt_ffi*.pyd")))
-  if not found:
+  """The CPU/GPU extension jaxvt would load: its file's name and SHA-256 prefix, or "not built"
+  (found by its import spec: importing it would start JAX)."""
+  found = _extension_file()
+  if found is None:
     return "not built (the jnp reference path only)"
   h = hashlib.sha256()
-  with open(found[0], "rb") as f:
+  with open(found, "rb") as f:
     for chunk in iter(lambda: f.read(1 << 20), b""):
       h.update(chunk)
-  return f"{os.path.basename(found[0])} (sha256 {h.hexdigest()[:16]})"
+  return f"{os.path.basename(found)} (sha256 {h.hexdigest()[:16]})"
 
 
 def _dist_version(name: str) -> str:

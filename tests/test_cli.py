@@ -67,6 +67,49 @@ def test_help_lists_every_flag_in_groups_without_starting_jax(flag):
   assert max(len(l) for l in text.splitlines()) <= 100
 
 
+def _descriptions(text: str) -> dict[str, str]:
+  """--help's flag entries: the flag's dashed name -> (metavariable, its description with the
+  wrapped lines joined by spaces)."""
+  out, name = {}, None
+  for line in text.splitlines():
+    m = re.match(r"  (?:-\w, )?--(?:\[no\])?([\w-]+)(?: (\S+))?(?:\s{2,}(.*))?$", line)
+    if m:
+      name = m.group(1)
+      out[name] = [m.group(2), m.group(3) or ""]
+    elif name and line.startswith(" " * 30):
+      out[name][1] = (out[name][1] + " " + line.strip()).strip()
+    else:
+      name = None
+  return out
+
+
+@pytest.mark.parametrize("module", ["jaxvt.run", "jaxvt.serve"])
+def test_help_shows_each_flags_own_words(module):
+  """Each flag's description is its help string word for word (absl's "<a|b>: " enum prefix and
+  "repeat this option to specify a list of values" suffix left out, no word broken across
+  lines), and every value flag names a metavariable (no --port X)."""
+  p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                     cwd=ROOT, timeout=60)
+  assert p.returncode == 0, p.stderr
+  import importlib
+  fv = importlib.import_module(module if module == "jaxvt.run" else module + ".__main__").FLAGS
+  shown = _descriptions(p.stdout)
+  assert "repeat this option" not in p.stdout and "<lru|lfru>" not in p.stdout
+  for line in p.stdout.splitlines():
+    assert not re.search(r"[A-Za-z]-$", line), line  # a word broken at its hyphen
+  for n in fv:
+    f = fv[n]
+    if n != f.name or n in ("flagfile", "undefok"):
+      continue
+    metavar, said = shown[n.replace("_", "-")]
+    assert (metavar is None) == (f.flag_type() == "bool"), (n, metavar)
+    assert metavar != "X", n
+    own = f.help.replace(";\n    repeat this option to specify a list of values", "")
+    if f.flag_type() == "string enum":
+      own = own[len("<" + "|".join(f.parser.enum_values) + ">: "):]
+    assert " ".join(said.split()).startswith(" ".join(own.rstrip(".").split())), (n, said)
+
+
 def test_version_names_the_installed_packages(capsys):
   rc, out, err = in_process(capsys, "--version")
   assert rc == 0 and err == ""
@@ -75,6 +118,33 @@ def test_version_names_the_installed_packages(capsys):
   assert f"jax {importlib.metadata.version('jax')}" in out
   assert f"jaxlib {importlib.metadata.version('jaxlib')}" in out
   assert "extension: " in out
+
+
+class _EditableFinder:
+  """What an editable install (scikit-build-core's redirect mode) puts on sys.meta_path: the
+  compiled module lives in site-packages, not beside the sources."""
+
+  def __init__(self, origin: str):
+    self.origin = origin
+
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname != "jaxvt.ffi._jaxvt_ffi":
+      return None
+    import importlib.machinery
+    return importlib.machinery.ModuleSpec(fullname, None, origin=self.origin)
+
+
+def test_version_finds_the_extension_where_the_import_would(tmp_path, monkeypatch):
+  built = tmp_path / "site" / "_jaxvt_ffi.cpython-311-x86_64-linux-gnu.so"
+  built.parent.mkdir()
+  built.write_bytes(os.urandom(4096))
+  monkeypatch.setattr(sys, "meta_path", [_EditableFinder(str(built)), *sys.meta_path])
+  import hashlib
+  want = hashlib.sha256(built.read_bytes()).hexdigest()[:16]
+  assert usage.extension_build() == f"{built.name} (sha256 {want})"
+  monkeypatch.setattr(sys, "meta_path", [_EditableFinder(str(tmp_path / "gone.so")),
+                                         *sys.meta_path[1:]])
+  assert usage.extension_build().startswith("not built")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -110,6 +180,31 @@ def test_prompt_argument(monkeypatch, capsys):
 
 def test_prompt_argument_must_be_utf8(capsys):
   one_line_error(*in_process(capsys, "caf\udce9"), "the prompt is not valid UTF-8")
+
+
+def test_plan_goes_to_stdout_as_the_readme_says():
+  """--plan's plan is the command's output (stdout, so `--plan > plan.txt` keeps it); in a run
+  the plan is a report beside the answer (stderr). The README's flag table says the same."""
+  p = cli("--plan", timeout=300)
+  assert p.returncode == 0 and p.stderr == "", p.stderr
+  assert p.stdout.startswith("model: ") and "offload plan: budget" in p.stdout
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    row = [l for l in f if l.startswith("| `--plan` |")]
+  assert len(row) == 1 and "to stdout" in row[0], row
+
+
+def test_default_context_follows_a_shorter_trained_context(tmp_path):
+  """A model trained on 256 tokens: without --max-context the run uses 256 and says so in one
+  note; --max-context 2048 given explicitly is still refused in one line."""
+  path = write_model(tmp_path / "short.gguf", tensors=True,
+                     metadata={"llama.context_length": 256})
+  p = cli("--model", path, "--max-tokens", "2", "--nocompile-cache")
+  assert p.returncode == 0, p.stderr
+  notes = [l for l in p.stderr.splitlines() if l.startswith("jaxvt: note:")]
+  assert len(notes) == 1 and "trained context is 256 tokens" in notes[0], p.stderr
+  assert "using 256" in notes[0]
+  p = cli("--model", path, "--max-context", "2048", "--max-tokens", "2", "--nocompile-cache")
+  one_line_error(p.returncode, p.stdout, p.stderr, "--max-context 2048 is outside 1..256")
 
 
 # ---- only jaxvt's lines ----------------------------------------------------------------------
@@ -246,6 +341,41 @@ def test_no_home_directory_refuses_a_shared_directory(tmp_path, monkeypatch):
   assert os.path.dirname(root) == str(tmp_path) and root != str(planted)
   assert os.stat(root).st_mode & 0o777 == 0o700
   assert cachedir.default_root({"XDG_CACHE_HOME": "/x"}) == "/x/jaxvt"
+
+
+def _uid_without_passwd() -> int:
+  import pwd
+  for uid in range(12345, 13345):
+    try:
+      pwd.getpwuid(uid)
+    except KeyError:
+      return uid
+  raise AssertionError("every uid from 12345 to 13344 has a passwd entry")
+
+
+def test_no_home_and_no_passwd_entry_answers_in_the_chat_template(tmp_path):
+  """A real uid with no passwd entry (a user namespace maps this process to one) and no HOME:
+  the chat template's renderer, a child process, starts in the same conditions (no
+  monkeypatched pwd there) and the run answers."""
+  uid = _uid_without_passwd()
+  ns = ["unshare", "--user", f"--map-user={uid}", f"--map-group={uid}"]
+  try:
+    probe = subprocess.run([*ns, "true"], capture_output=True, timeout=30)
+  except FileNotFoundError:
+    pytest.skip("no unshare(1) here")
+  if probe.returncode != 0:
+    pytest.skip(f"no user namespaces here ({probe.stderr.decode().strip()})")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("HOME", "XDG_CACHE_HOME", "JAXVT_COMPILE_CACHE")}
+  env.update(JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path), PYTHONPATH=ROOT)
+  code = ("import os, sys\n"
+          "assert os.getuid() == %d and os.path.expanduser('~') == '~', 'not homeless'\n"
+          "from jaxvt import run\n"
+          "sys.exit(run.main(['jaxvt.run', '--max-tokens', '4']))\n" % uid)
+  p = subprocess.run([*ns, sys.executable, "-c", code], capture_output=True, text=True,
+                     cwd=tmp_path, env=env, timeout=300)
+  assert p.returncode == 0 and p.stdout.strip(), p.stderr
+  assert f"uid {uid} has no passwd entry" in p.stderr
 
 
 # ---- the chat template's renderer dies with the CLI ------------------------------------------

@@ -130,23 +130,40 @@ def _validate(F) -> None:
 
 
 def _serve(F) -> int:
+  from jaxvt.serve import listen
+  sockets = listen.bind(F.host, F.port)  # a busy port is refused before the model loads
+  try:
+    return _serve_on(F, sockets)
+  finally:
+    for sock in sockets:
+      sock.close()
+
+
+def _serve_on(F, sockets) -> int:
   import uvicorn
 
   from jaxvt import engine as engine_mod
   from jaxvt.offload import expert_cache
   from jaxvt.offload.memory import serve_memory
   from jaxvt.prefix import PrefixCache, sequence_bytes
+  from jaxvt.serve import listen
   from jaxvt.serve.app import build
   from jaxvt.serve.limits import uvicorn_options
   from jaxvt.serve.loop import EngineLoop
 
   class Server(uvicorn.Server):
     """uvicorn's server without its own signal capture, which re-raises SIGTERM after shutdown
-    (exit status -15); our handlers set should_exit instead."""
+    (exit status -15); our handlers set should_exit instead. `ready` runs once it listens."""
+    ready = staticmethod(lambda: None)
 
     @contextlib.contextmanager
     def capture_signals(self):
       yield
+
+    async def startup(self, sockets=None):
+      await super().startup(sockets)
+      if self.started:
+        self.ready()
 
   if F.host not in LOOPBACK and F.api_key is None:
     print(f"jaxvt: warning: listening on {escape(F.host, 80)} with no authentication: anyone "
@@ -166,9 +183,9 @@ def _serve(F) -> int:
       print(f"jaxvt: {placed.expert_cache.describe()}", file=sys.stderr)
     prefix = PrefixCache(eng, mem.prefix_bytes) if mem.prefix_bytes else None
     loop = EngineLoop(eng, mem.batch, F.max_queue, prefix)
-    print(f"jaxvt: serving {escape(eng.path, 200)} on http://{escape(F.host, 80)}:{F.port}/v1: "
-          f"{mem.batch} sequences decoded together, {mem.prefix_bytes / GiB:.2f} GiB for prompt "
-          f"reuse", file=sys.stderr)
+    said = (f"jaxvt: serving {escape(eng.path, 200)} on http://{escape(F.host, 80)}:"
+            f"{listen.port(sockets)}/v1: {mem.batch} sequences decoded together, "
+            f"{mem.prefix_bytes / GiB:.2f} GiB for prompt reuse")
     info = {"batch": mem.batch, "sequence_bytes": mem.sequence_bytes,
             "prefix_bytes": mem.prefix_bytes, "max_context": eng.max_context}
     app = build(eng, loop, _model_id(F), F.api_key, info, send_timeout=F.send_timeout)
@@ -176,11 +193,12 @@ def _serve(F) -> int:
                                    timeout_graceful_shutdown=F.drain_seconds,
                                    **uvicorn_options(F.timeout_keep_alive, F.header_timeout,
                                                      F.limit_concurrency, MAX_INCOMPLETE)))
+    server.ready = lambda: print(said, file=sys.stderr, flush=True)
     # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish, then we exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     try:
-      server.run()
+      server.run(sockets=sockets)
     finally:
       loop.close(F.drain_seconds)
   finally:
