@@ -12,6 +12,8 @@
 #   bash tools/gpu_session.sh profile      # decode-step profiles all in HBM, at auto and with every
 #                                          # routed expert in the host tier; the first token; an
 #                                          # 8192-token prompt at auto on the 16 GiB card
+#   bash tools/gpu_session.sh step         # the decode step against its roofline, all in HBM, 1 and
+#                                          # 8 rows: every kernel's bytes and GB/s (step_profile.txt)
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
 #   bash tools/gpu_session.sh serve        # python -m benchmarks.serve against llama-server
 #   bash tools/gpu_session.sh cache        # python -m benchmarks.cache (the expert cache) --write
@@ -92,8 +94,8 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|mesh|serve|cache) setup ;;
-  *) sed -n '2,36p' "$0"; exit 2 ;;
+  build|tests|determinism|sweep|tier|profile|step|mesh|serve|cache) setup ;;
+  *) sed -n '2,38p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
@@ -123,6 +125,11 @@ case "$what" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m benchmarks.long_prompt --model $M \
       --tokens 8192 --device-gb 16 --write > "$OUT/long_prompt.txt" 2>&1
     tail -4 "$OUT/long_prompt.txt" ;;
+  step)
+    model
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 300 python3 -m benchmarks.profile --model $M \
+      --offload-gb 0 --rows 1,8 --steps 16 --top ${STEP_TOP:-40} > "$OUT/step_profile.txt" 2>&1
+    grep -E "^(model|rows|device|roofline)" "$OUT/step_profile.txt" ;;
   serve)
     start_llama
     while [ -e $LLAMA/.building ]; do sleep 5; done  # a build in progress from an earlier call
