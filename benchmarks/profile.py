@@ -1,10 +1,15 @@
-"""python -m benchmarks.profile: where a decode step's device time goes.
+"""python -m benchmarks.profile: where a decode step's device time goes, against its roofline.
 
 Loads a model (the embedded default, or --model; --offload-gb / --device-gb as for jaxvt.run),
-prefills a short prompt, times `--steps` jitted decode steps on the wall clock, then traces the
-same steps with jax.profiler (a Perfetto JSON trace) and sums the device-side events by name:
-how many kernels a step launches, how much of the step the device is busy, and which kernels
-cost most. Nothing is written to docs/BENCHMARKS.md; the table goes to stdout.
+and for each row count of --rows (1: after a prefill of a short prompt; more: that many
+sequences at the prompt's position) compiles one decode step, times `--steps` of them on the wall
+clock, then traces the same steps with jax.profiler (a Perfetto JSON trace) and sums the
+device-side events per kernel: how many kernels a step launches, how much of the step the device
+is busy, and for every kernel the bytes a call reads (from the compiled program's HLO:
+benchmarks.step_bytes) and its achieved GB/s. The step's roofline is the bytes a step must read
+on the device (every weight once, the routed experts the rows pick, the KV cache and DeltaNet
+state) over the bandwidth a plain copy kernel measures in the same run; step/roofline is that
+time over the step's. Nothing is written to docs/BENCHMARKS.md; the table goes to stdout.
 """
 
 from __future__ import annotations
