@@ -197,7 +197,9 @@ def hlo_read_bytes(hlo: str) -> dict[str, int]:
   called = set()
   for body in comps.values():
     for _, _, op, _, attrs in body:
-      called.update(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", attrs))
+      if op == "fusion":  # fused bodies run inside their fusion's kernel (calls and
+        # command buffers, to_apply=, hold kernels of their own; reducers name no kernel)
+        called.update(re.findall(r"calls=%?([\w.\-]+)", attrs))
   out = {}
   for cname, body in comps.items():
     if cname in called:

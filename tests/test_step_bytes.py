@@ -69,3 +69,32 @@ def test_token_bytes_of_the_default_model_are_its_file_tensors():
   kv = sum(a.nbytes for k, a in cache.items() if k in ("k", "v")) * 10 // 64
   assert tb["state"] == kv and tb["host"] == 0
   eng.close()
+
+
+def test_fusions_inside_a_command_buffer_call_are_counted():
+  """XLA:GPU moves runs of kernels into computations `call`ed as command buffers: their fusions
+  are kernels too (a fused body is not), and a dynamic slice of a [40, 2048] stack reads a row."""
+  hlo = """
+%fused_computation (param_0: f32[40,2048], param_1: s32[]) -> f32[2048] {
+  %param_0 = f32[40,2048]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = f32[1,2048]{1,0} dynamic-slice(%param_0, %param_1, %c), dynamic_slice_sizes={1,2048}
+  ROOT %b = f32[2048]{0} bitcast(%ds)
+}
+
+%command_buffer (p0: f32[40,2048], p1: s32[]) -> f32[2048] {
+  %p0 = f32[40,2048]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %slice_fusion = f32[2048]{0} fusion(%p0, %p1), kind=kLoop, calls=%fused_computation
+}
+
+ENTRY %main (a: f32[40,2048], i: s32[]) -> f32[2048] {
+  %a = f32[40,2048]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %call = f32[2048]{0} call(%a, %i), to_apply=%command_buffer
+}
+"""
+  reads = sb.hlo_read_bytes(hlo)
+  assert reads["slice_fusion"] == 2048 * 4 + 4
+  assert "ds" not in reads and "b" not in reads
