@@ -1,8 +1,8 @@
 """Batch invariance of the GPU matvec kernels: a row's result does not depend on how many rows
 share the launch (DESIGN: a row alone and the same row inside a batch of 8 give the same bits).
-The dense kernels take rows one per pass at batch 1 and up to 8 per pass above it (16 in float32
-above 8); the routed experts' kernel serves each slot alone. Each row's float32 order must be
-the same on every path. Run on a GPU host with `pytest -m gpu tests/test_batch_invariance_gpu.py`.
+The dense kernels take one row a pass at batch 1 and several above it (kernels_gpu.cu,
+plan_launch: 4 a pass, 16 in float32 above 4 rows); the routed experts' kernel serves each slot
+alone. Each row's float32 order must be the same on every path, whatever the rows a pass. Run on a GPU host with `pytest -m gpu tests/test_batch_invariance_gpu.py`.
 """
 
 from __future__ import annotations
