@@ -12,6 +12,8 @@
 #   bash tools/gpu_session.sh profile      # decode-step profiles all in HBM, at auto and with every
 #                                          # routed expert in the host tier; the first token; an
 #                                          # 8192-token prompt at auto on the 16 GiB card
+#   bash tools/gpu_session.sh step         # the decode step against its roofline, all in HBM, 1 and
+#                                          # 8 rows: every kernel's bytes and GB/s (step_profile.txt)
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
 #   bash tools/gpu_session.sh serve        # python -m benchmarks.serve against llama-server
 #   bash tools/gpu_session.sh cache        # python -m benchmarks.cache (the expert cache) --write
@@ -45,7 +47,8 @@ FRAC=0.1167  # XLA's pool at 16 GiB of an H200 (benchmarks.offload.pool_fraction
 LLAMA=/tmp/llama-build
 GPU_TESTS="tests/test_ffi_gpu.py tests/test_grouped_gpu.py tests/test_attn_step_gpu.py
   tests/test_gdn_step_gpu.py tests/test_moe_route_gpu.py tests/test_prefetch_gpu.py
-  tests/test_prefetch_experts_gpu.py tests/test_serve_gpu.py tests/test_expert_cache_gpu.py"
+  tests/test_prefetch_experts_gpu.py tests/test_serve_gpu.py tests/test_expert_cache_gpu.py
+  tests/test_batch_invariance_gpu.py"
 t0=$(date +%s)
 
 setup() {  # the carried gguf wheel on PYTHONPATH, then the extension (carried, else built)
@@ -94,8 +97,8 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|mesh|serve|cache) setup ;;
-  *) sed -n '2,36p' "$0"; exit 2 ;;
+  build|tests|determinism|sweep|tier|profile|step|mesh|serve|cache) setup ;;
+  *) sed -n '2,38p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
@@ -125,6 +128,11 @@ case "$what" in
     XLA_PYTHON_CLIENT_MEM_FRACTION=$FRAC timeout 150 python3 -m benchmarks.long_prompt --model $M \
       --tokens 8192 --device-gb 16 --write > "$OUT/long_prompt.txt" 2>&1
     tail -4 "$OUT/long_prompt.txt" ;;
+  step)
+    model
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 300 python3 -m benchmarks.profile --model $M \
+      --offload-gb 0 --rows 1,8 --steps 16 --top ${STEP_TOP:-40} > "$OUT/step_profile.txt" 2>&1
+    grep -E "^(model|rows|device|roofline)" "$OUT/step_profile.txt" ;;
   serve)
     start_llama
     while [ -e $LLAMA/.building ]; do sleep 5; done  # a build in progress from an earlier call
