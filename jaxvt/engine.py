@@ -36,7 +36,7 @@ from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.layers import Exec
+from jaxvt.model.layers import NUMERICS, Exec
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
                              decode_fn, decode_loop_fn, decode_sample_fn,  # noqa: F401 (public)
@@ -432,14 +432,16 @@ def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: in
   return workspace_of
 
 
-def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True) -> Exec:
+def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
+             numerics_mode: str | None = None) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU (where
   jaxvt agrees with llama.cpp), ggml's integer products and float32 elsewhere on GPUs ("q8",
   numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
   host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
-  (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling."""
+  (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling.
+  `numerics_mode` (Exec.numerics) replaces the platform's default contract."""
   gpu = platform != "cpu" and kernels
-  return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
+  return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
               products=products_for(platform) if kernels else Products(),
               deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
               schedule=ExpertSchedule() if kernels else None)
@@ -518,7 +520,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
          compile_cache: bool | str | None = None,
          while_loading: Callable[[Engine], object] | None = None,
          tokenizer: Tokenizer | None = None, expert_cache_gb: float | str | None = "auto",
-         expert_cache_policy: str = "lru") -> Engine:
+         expert_cache_policy: str = "lru", numerics: str | None = None) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
@@ -537,8 +539,13 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   weights are placed. `tokenizer`: one built from this very file (its GGUFFile.identity; the
   CLI builds it before JAX starts), taken instead of building another; JaxvtError if it is
   another file's, or the file changed since. `expert_cache_gb`, `expert_cache_policy`: as for
-  `plan` (on_plan may resize the cache: Placed.with_expert_cache)."""
+  `plan` (on_plan may resize the cache: Placed.with_expert_cache). `numerics`: the arithmetic
+  contract (Exec.numerics, docs/NUMERICS.md); None: the platform's ("ggml" on the CPU, whose
+  tokens do not depend on scheduling; "llamacpp" is llama.cpp's CPU arithmetic exactly, prompt
+  and decode)."""
   t0 = time.perf_counter()
+  if numerics is not None and numerics not in NUMERICS:
+    raise JaxvtError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
   max_context = inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
   device_gb = inputs.device_gb(device_gb)
@@ -560,7 +567,7 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
       tokenizer = _file_tokenizer(m, tokenizer)
     else:  # built last (below), checked before anything is placed
       Tokenizer.check_metadata(m.gguf.metadata)
-    ex = exec_for(device.platform, kernels, par, deterministic)
+    ex = exec_for(device.platform, kernels, par, deterministic, numerics)
     # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
     # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []
