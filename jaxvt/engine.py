@@ -51,6 +51,7 @@ from jaxvt.offload.plan import Policy, parse_overrides
 from jaxvt.offload.schedule import ExpertSchedule
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
+from jaxvt.sampling import row_key
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
                             SamplingParams)
 
@@ -208,7 +209,7 @@ class Engine:
     # (after the first token); compile_seconds counts them, the rates do not.
     stats.compile_seconds = self.warm_up(len(ids), 1, sampling)
     stops = set(tok.stop_ids)
-    key = jax.random.key(seed)
+    key = row_key(seed, sampling)  # the server's draws for this seed (sampling.sample_rows)
     stream = tok.stream_decoder()
 
     t0 = time.perf_counter()
@@ -325,7 +326,7 @@ class Engine:
     if pre in self.warmed and all(k in self.warmed for k, _ in calls):
       return 0.0
     t0 = time.perf_counter()
-    key = jax.random.key(0)  # as generate makes its keys
+    key = row_key(0, sampling)  # as generate makes its keys
     spec = lambda info, shardings: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), info, shardings)
     cache = self.new_cache(1)
