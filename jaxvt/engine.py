@@ -108,11 +108,18 @@ class Engine:
     # ggml numerics: llama.cpp's default f16 KV cache, q and the attention probabilities rounded
     # as ggml rounds them (jaxvt.ffi.numerics.attention); each device holds its heads' cache
     kv = jnp.float16 if self.ex.ggml else jnp.float32
-    return sharding.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
+    return sharding.init_cache(self.cfg, self.ex.par, batch, self.cache_len, kv_dtype=kv)
+
+  @property
+  def cache_len(self) -> int:
+    """Positions a cache holds: max_context rounded up to a multiple of 8, so that every
+    program reads a kv_len the attention kernel takes (the positions past max_context are never
+    real ones): a row's attention arithmetic never changes with the kv_len other rows need."""
+    return -(-self.max_context // 8) * 8
 
   def kv_len(self, n: int) -> int:
     self._check_open()
-    return bucket(n, KV_BUCKETS, self.max_context)
+    return bucket(n, KV_BUCKETS, self.cache_len)
 
   def prefill_shapes(self, n: int, start: int = 0) -> tuple[tuple[int, int], ...]:
     """(T, kv_len) of each prefill_fn call that prefill makes for `n` tokens from `start`."""
