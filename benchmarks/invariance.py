@@ -64,14 +64,18 @@ def main(args) -> str:
   prompts = {n: _prompt(engines[ARMS[0]], n) for n in PROMPTS}
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
   rates = {(arm, c): [] for arm in ARMS for c in cases}
+  ratios = {c: [] for c in cases}  # after / before of adjacent runs: drift of the load cancels
   for rep in range(args.repeats + 1):  # the first round compiles: not counted
     for c in cases:
+      got = {}
       for arm in (ARMS if rep % 2 else ARMS[::-1]):
         kind, n = c
-        r = (_decode_rate(sessions[arm], n, args.steps) if kind == "decode"
-             else _prefill_rate(engines[arm], prompts[n]))
+        got[arm] = (_decode_rate(sessions[arm], n, args.steps) if kind == "decode"
+                    else _prefill_rate(engines[arm], prompts[n]))
         if rep:
-          rates[(arm, c)].append(r)
+          rates[(arm, c)].append(got[arm])
+      if rep:
+        ratios[c].append(got["ggml"] / got["llamacpp"])
   med = {k: statistics.median(v) for k, v in rates.items()}
   cmd = f"python -m benchmarks.invariance --steps {args.steps} --repeats {args.repeats}"
   lines = ["## Cost of scheduling-invariant arithmetic (CPU, default model)\n",
@@ -83,13 +87,17 @@ def main(args) -> str:
            "default); \"ggml\": the default, one recipe for every query row. Decode: "
            f"{args.steps} greedy steps of 1 and 8 rows in the server's batch program; prefill: "
            f"Engine.prefill of a prompt. Medians of {args.repeats} repeats after a compiling "
-           "one.\n",
-           "| case | llamacpp tok/s | ggml (default) tok/s | ggml / llamacpp |",
+           "one; the ratio is the median of each repeat's adjacent pair (its range beside it). "
+           "A prefill of >= 2 tokens takes the same kernels in both arms (llama.cpp's prompt "
+           "recipe), so its ratio shows the machine's noise.\n",
+           "| case | llamacpp tok/s | ggml (default) tok/s | ggml / llamacpp (range) |",
            "|---|---|---|---|"]
   for kind, n in cases:
     a, b = med[("llamacpp", (kind, n))], med[("ggml", (kind, n))]
+    r = ratios[(kind, n)]
     what = f"decode, {n} row{'s' if n > 1 else ''}" if kind == "decode" else f"prefill, {n} tokens"
-    lines.append(f"| {what} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+    lines.append(f"| {what} | {a:.1f} | {b:.1f} | {statistics.median(r):.3f} "
+                 f"({min(r):.2f}-{max(r):.2f}) |")
   for e in engines.values():
     e.close()
   return report.publish("invariance", lines, write=not args.no_write)

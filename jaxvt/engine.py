@@ -31,6 +31,7 @@ import numpy as np
 from jaxvt import ffi, inputs, loader, programs
 from jaxvt.errors import JaxvtError, escape
 from jaxvt.ffi import numerics
+from jaxvt.ffi import numerics as numerics_mod
 from jaxvt.ffi.tuning import Products, products_for
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
@@ -570,6 +571,9 @@ def load(model: str | None = None, *, max_context: int = 2048, offload_gb: float
   with programs.BackendStart(device):  # XLA's lazy start, beside the plan (programs.py)
     if kernels is None:
       kernels = ffi.available(device.platform)
+    if numerics in ("ggml", "llamacpp") and kernels and device.platform != "cpu":
+      raise JaxvtError(f"numerics {numerics!r} has CPU kernels only; on {device.platform} use "
+                       f"{numerics_mod.default_mode(device.platform)!r} or f32")
     overlap = while_loading is not None and par.size == 1
     if tokenizer is not None or overlap:  # the early Engine needs it before anything is placed
       tokenizer = _file_tokenizer(m, tokenizer)
