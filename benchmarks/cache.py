@@ -48,7 +48,6 @@ from benchmarks import cache_report, offload, offload_llama, report
 from benchmarks.cache_report import ARMS, GiB, LLAMA, Row
 from benchmarks.cli import parser_of, run
 from jaxvt import JaxvtError, SamplingParams, engine, ffi
-from jaxvt.sampling import row_key
 from jaxvt.synth_routing import RoutingStats
 
 REALISTIC = "/tmp/jaxvt-qwen36-35b-a3b-realistic.gguf"
@@ -227,7 +226,7 @@ def decode(eng, ids: list[int], gen: int, params: SamplingParams, seed: int):
   dispatched back to back. Returns (the tokens, seconds of the decode calls, the cache's counters
   before and after them: None without a cache)."""
   logits, cache = eng.prefill(ids)
-  first, key = engine.first_token_fn(logits, row_key(seed, params), params=params)
+  first, key = engine.first_token_fn(logits, engine.row_key(seed, params), params=params)
   first = int(first)
   token = jax.device_put(np.asarray([first], np.int32))
   before = engine.expert_cache_stats(eng.weights)

@@ -4,7 +4,7 @@ Two engines of the default model in one process, side by side: the default "ggml
 (every attention query row takes one recipe, so a request's tokens do not depend on how it was
 scheduled) and "llamacpp" (llama.cpp's choice of recipe by the number of query tokens in a call:
 jaxvt's arithmetic before the invariant default). Decode: steps of 1 and of 8 rows through the
-server's batch program (jaxvt.serve.batch.BatchSession); prefill: prompts of 151 and 512 tokens
+engine's decode program (jaxvt.engine.decode_fn on a cache of that many rows); prefill: prompts of 151 and 512 tokens
 (Engine.prefill). The arms alternate within every repeat, so a machine shared with other work
 disturbs both alike; medians and their ratio are reported.
 """
@@ -14,13 +14,14 @@ from __future__ import annotations
 import statistics
 import time
 
+import jax
 import numpy as np
 
 import jaxvt
 from benchmarks import report
 from benchmarks.cli import parser_of, run
 from benchmarks.cpu import LONG
-from jaxvt.serve.batch import BatchSession
+from jaxvt import engine
 
 ARMS = ("llamacpp", "ggml")  # before (llama.cpp's recipe choice), after (the invariant default)
 PROMPTS = (151, 512)
@@ -42,13 +43,18 @@ def _prompt(eng, n: int) -> list[int]:
   return ids[:n]
 
 
-def _decode_rate(sess: BatchSession, rows: int, steps: int) -> float:
-  """Tokens a second of `steps` decode steps of `rows` greedy rows (positions 151 on)."""
-  feed = {r: (1, (0.0, 0, 1.0, 0, 0, {})) for r in range(rows)}
-  sess.positions[:rows] = 151
+def _decode_rate(eng, cache: dict, steps: int) -> tuple[float, dict]:
+  """Tokens a second of `steps` decode steps of every row of `cache` (positions 151 on), and the
+  cache they return."""
+  rows = cache["k"].shape[1]
+  tok = jax.device_put(np.ones((rows, 1), np.int32))
   t = time.perf_counter()
-  sess.decode(feed, steps)  # returns tokens read back: the work is done
-  return rows * steps / (time.perf_counter() - t)
+  for i in range(steps):
+    pos = jax.device_put(np.full((rows, 1), 151 + i, np.int32))
+    logits, cache = engine.decode_fn(eng.weights, cache, tok, pos, cfg=eng.cfg, ex=eng.ex,
+                                     kv_len=eng.kv_len(151 + steps))
+  logits.block_until_ready()
+  return rows * steps / (time.perf_counter() - t), cache
 
 
 def _prefill_rate(eng, ids: list[int]) -> float:
@@ -60,7 +66,7 @@ def _prefill_rate(eng, ids: list[int]) -> float:
 
 def main(args) -> str:
   engines = {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS}
-  sessions = {arm: BatchSession(e, max(ROWS)) for arm, e in engines.items()}
+  caches = {(arm, r): e.new_cache(r) for arm, e in engines.items() for r in ROWS}
   prompts = {n: _prompt(engines[ARMS[0]], n) for n in PROMPTS}
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
   rates = {(arm, c): [] for arm in ARMS for c in cases}
@@ -70,8 +76,10 @@ def main(args) -> str:
       got = {}
       for arm in (ARMS if rep % 2 else ARMS[::-1]):
         kind, n = c
-        got[arm] = (_decode_rate(sessions[arm], n, args.steps) if kind == "decode"
-                    else _prefill_rate(engines[arm], prompts[n]))
+        if kind == "decode":
+          got[arm], caches[(arm, n)] = _decode_rate(engines[arm], caches[(arm, n)], args.steps)
+        else:
+          got[arm] = _prefill_rate(engines[arm], prompts[n])
         if rep:
           rates[(arm, c)].append(got[arm])
       if rep:
@@ -85,7 +93,7 @@ def main(args) -> str:
            "shared: compare the ratio, not the rates). \"llamacpp\": llama.cpp's attention recipe "
            "by the number of query tokens in a call (jaxvt's arithmetic before the invariant "
            "default); \"ggml\": the default, one recipe for every query row. Decode: "
-           f"{args.steps} greedy steps of 1 and 8 rows in the server's batch program; prefill: "
+           f"{args.steps} steps of 1 and 8 rows (Engine's decode_fn); prefill: "
            f"Engine.prefill of a prompt. Medians of {args.repeats} repeats after a compiling "
            "one; the ratio is the median of each repeat's adjacent pair (its range beside it). "
            "A prefill of >= 2 tokens takes the same kernels in both arms (llama.cpp's prompt "

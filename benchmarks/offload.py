@@ -51,7 +51,6 @@ from benchmarks import arms, offload_llama, offload_report, report
 from benchmarks.cli import child_env, parser_of, run
 from benchmarks.offload_report import Run, plan_points
 from jaxvt import JaxvtError, SamplingParams, engine, ffi, synth
-from jaxvt.sampling import row_key
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.model.presets import qwen36_35b_a3b_config
 
@@ -237,7 +236,7 @@ def warm_up(eng, ids: list[int], overlap: bool) -> None:
   def step():  # the decode calls generate makes: a cache over the mesh, as prefill returns it;
     # the first call's token from the host, the next one's as the first returns it
     cache, token, pos = eng.new_cache(1), jnp.asarray([1], jnp.int32), n
-    key = row_key(0, SamplingParams())
+    key = engine.row_key(0, SamplingParams())
     steps = eng.decode_chunk
     for _ in range(2):
       toks, cache, key, token = engine.decode_loop_fn(

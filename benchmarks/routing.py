@@ -34,8 +34,7 @@ import jaxvt
 from benchmarks import report
 from benchmarks.cli import run
 from jaxvt import JaxvtError, SamplingParams
-from jaxvt.sampling import row_key
-from jaxvt.engine import Exec, decode_loop_fn, first_token_fn, prefill_fn
+from jaxvt.engine import Exec, decode_loop_fn, first_token_fn, prefill_fn, row_key
 from jaxvt.synth_routing import measure
 
 PROMPT = "The capital of France is"
