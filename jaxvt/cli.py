@@ -20,7 +20,8 @@ from jaxvt.errors import JaxvtError, JaxvtWarning, escape
 
 def define_model_flags(fv: flags.FlagValues) -> None:
   """--model, the placement flags (--max-context, --offload-gb, --offload-pattern, --device-gb,
-  --mesh, the several-host flags, --force), --deterministic, --compile-cache and --verbose."""
+  --mesh, the several-host flags, --force), --numerics, --deterministic, --compile-cache and
+  --verbose."""
   flags.DEFINE_string("model", None, "GGUF file to run (default: the embedded SmolLM2-135M-Instruct "
                       "Q4_1).", flag_values=fv)
   flags.DEFINE_integer("max_context", 2048, "Context length to allocate (prompt + generation).",

@@ -39,7 +39,8 @@ GROUPS = (
                              "mesh", "coordinator", "num_processes", "process_id")),
     ("server", ("host", "port", "api_key", "max_batch", "max_queue", "prefix_cache_gb",
                 "drain_seconds")),
-    ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
+    ("runtime", ("numerics", "deterministic", "compile_cache", "verbose", "help", "helpfull",
+                 "version")),
 )
 
 FLAGS = flags.FlagValues()
