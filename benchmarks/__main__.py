@@ -17,6 +17,8 @@ BENCHMARKS = {
     "profile": "where a decode step's (or a prefill's) device time goes (jax.profiler)",
     "mesh": "tp=2 against one device, with and without offload (2 GPUs)",
     "determinism": "the same tokens across processes and budgets, and what it costs",
+    "invariance": "the cost of scheduling-invariant arithmetic: decode 1 / 8 rows, prefill 151 / "
+                  "512 tokens, against llama.cpp's recipe choice (CPU)",
     "first_token": "seconds from starting `python -m jaxvt.run` to its first token, cold and "
                    "from the caches",
     "long_prompt": "a long prompt (8192 tokens) at --offload-gb auto on an emulated card",

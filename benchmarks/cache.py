@@ -232,7 +232,7 @@ def decode(eng, ids: list[int], gen: int, params: SamplingParams, seed: int):
   dispatched back to back. Returns (the tokens, seconds of the decode calls, the cache's counters
   before and after them: None without a cache)."""
   logits, cache = eng.prefill(ids)
-  first, key = engine.first_token_fn(logits, jax.random.key(seed), params=params)
+  first, key = engine.first_token_fn(logits, engine.row_key(seed, params), params=params)
   first = int(first)
   token = jax.device_put(np.asarray([first], np.int32))
   before = engine.expert_cache_stats(eng.weights)

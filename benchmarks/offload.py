@@ -235,7 +235,8 @@ def warm_up(eng, ids: list[int], overlap: bool) -> None:
 
   def step():  # the decode calls generate makes: a cache over the mesh, as prefill returns it;
     # the first call's token from the host, the next one's as the first returns it
-    cache, token, key, pos = eng.new_cache(1), jnp.asarray([1], jnp.int32), jax.random.key(0), n
+    cache, token, pos = eng.new_cache(1), jnp.asarray([1], jnp.int32), n
+    key = engine.row_key(0, SamplingParams())
     steps = eng.decode_chunk
     for _ in range(2):
       toks, cache, key, token = engine.decode_loop_fn(

@@ -38,7 +38,7 @@ import jaxvt
 from benchmarks import report
 from benchmarks.cli import run
 from jaxvt import JaxvtError, SamplingParams
-from jaxvt.engine import Exec, decode_loop_fn, first_token_fn, prefill_fn
+from jaxvt.engine import Exec, decode_loop_fn, first_token_fn, prefill_fn, row_key
 from jaxvt.synth_routing import REAL_LRU_CURVE, lru_name, measure
 
 PROMPT = "The capital of France is"
@@ -104,7 +104,7 @@ def decode_trace(eng, tokens: int, temperature: float, seed: int) -> tuple[np.nd
   jax.effects_barrier()
   start = len(trace.calls)
   params = SamplingParams(temperature=temperature)
-  first, key = first_token_fn(logits[0], jax.random.key(seed), params=params)
+  first, key = first_token_fn(logits[0], row_key(seed, params), params=params)
   out, cache, key, _ = decode_loop_fn(eng.weights, cache, first[None], jnp.int32(n), key, cfg=cfg,
                                       ex=ex, kv_len=kv, params=params, steps=tokens)
   jax.effects_barrier()

@@ -20,7 +20,8 @@ from jaxvt.errors import JaxvtError, JaxvtWarning, escape
 
 def define_model_flags(fv: flags.FlagValues) -> None:
   """--model, the placement flags (--max-context, --offload-gb, --offload-pattern, --device-gb,
-  --mesh, the several-host flags, --force), --deterministic, --compile-cache and --verbose."""
+  --mesh, the several-host flags, --force), --numerics, --deterministic, --compile-cache and
+  --verbose."""
   flags.DEFINE_string("model", None, "GGUF file to run (default: the embedded SmolLM2-135M-Instruct "
                       "Q4_1).", flag_values=fv)
   flags.DEFINE_integer("max_context", inputs.DEFAULT_CONTEXT, "Context length to allocate "
@@ -57,6 +58,12 @@ def define_model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_boolean("deterministic", None, "Compile with XLA's algorithm choices fixed, so every "
                        "run and every --offload-gb gives the same tokens (default: on; "
                        "JAXVT_DETERMINISTIC=0 turns it off).", flag_values=fv)
+  flags.DEFINE_enum("numerics", None, ["ggml", "llamacpp", "f32", "q8"], "The arithmetic "
+                    "(docs/NUMERICS.md). Default: ggml on the CPU, where a request's tokens do "
+                    "not depend on how it was scheduled (alone, batched, after a prefix-cache "
+                    "hit; no measurable cost); q8 on GPUs. llamacpp: llama.cpp's CPU logits "
+                    "bit for bit, prompt and decode, but a prefix-cache hit or a batch may then "
+                    "change a near-tie token.", flag_values=fv)
   flags.DEFINE_boolean("compile_cache", None, "Keep compiled programs in JAX's persistent cache "
                        "under $XDG_CACHE_HOME/jaxvt or ~/.cache/jaxvt (default: on; "
                        "JAXVT_COMPILE_CACHE=0 turns it off, =DIR moves it).", flag_values=fv)
@@ -114,7 +121,7 @@ def load_options(F) -> dict:
               device_gb=F.device_gb, force=F.force, mesh=F.mesh,
               offload_pattern=tuple(F.offload_pattern), deterministic=deterministic,
               compile_cache=cache, expert_cache_gb=inputs.expert_cache_gb(F.expert_cache_gb),
-              expert_cache_policy=F.expert_cache_policy)
+              expert_cache_policy=F.expert_cache_policy, numerics=F.numerics)
 
 
 class Bar:

@@ -31,12 +31,13 @@ import numpy as np
 from jaxvt import ffi, inputs, loader, programs
 from jaxvt.errors import JaxvtError, escape
 from jaxvt.ffi import numerics
+from jaxvt.ffi import numerics as numerics_mod
 from jaxvt.ffi.tuning import Products, products_for
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.layers import Exec
+from jaxvt.model.layers import NUMERICS, Exec
 from jaxvt.model.sharding import Par
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
                              decode_fn, decode_loop_fn, decode_sample_fn,  # noqa: F401 (public)
@@ -51,6 +52,7 @@ from jaxvt.offload.plan import Policy, parse_overrides
 from jaxvt.offload.schedule import ExpertSchedule
 from jaxvt.parallel import mesh as mesh_mod
 from jaxvt.parallel.mesh import layout
+from jaxvt.sampling import row_key
 from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
                             SamplingParams)
 
@@ -107,11 +109,18 @@ class Engine:
     # ggml numerics: llama.cpp's default f16 KV cache, q and the attention probabilities rounded
     # as ggml rounds them (jaxvt.ffi.numerics.attention); each device holds its heads' cache
     kv = jnp.float16 if self.ex.ggml else jnp.float32
-    return sharding.init_cache(self.cfg, self.ex.par, batch, self.max_context, kv_dtype=kv)
+    return sharding.init_cache(self.cfg, self.ex.par, batch, self.cache_len, kv_dtype=kv)
+
+  @property
+  def cache_len(self) -> int:
+    """Positions a cache holds: max_context rounded up to a multiple of 8, so that every
+    program reads a kv_len the attention kernel takes (the positions past max_context are never
+    real ones): a row's attention arithmetic never changes with the kv_len other rows need."""
+    return -(-self.max_context // 8) * 8
 
   def kv_len(self, n: int) -> int:
     self._check_open()
-    return bucket(n, KV_BUCKETS, self.max_context)
+    return bucket(n, KV_BUCKETS, self.cache_len)
 
   def prefill_shapes(self, n: int, start: int = 0) -> tuple[tuple[int, int], ...]:
     """(T, kv_len) of each prefill_fn call that prefill makes for `n` tokens from `start`."""
@@ -208,7 +217,7 @@ class Engine:
     # (after the first token); compile_seconds counts them, the rates do not.
     stats.compile_seconds = self.warm_up(len(ids), 1, sampling)
     stops = set(tok.stop_ids)
-    key = jax.random.key(seed)
+    key = row_key(seed, sampling)  # the server's draws for this seed (sampling.sample_rows)
     stream = tok.stream_decoder()
 
     t0 = time.perf_counter()
@@ -325,7 +334,7 @@ class Engine:
     if pre in self.warmed and all(k in self.warmed for k, _ in calls):
       return 0.0
     t0 = time.perf_counter()
-    key = jax.random.key(0)  # as generate makes its keys
+    key = row_key(0, sampling)  # as generate makes its keys
     spec = lambda info, shardings: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), info, shardings)
     cache = self.new_cache(1)
@@ -432,14 +441,16 @@ def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: in
   return workspace_of
 
 
-def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True) -> Exec:
+def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
+             numerics_mode: str | None = None) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU (where
   jaxvt agrees with llama.cpp), ggml's integer products and float32 elsewhere on GPUs ("q8",
   numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
   host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
-  (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling."""
+  (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling.
+  `numerics_mode` (Exec.numerics) replaces the platform's default contract."""
   gpu = platform != "cpu" and kernels
-  return Exec(kernels=kernels, numerics=numerics.default_mode(platform), par=par,
+  return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
               products=products_for(platform) if kernels else Products(),
               deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
               schedule=ExpertSchedule() if kernels else None)
@@ -519,7 +530,7 @@ def load(model: str | None = None, *, max_context: int | None = None,
          compile_cache: bool | str | None = None,
          while_loading: Callable[[Engine], object] | None = None,
          tokenizer: Tokenizer | None = None, expert_cache_gb: float | str | None = "auto",
-         expert_cache_policy: str = "lru") -> Engine:
+         expert_cache_policy: str = "lru", numerics: str | None = None) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `max_context`: tokens of context to allocate, at most the model's trained context (None: 2048,
@@ -540,8 +551,13 @@ def load(model: str | None = None, *, max_context: int | None = None,
   weights are placed. `tokenizer`: one built from this very file (its GGUFFile.identity; the
   CLI builds it before JAX starts), taken instead of building another; JaxvtError if it is
   another file's, or the file changed since. `expert_cache_gb`, `expert_cache_policy`: as for
-  `plan` (on_plan may resize the cache: Placed.with_expert_cache)."""
+  `plan` (on_plan may resize the cache: Placed.with_expert_cache). `numerics`: the arithmetic
+  contract (Exec.numerics, docs/NUMERICS.md); None: the platform's ("ggml" on the CPU, whose
+  tokens do not depend on scheduling; "llamacpp" is llama.cpp's CPU arithmetic exactly, prompt
+  and decode)."""
   t0 = time.perf_counter()
+  if numerics is not None and numerics not in NUMERICS:
+    raise JaxvtError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
   max_context = None if max_context is None else inputs.max_context(max_context)
   offload_gb = inputs.offload_gb(offload_gb)
   device_gb = inputs.device_gb(device_gb)
@@ -559,12 +575,15 @@ def load(model: str | None = None, *, max_context: int | None = None,
   with programs.BackendStart(device):  # XLA's lazy start, beside the plan (programs.py)
     if kernels is None:
       kernels = ffi.available(device.platform)
+    if numerics in ("ggml", "llamacpp") and kernels and device.platform != "cpu":
+      raise JaxvtError(f"numerics {numerics!r} has CPU kernels only; on {device.platform} use "
+                       f"{numerics_mod.default_mode(device.platform)!r} or f32")
     overlap = while_loading is not None and par.size == 1
     if tokenizer is not None or overlap:  # the early Engine needs it before anything is placed
       tokenizer = _file_tokenizer(m, tokenizer)
     else:  # built last (below), checked before anything is placed
       Tokenizer.check_metadata(m.gguf.metadata)
-    ex = exec_for(device.platform, kernels, par, deterministic)
+    ex = exec_for(device.platform, kernels, par, deterministic, numerics)
     # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
     # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []

@@ -17,8 +17,8 @@ from jaxvt import programs
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
-from jaxvt.sampling import (TOP_LOGPROBS, SamplingParams, adjust_logits, sample, sample_rows,
-                            token_logprobs)
+from jaxvt.sampling import (TOP_LOGPROBS, SamplingParams, adjust_logits, sample, sample_keyed,
+                            sample_rows, token_logprobs)
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
@@ -136,11 +136,12 @@ def decode_sample_fn(weights, cache, tokens, positions, key, *, cfg: ModelConfig
 
 @functools.partial(jax.jit, static_argnames=("params",))
 def first_token_fn(logits, key, *, params: SamplingParams):
-  """generate's first token, from prefill's logits [vocab]: the key split once as decode splits
-  it per step, the token sampled with the split-off key. Returns (token int32 [], key). One
-  program where splitting and sampling eagerly compiled (or loaded) about eight."""
-  key, sub = jax.random.split(key)
-  return sample(logits[None], sub, params)[0], key
+  """generate's first token, from prefill's logits [vocab]: sampled with `key`
+  (jaxvt.sampling.row_key: the server's sample_rows draw for the same seed and token index).
+  Returns (token int32 [], key at the next token index). One program where sampling eagerly
+  compiled (or loaded) several."""
+  tok, key = sample_keyed(logits[None], key, params.greedy)
+  return tok[0], key
 
 
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "params", "steps"),
@@ -150,7 +151,8 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
   """`steps` decode steps in one device program, each sampling the token the next one feeds.
 
   token int32 [b]: the last sampled token (not yet in the cache); position int32 []: where it
-  goes; key: the sampling key, split once per step as generate splits it. Returns (tokens int32
+  goes; key: the sampling state (jaxvt.sampling.row_key; each step draws with sample_rows at
+  its token index, as the server's slots do). Returns (tokens int32
   [steps, b]: the sampled tokens in order, cache, key, last int32 [b]: the last of them, the
   next call's `token`, so that call can be dispatched before these tokens are read back).
   Positions past the cache are dropped, so a caller stops consuming tokens at the context's
@@ -159,10 +161,9 @@ def decode_loop_fn(weights, cache, token, position, key, *, cfg: ModelConfig, ex
 
   def step(i, carry):
     cache, tok, key, out = carry
-    key, sub = jax.random.split(key)
     pos = jnp.broadcast_to(position + i, (b, 1)).astype(jnp.int32)
     logits, cache = _forward(weights, cache, tok[:, None], pos, cfg, ex, kv_len)
-    nxt = sample(logits[:, 0], sub, params)
+    nxt, key = sample_keyed(logits[:, 0], key, params.greedy)
     return cache, nxt, key, out.at[i].set(nxt)
 
   out = jnp.zeros((steps, b), jnp.int32)

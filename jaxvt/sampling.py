@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxvt import inputs
 
@@ -116,6 +117,32 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
 
   drawn = jax.vmap(draw)(seeds, counters, x)
   return jnp.where(hot, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def row_key(seed: int, params: SamplingParams) -> dict:
+  """The sampling state of one sequence that generate's programs carry (first_token_fn,
+  decode_loop_fn) in place of a PRNG key: sample_rows' row arguments for `seed` and `params`
+  and the index of the next token. Its draws are the server's for a request with the same seed
+  and parameters (jaxvt.serve.batch.row_args): one sampling path for the CLI, the API and the
+  server. Arrays, not constants, so that the temperature divides as in the server's program
+  (XLA would turn a division by a constant into a product)."""
+  return {"seed": np.asarray(seed_words(seed), np.uint32), "index": np.int32(0),
+          "temperature": np.float32(params.temperature), "top_k": np.int32(params.top_k),
+          "top_p": np.float32(params.top_p)}
+
+
+def sample_keyed(logits: jax.Array, key: dict, greedy: bool) -> tuple[jax.Array, dict]:
+  """logits float32 [b, vocab] -> (token ids int32 [b], `key` at the next token index): every
+  row drawn by sample_rows with `key`'s arguments (row_key); `greedy` (static): the argmax,
+  which is sample_rows' answer at temperature 0, without its sort."""
+  b = logits.shape[0]
+  if greedy:
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    row = lambda x: jnp.broadcast_to(x, (b,))
+    tok = sample_rows(logits, jnp.broadcast_to(key["seed"], (b, 2)), row(key["index"]),
+                      row(key["temperature"]), row(key["top_k"]), row(key["top_p"]))
+  return tok, {**key, "index": key["index"] + 1}
 
 
 def seed_words(seed: int) -> tuple[int, int]:

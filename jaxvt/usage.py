@@ -45,7 +45,8 @@ GROUPS = (
                              "num_processes", "process_id")),
     ("generation", ("prompt", "chat", "interactive", "max_tokens")),
     ("sampling", ("temperature", "top_k", "top_p", "seed")),
-    ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
+    ("runtime", ("numerics", "deterministic", "compile_cache", "verbose", "help", "helpfull",
+                 "version")),
 )
 # --helpfull adds the environment the CLI reads.
 ENVIRONMENT = (

@@ -114,7 +114,7 @@ def test_warm_up_leaves_nothing_to_compile_in_generate():
   from jaxvt.sampling import SamplingParams
   counter = programs.compile_counter()
   with no_stops(jaxvt.load(max_context=300)) as eng:
-    assert {kv for kv, _, _ in eng.decode_calls(240, 30)} == {256, 300}  # crosses at 256
+    assert {kv for kv, _, _ in eng.decode_calls(240, 30)} == {256, 304}  # crosses 256; 300 rounds up
     for sp, n, n_tok in ((SamplingParams(), 240, 30),
                          (SamplingParams(temperature=0.7, top_k=20), 12, 4)):
       assert eng.warm_up(n, n_tok, sp) > 0
@@ -148,8 +148,8 @@ def test_first_token_before_decode_compiles():
         (programs_of("prefill"), programs_of("decode"))))
     assert seen and seen[0][0] and seen[0][1] == []  # prefill's, nothing of decode, at token 1
     want = {kv for kv, _, _ in eng.decode_calls(240, 30)}
-    assert want == {256, 300} and {k[1] for k in programs_of("decode")} == want  # once needed
-    assert [k[1] for k in seen[-1][1]] == [256, 300]  # the second when decoding crossed 256
+    assert want == {256, 304} and {k[1] for k in programs_of("decode")} == want  # once needed
+    assert [k[1] for k in seen[-1][1]] == [256, 304]  # the second when decoding crossed 256
     assert g.stats.compile_seconds > 0 and len(g.tokens) == 30
     before = counter.snapshot()
     again = eng.generate([1] * 240, max_tokens=30)

@@ -27,7 +27,7 @@ PUBLIC_MODULES = {
     "jaxvt": "load, Engine, open_model, layout, plan, place, SamplingParams, JaxvtError",
     "jaxvt.engine": "the steps one by one and the programs an Engine runs (exec_for, Exec, "
                     "prefill_fn, first_token_fn, decode_fn, decode_loop_fn, decode_sample_fn, "
-                    "xla_workspace_of)",
+                    "row_key, xla_workspace_of)",
     "jaxvt.parallel.mesh": "the --mesh spec (parse, build), beside jaxvt.layout",
     "jaxvt.ffi": "the extension: available, extension, debug_extension (the probes)",
     "jaxvt.ffi.ops": "the kernel ops (qmatmul, qmatmul_experts, qdequant, ...)",

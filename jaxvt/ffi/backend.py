@@ -68,7 +68,7 @@ class Reference(_GgmlSteps):
   step_kernels: ClassVar[bool] = False
 
   def matmul(self, x, w, layer, ex):
-    return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.numerics)
+    return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.mode)
 
   def shares_input(self, x, ws, ex) -> bool:
     return False
@@ -86,7 +86,7 @@ class Reference(_GgmlSteps):
     """The gathered reference for few slots; one pass per expert for many (its [T, k, rows,
     cols] intermediate would not fit)."""
     fn = ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
-    return functools.partial(fn, mode=ex.numerics)
+    return functools.partial(fn, mode=ex.mode)
 
   def fused(self, step: str, ex) -> bool:
     return False
@@ -111,7 +111,7 @@ class Kernels(_GgmlSteps):
                      preferred_element_type=jnp.float32)
     if path == "tiled":
       return grouped.qmatmul_tiled(x, w, layer)
-    return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.numerics)
+    return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.mode)
 
   def shares_input(self, x, ws, ex) -> bool:
     rows = x.size // x.shape[-1]
@@ -119,7 +119,7 @@ class Kernels(_GgmlSteps):
 
   def matmul_many(self, x, ws, layer, ex):
     """One launch on a GPU (ops.qmatmul_multi; the same bits as one call a matrix)."""
-    return ops.qmatmul_multi(x.astype(jnp.float32), ws, layer, ex.numerics)
+    return ops.qmatmul_multi(x.astype(jnp.float32), ws, layer, ex.mode)
 
   def embed(self, ids, w, ex):
     return ops.qembed(ids, w, jnp.int32(0))
@@ -135,7 +135,7 @@ class Kernels(_GgmlSteps):
     read only the routed experts' bytes, from either tier)."""
     if ex.products.experts(n_tokens * k) == "grouped":
       return grouped.moe_grouped
-    return functools.partial(ops.moe_experts, mode=ex.numerics)
+    return functools.partial(ops.moe_experts, mode=ex.mode)
 
   def fused(self, step: str, ex) -> bool:
     return bool(getattr(ex.products, _FUSED[step]))

@@ -34,6 +34,12 @@ class Products:
   kernels (float32, summed in another order than the jnp path; off on the CPU, whose jnp and
   ggml paths are matched against llama.cpp).
 
+  gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
+  form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
+  a prefix-cache hit, a prefill in pieces and a cold prefill give the same bits (the CPU's: there
+  the recurrence is also ~16x faster, 94 against 1555 ms for 512 tokens of 16 heads of
+  128 x 128 on the shared 2-core machine).
+
   prefetch_per_expert: from this many routed slots per expert (T*k >= this * E) a call copies
   each host-tier layer of the routed experts' stacks into a device ring ahead of its turn while
   the layers before it compute (jaxvt.offload.schedule; jaxvt.ffi.prefetch); at 4 slots per
@@ -61,6 +67,7 @@ class Products:
   fused_route: bool = False
   gdn_fused: bool = False
   attn_fused: bool = False
+  gdn_chunked_rows: int = 0
   prefetch_per_expert: int = 0
   prefetch_rings: int = 1
   predict_after_host: int = 0
@@ -108,6 +115,7 @@ class Products:
 #   23% with it).
 GPU_PRODUCTS = Products(tiled_rows=32, stage_rows=16, stage_max_bytes=512 << 20,
                         grouped_slots=256, fused_route=True, gdn_fused=True, attn_fused=True,
+                        gdn_chunked_rows=2,
                         prefetch_per_expert=4, prefetch_rings=2, predict_after_host=2,
                         predict_after_device=2, predict_inline=True, predict_blocks=8,
                         predict_scale=3)

@@ -148,7 +148,7 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, kernel: jax.Array, valid: j
 
 
 def gdn_mix(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state, ssm_state, valid,
-            eps: float, order: str):
+            eps: float, order: str, chunked: bool = True):
   """A DeltaNet mixer between its projections, in jnp, for any t: gating, the causal conv and
   silu, l2-normed q / k expanded to the value heads, the gated delta rule, then
   rms_norm(o) * norm_w * silu(z).
@@ -156,8 +156,10 @@ def gdn_mix(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state, ssm_s
   mixed [b, t, conv_dim] = [q | k | v] (conv_dim = 2 nk dk + nv dv); z [b, t, nv dv]; beta, alpha
   [b, t, nv] (the projections' raw outputs); a, dt_bias [nv]; conv_w [conv_dim, K]; norm_w [dv];
   conv_state [b, K-1, conv_dim]; ssm_state [b, nv, dk, dv] float32; valid [b, t] bool. Sizes come
-  from the operands (a device of a mesh passes its own heads). Returns (y [b, t, nv dv] float32,
-  conv_state, ssm_state).
+  from the operands (a device of a mesh passes its own heads). `chunked`: several tokens take
+  gdn_chunked (else gdn_recurrent, token by token: a token's arithmetic is then the same in a
+  prefill of any length and in decode). Returns (y [b, t, nv dv] float32, conv_state,
+  ssm_state).
   """
   b, t, conv_dim = mixed.shape
   nv, dv, dk = beta.shape[-1], norm_w.shape[-1], ssm_state.shape[-2]
@@ -181,7 +183,7 @@ def gdn_mix(mixed, z, beta, alpha, a, dt_bias, conv_w, norm_w, conv_state, ssm_s
   k = _expand_heads(k, nv, order)
 
   with jax.named_scope("gdn_core"):
-    rule = gdn_recurrent if t == 1 else gdn_chunked
+    rule = gdn_chunked if chunked and t > 1 else gdn_recurrent
     o, ssm_state = rule(q, k, v, g, beta, ssm_state)
 
   y = layers.rms_norm(o, norm_w, eps) * jax.nn.silu(z)  # ssm_norm: no +1
@@ -216,7 +218,9 @@ def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelCon
 
   Decode (t == 1) under a rule with `gdn_fused` (jaxvt.ffi.tuning.Products; the GPUs' row) runs the middle as
   one custom call on the stacks, updating layer gi in place (jaxvt.ffi.gdn.gdn_step); otherwise
-  gdn_mix's jnp on layer gi's slices, written back.
+  gdn_mix's jnp on layer gi's slices, written back: the chunked form from the rule's
+  `gdn_chunked_rows` tokens, else the recurrence (the CPU's: the same bits however the tokens
+  are split between calls, and faster there).
   """
   b, t, _ = h.shape
   with jax.named_scope("gdn_in"):
@@ -232,8 +236,9 @@ def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelCon
       y = y[:, None]
   else:
     vecs = tuple(x[gi] for x in stacks)
+    rows = ex.products.gdn_chunked_rows
     y, conv, ssm = gdn_mix(mixed, z, beta, alpha, *vecs, conv_states[gi], ssm_states[gi], valid,
-                           cfg.rms_eps, cfg.ssm_value_order)
+                           cfg.rms_eps, cfg.ssm_value_order, chunked=bool(rows) and t >= rows)
     conv_states = conv_states.at[gi].set(conv.astype(conv_states.dtype))
     ssm_states = ssm_states.at[gi].set(ssm.astype(ssm_states.dtype))
 

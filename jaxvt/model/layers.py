@@ -20,6 +20,13 @@ from jaxvt.model.axes import AXES, TP
 from jaxvt.qweight import QWeight
 
 
+NUMERICS = ("ggml", "llamacpp", "f32", "q8")
+# The query-token count whose attention recipe every row takes under "ggml" numerics, whatever
+# its call holds: llama.cpp's batched products (tinyBLAS order), which its prompts take, so the
+# prompt logits stay llama.cpp's bit for bit (docs/NUMERICS.md).
+ATTN_RECIPE_ROWS = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Exec:
   """How to execute: static, hashable, passed beside the ModelConfig.
@@ -34,6 +41,12 @@ class Exec:
     llama.cpp's logits bit for bit (Q4_0/Q4_1/Q8_0/F16/F32 weights, f16 or f32 cache). "f32":
     exact dequantization and float32 math throughout (what a float framework computes). "q8":
     the matrix products in ggml's integer arithmetic, every other step as "f32" (the GPU default).
+    "llamacpp": "ggml" with llama.cpp's choice of attention recipe by the number of query tokens
+    in a call (its batched products for >= 2, its decode products for one), so its prompt
+    logits and its decode steps both equal llama.cpp's; a row's bits then depend on how many
+    rows its call holds. "ggml" takes llama.cpp's batched recipe for every query row whatever
+    the call holds (ATTN_RECIPE_ROWS), so a request's tokens do not depend on how it was
+    scheduled (docs/NUMERICS.md).
   par: the jaxvt.model.sharding.Par the forward runs on (a shard_map over its mesh, one device
     being the 1 x 1 mesh): each device computes on its own shards, and `reduce` sums
     row-parallel partial products over the mesh. None: the decoder called directly, outside a
@@ -61,12 +74,20 @@ class Exec:
   schedule: object = None
 
   def __post_init__(self):
-    if self.numerics not in ("ggml", "f32", "q8"):
-      raise ValueError(f"Exec.numerics must be 'ggml', 'f32' or 'q8', got {self.numerics!r}")
+    if self.numerics not in NUMERICS:
+      raise ValueError(f"Exec.numerics must be one of {', '.join(NUMERICS)}, "
+                       f"got {self.numerics!r}")
 
   @property
   def ggml(self) -> bool:
-    return self.numerics == "ggml"
+    """ggml's roundings in the steps between the products ("ggml" and "llamacpp")."""
+    return self.numerics in ("ggml", "llamacpp")
+
+  @property
+  def mode(self) -> str:
+    """The matrix products' arithmetic (jaxvt.ffi.numerics.MODES): "llamacpp" computes
+    "ggml"'s."""
+    return "ggml" if self.numerics == "llamacpp" else self.numerics
 
   @property
   def backend(self):
@@ -149,8 +170,8 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
   k_cache/v_cache [n_attn, b, S, k, d]: the whole stacked cache, updated in place at
   [ai, row, positions]; positions int32 [b, t] (absolute). Only the first `kv_len` (static)
   cached positions are read: the caller picks a bucket >= max(positions) + 1. n_query int32 [b]:
-  real query tokens per row (ggml numerics: llama.cpp's products for >= 2 tokens add in another
-  order than for one); None means t.
+  real query tokens per row ("llamacpp" numerics: llama.cpp's products for >= 2 tokens add in
+  another order than for one; "ggml" takes one order for every row); None means t.
   Returns (out [b, t, m], k_cache, v_cache).
 
   Decode (t == 1) under a rule with `attn_fused` (jaxvt.ffi.tuning.Products; the GPUs' row) outside ggml
@@ -206,7 +227,10 @@ def attend(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, kv_len: 
   v_cache = v_cache.at[ai, bidx, positions].set(v.astype(v_cache.dtype), mode="drop")
 
   if ex.ggml:
-    nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
+    if ex.numerics == "llamacpp":  # llama.cpp's choice, by the query tokens in this call
+      nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
+    else:  # one recipe for every row, however many share the call
+      nq = jnp.full((b,), ATTN_RECIPE_ROWS, jnp.int32)
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
     o = ex.backend.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
                              ex).reshape(b, t, H * Dv)

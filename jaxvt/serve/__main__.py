@@ -41,7 +41,8 @@ GROUPS = (
                 "drain_seconds")),
     ("connections", ("header_timeout", "timeout_keep_alive", "send_timeout",
                      "limit_concurrency")),
-    ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
+    ("runtime", ("numerics", "deterministic", "compile_cache", "verbose", "help", "helpfull",
+                 "version")),
 )
 
 FLAGS = flags.FlagValues()

@@ -1,0 +1,115 @@
+"""python -m benchmarks.invariance: the cost of scheduling-invariant arithmetic (CPU).
+
+Two engines of the default model in one process, side by side: the default "ggml" numerics
+(every attention query row takes one recipe, so a request's tokens do not depend on how it was
+scheduled) and "llamacpp" (llama.cpp's choice of recipe by the number of query tokens in a call:
+jaxvt's arithmetic before the invariant default). Decode: steps of 1 and of 8 rows through the
+engine's decode program (jaxvt.engine.decode_fn on a cache of that many rows); prefill: prompts of 151 and 512 tokens
+(Engine.prefill). The arms alternate within every repeat, so a machine shared with other work
+disturbs both alike; medians and their ratio are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import jaxvt
+from benchmarks import report
+from benchmarks.cli import parser_of, run
+from benchmarks.cpu import LONG
+from jaxvt import engine
+
+ARMS = ("llamacpp", "ggml")  # before (llama.cpp's recipe choice), after (the invariant default)
+PROMPTS = (151, 512)
+ROWS = (1, 8)
+
+
+def parser():
+  ap = parser_of("invariance", __doc__)
+  ap.add_argument("--steps", type=int, default=8, help="decode steps per timed program")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--no-write", action="store_true", help="print, do not write BENCHMARKS.md")
+  return ap
+
+
+def _prompt(eng, n: int) -> list[int]:
+  ids = eng.tokenizer.encode(LONG)
+  while len(ids) < n:
+    ids = ids + ids
+  return ids[:n]
+
+
+def _decode_rate(eng, cache: dict, steps: int) -> tuple[float, dict]:
+  """Tokens a second of `steps` decode steps of every row of `cache` (positions 151 on), and the
+  cache they return."""
+  rows = cache["k"].shape[1]
+  tok = jax.device_put(np.ones((rows, 1), np.int32))
+  t = time.perf_counter()
+  for i in range(steps):
+    pos = jax.device_put(np.full((rows, 1), 151 + i, np.int32))
+    logits, cache = engine.decode_fn(eng.weights, cache, tok, pos, cfg=eng.cfg, ex=eng.ex,
+                                     kv_len=eng.kv_len(151 + steps))
+  logits.block_until_ready()
+  return rows * steps / (time.perf_counter() - t), cache
+
+
+def _prefill_rate(eng, ids: list[int]) -> float:
+  t = time.perf_counter()
+  logits, _ = eng.prefill(ids)
+  logits.block_until_ready()
+  return len(ids) / (time.perf_counter() - t)
+
+
+def main(args) -> str:
+  engines = {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS}
+  caches = {(arm, r): e.new_cache(r) for arm, e in engines.items() for r in ROWS}
+  prompts = {n: _prompt(engines[ARMS[0]], n) for n in PROMPTS}
+  cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
+  rates = {(arm, c): [] for arm in ARMS for c in cases}
+  ratios = {c: [] for c in cases}  # after / before of adjacent runs: drift of the load cancels
+  for rep in range(args.repeats + 1):  # the first round compiles: not counted
+    for c in cases:
+      got = {}
+      for arm in (ARMS if rep % 2 else ARMS[::-1]):
+        kind, n = c
+        if kind == "decode":
+          got[arm], caches[(arm, n)] = _decode_rate(engines[arm], caches[(arm, n)], args.steps)
+        else:
+          got[arm] = _prefill_rate(engines[arm], prompts[n])
+        if rep:
+          rates[(arm, c)].append(got[arm])
+      if rep:
+        ratios[c].append(got["ggml"] / got["llamacpp"])
+  med = {k: statistics.median(v) for k, v in rates.items()}
+  cmd = f"python -m benchmarks.invariance --steps {args.steps} --repeats {args.repeats}"
+  lines = ["## Cost of scheduling-invariant arithmetic (CPU, default model)\n",
+           f"Command: `{cmd}`  ", f"Machine: {report.machine()}  ",
+           f"Date: {report.stamp()}\n",
+           "Two engines in one process, the arms alternating within each repeat (the machine is "
+           "shared: compare the ratio, not the rates). \"llamacpp\": llama.cpp's attention recipe "
+           "by the number of query tokens in a call (jaxvt's arithmetic before the invariant "
+           "default); \"ggml\": the default, one recipe for every query row. Decode: "
+           f"{args.steps} steps of 1 and 8 rows (Engine's decode_fn); prefill: "
+           f"Engine.prefill of a prompt. Medians of {args.repeats} repeats after a compiling "
+           "one; the ratio is the median of each repeat's adjacent pair (its range beside it). "
+           "A prefill of >= 2 tokens takes the same kernels in both arms (llama.cpp's prompt "
+           "recipe), so its ratio shows the machine's noise.\n",
+           "| case | llamacpp tok/s | ggml (default) tok/s | ggml / llamacpp (range) |",
+           "|---|---|---|---|"]
+  for kind, n in cases:
+    a, b = med[("llamacpp", (kind, n))], med[("ggml", (kind, n))]
+    r = ratios[(kind, n)]
+    what = f"decode, {n} row{'s' if n > 1 else ''}" if kind == "decode" else f"prefill, {n} tokens"
+    lines.append(f"| {what} | {a:.1f} | {b:.1f} | {statistics.median(r):.3f} "
+                 f"({min(r):.2f}-{max(r):.2f}) |")
+  for e in engines.values():
+    e.close()
+  return report.publish("invariance", lines, write=not args.no_write)
+
+
+if __name__ == "__main__":
+  raise SystemExit(run(main, parser()))
