@@ -17,7 +17,7 @@ from jaxvt import programs
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
-from jaxvt.sampling import SamplingParams, sample, sample_rows
+from jaxvt.sampling import SamplingParams, apply_mask, sample, sample_rows
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
@@ -76,13 +76,16 @@ def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, 
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows", "steps", "greedy"),
               donate_argnames=("cache",))
 def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperature, top_k, top_p,
-                    bias, *, cfg: ModelConfig, ex: Exec, kv_len: int, rows: int, steps: int,
-                    greedy: bool):
+                    bias, mask=None, *, cfg: ModelConfig, ex: Exec, kv_len: int, rows: int,
+                    steps: int, greedy: bool):
   """`steps` decode steps of the first `rows` sequences of a cache of B >= rows (a server's
   slots, kept packed from slot 0), each row sampled with its own parameters (sample_rows; with
   `greedy`, every row's argmax). tokens int32 [rows] (the last sampled, not yet in the cache),
   positions int32 [rows] (where they go); seeds, counters (the rows' next token indices),
-  temperature, top_k, top_p: sample_rows' per-row arguments; bias float32 [rows, vocab] or None.
+  temperature, top_k, top_p: sample_rows' per-row arguments; bias float32 [rows, vocab] or None;
+  mask int32 [rows, ceil(vocab / 32)] or None: each row's allowed tokens, packed
+  (jaxvt.sampling.apply_mask; a constrained row needs a new one each step, so it comes
+  with steps=1).
   Returns (tokens int32 [steps, rows], cache). The other slots are neither read nor written, so a
   step of a few sequences reads the routed experts those few choose, not B rows' worth."""
   part = {k: jax.lax.slice_in_dim(v, 0, rows, axis=1) for k, v in cache.items()}
@@ -92,6 +95,8 @@ def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperat
     logits, part = _forward(weights, part, tok[:, None], (positions + i)[:, None], cfg, ex,
                             kv_len)
     logits = logits[:, 0] if bias is None else logits[:, 0] + bias
+    if mask is not None:
+      logits = apply_mask(logits, mask)
     nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else
            sample_rows(logits, seeds, counters + i, temperature, top_k, top_p))
     return part, nxt, out.at[i].set(nxt)

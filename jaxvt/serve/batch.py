@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxvt.model_fns import bucket, decode_slots_fn
 from jaxvt.prefix import PrefixCache
-from jaxvt.sampling import sample_rows, seed_words
+from jaxvt.sampling import apply_mask, mask_words, sample_rows, seed_words
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode programs' row counts (few programs, little waste)
 
@@ -59,9 +59,11 @@ class BatchSession:
     self.cache = _move_slot(self.cache, src, dst)
     self.positions[dst] = self.positions[src]
 
-  def decode(self, feed: dict[int, tuple], steps: int = 1) -> np.ndarray:
+  def decode(self, feed: dict[int, tuple], steps: int = 1,
+             masks: dict[int, np.ndarray] | None = None) -> np.ndarray:
     """`steps` decode steps of the requests in `feed`: slot -> (the token to feed at its
-    position, then sample's row parameters). Returns the sampled tokens int32 [steps, rows] for
+    position, then sample's row parameters); `masks`: slot -> its packed allowed tokens
+    (jaxvt.sampling.apply_mask; only with steps=1: the next mask depends on this token). Returns the sampled tokens int32 [steps, rows] for
     the first `rows` slots (the ROWS bucket holding the highest slot fed; rows of slots not in
     `feed` are meaningless). The cache then holds the fed token and the first steps - 1 sampled
     ones of each row."""
@@ -74,11 +76,13 @@ class BatchSession:
       toks[r] = tok
     seeds, counters, t, k, p, bias = row_args(rows, self.engine.cfg.vocab_size,
                                               {r: q for r, (_, q) in feed.items()})
+    mask = row_masks(rows, self.engine.cfg.vocab_size, masks)
     e = self.engine
     put = jax.device_put
     out, self.cache = decode_slots_fn(
         e.weights, self.cache, put(toks), put(pos), put(seeds), put(counters), put(t), put(k),
-        put(p), None if bias is None else put(bias), cfg=e.cfg, ex=e.ex,
+        put(p), None if bias is None else put(bias), None if mask is None else put(mask),
+        cfg=e.cfg, ex=e.ex,
         kv_len=e.kv_len(int(pos.max()) + steps), rows=rows, steps=steps, greedy=not t.any())
     for s in feed:
       self.positions[s] += steps
@@ -99,6 +103,7 @@ def _move_slot(cache: dict, src, dst) -> dict:
       v, jax.lax.dynamic_slice_in_dim(v, src, 1, 1), dst, 1) for k, v in cache.items()}
 
 
+_masked = jax.jit(apply_mask)
 _argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
@@ -117,10 +122,26 @@ def row_args(n: int, vocab: int, params: dict[int, tuple]):
   return seeds, counters, t, k, p, bias
 
 
-def sample(logits: jax.Array, params: tuple) -> int:
+def row_masks(n: int, vocab: int, masks: dict[int, np.ndarray] | None) -> np.ndarray | None:
+  """The packed masks int32 [n, ceil(vocab / 32)] of `masks` (row -> a matcher's mask, which
+  may cover fewer tokens than the model's logits: those past it are never allowed); rows not
+  named allow every token. None where no row is masked."""
+  if not masks:
+    return None
+  out = np.full((n, mask_words(vocab)), -1, np.int32)
+  for r, m in masks.items():
+    out[r] = 0
+    out[r, :min(len(m), out.shape[1])] = m[:out.shape[1]]
+  return out
+
+
+def sample(logits: jax.Array, params: tuple, mask: np.ndarray | None = None) -> int:
   """The token sampled from `logits` [vocab] with sample's row parameters `params` (a prefill's
-  first token)."""
+  first token), among the tokens `mask` allows (a packed mask, or None: all)."""
   seeds, counters, t, k, p, bias = row_args(1, logits.shape[-1], {0: params})
+  logits = logits[None]
+  if mask is not None:
+    logits = _masked(logits, row_masks(1, logits.shape[-1], {0: mask}))
   if not t.any():  # greedy: the argmax, without sampling's sort
-    return int(_argmax(logits[None] if bias is None else logits[None] + bias)[0])
-  return int(sample_rows(logits[None], seeds, counters, t, k, p, bias)[0])
+    return int(_argmax(logits if bias is None else logits + bias)[0])
+  return int(sample_rows(logits, seeds, counters, t, k, p, bias)[0])

@@ -99,10 +99,11 @@ class EngineLoop:
 
   def _steps(self, active: list[Request]) -> int:
     """Decode steps in the next program: a power of two up to MAX_STEPS, one while requests
-    wait for a slot (they join at the next program), never past a request's max_tokens or the
+    wait for a slot (they join at the next program) or a constrained request is in the
+    batch, never past a request's max_tokens or the
     context. Tokens sampled after a request's end in the same program are dropped."""
-    if self.sched.queue:
-      return 1
+    if self.sched.queue or any(r.constraint for r in active):
+      return 1  # a constrained row's next mask depends on the token this step samples
     pos = self.session.positions
     room = min(min(r.max_tokens - len(r.tokens), self.engine.max_context - int(pos[r.slot]))
                for r in active)
@@ -132,14 +133,17 @@ class EngineLoop:
       first = {}
       for req in admitted:
         logits, req.cached = self.session.prefill(req.slot, req.prompt)
-        first[req.slot] = sample(logits, _params(req))
+        first[req.slot] = sample(logits, _params(req),
+                                 req.constraint.mask() if req.constraint else None)
       self._record(first)
       with self._cv:
         active = self.sched.active()
         steps = self._steps(active) if active else 0
       if not active:
         continue
-      out = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps)
+      masks = {r.slot: r.constraint.mask() for r in active if r.constraint}
+      out = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps,
+                                masks)
       for i in range(steps):
         self._record({r.slot: int(out[i, r.slot]) for r in active}, exact=i == steps - 1,
                      compact=i == steps - 1)

@@ -2,7 +2,7 @@
 
 The engine loop asks it, before each device program, which queued requests join the batch
 (`admit`), feeds it each step's sampled token per active slot (`step`), and it says which
-requests finished (eos, a stop string, max_tokens) and frees their slots. Requests that arrive
+requests finished (eos, a stop string, max_tokens, a constraint's grammar complete) and frees their slots. Requests that arrive
 while others decode wait in a bounded FIFO queue and take the next free slot; a request that
 finds neither a free slot nor room in the queue is refused at once (`QueueFull`: the server
 answers 429 with Retry-After). Text is released to a stream (`Request.release`) only where no
@@ -33,6 +33,7 @@ class Request:
   top_p: float = 1.0
   seed: int = 0
   logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # added to the logits
+  constraint: Any = None  # the allowed tokens (jaxvt.serve.structured.Constraint), or None
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   tokens: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
@@ -112,8 +113,11 @@ class Scheduler:
       else:
         req.tokens.append(tok)
         req.text += piece
+        if req.constraint is not None:
+          req.constraint.advance(tok)
         cut = _first_stop(req.text, req.stop)
-        if cut is not None:
+        if cut is not None or (req.constraint is not None and req.constraint.finished):
+          cut = len(req.text) if cut is None else cut
           req.text = req.text[:cut]
           req.finish_reason = "stop"
         elif len(req.tokens) >= req.max_tokens:
