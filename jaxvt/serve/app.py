@@ -7,6 +7,7 @@ serving the others."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -21,7 +22,7 @@ from starlette.routing import Route
 from jaxvt import inputs
 from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
-from jaxvt.serve import schema
+from jaxvt.serve import schema, structured, tools
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import QueueFull, Request
 
@@ -41,15 +42,6 @@ def _error(e: ApiError) -> JSONResponse:
   headers = {"Retry-After": "1"} if e.status == 429 else None
   return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}},
                       status_code=e.status, headers=headers)
-
-
-def unsupported(data: schema.ChatRequest) -> None:
-  """Declared fields the server does not act on: refused with a 400 naming them, never
-  silently ignored."""
-  if data.response_format is not None and data.response_format.type != "text":
-    raise ApiError(400, f"response_format: type {data.response_format.type!r} is not supported")
-  if data.tools:
-    raise ApiError(400, "tools: tool calls are not supported")
 
 
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
@@ -118,7 +110,11 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       raise ApiError(500, f"the engine failed: {loop.error}", "server_error")
     return r.finish_reason
 
-  async def respond(r: Request, data, chat: bool):
+  async def respond(r: Request, data, chat: bool, plan: tools.Plan | None = None):
+    """Answers `r`; with `plan` (tools offered and read back), the answer's tool calls are
+    `tool_calls` (streamed as OpenAI streams them: the call's id and name, then its arguments
+    in fragments) and finish_reason is "tool_calls"."""
+    reading = plan is not None and plan.parse
     q = submit(r)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
             "model": model_id}
@@ -128,6 +124,12 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       choice = {"index": 0, "finish_reason": finish_reason(r)}
       if chat:
         choice["message"] = {"role": "assistant", "content": r.text}
+        if reading:
+          content, calls = tools.read(r.text, plan.names, plan.parallel)
+          choice["message"]["content"] = content
+          if calls:
+            choice["message"]["tool_calls"] = calls
+            choice["finish_reason"] = "tool_calls"
       else:
         choice.update(text=r.text, logprobs=None)
       return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
@@ -143,6 +145,24 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
       return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
+    reader = tools.Reader(plan.names, plan.parallel) if reading else None
+
+    def deltas(events) -> list[str]:
+      """A tool Reader's events as chunks."""
+      out = []
+      for kind, x in events:
+        if kind == "content":
+          out.append(chunk(x, None))
+          continue
+        i = len(reader.calls) - 1
+        fn = x["function"]
+        out.append(chunk(None, None, {"tool_calls": [{"index": i, "id": x["id"], "type":
+                                                      "function", "function": {
+                                                          "name": fn["name"], "arguments": ""}}]}))
+        out += [chunk(None, None, {"tool_calls": [{"index": i, "function": {"arguments": a}}]})
+                for a in tools.argument_pieces(fn["arguments"])]
+      return out
+
     async def events():
       try:
         if chat:
@@ -150,11 +170,15 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         while True:
           piece, done = await q.get()
           if piece:
-            yield chunk(piece, None)
+            for c in deltas(reader.feed(piece)) if reader else [chunk(piece, None)]:
+              yield c
           if done:
             break
+        for c in deltas(reader.close()) if reader else []:
+          yield c
         try:
-          yield chunk(None, finish_reason(r))
+          reason = finish_reason(r)
+          yield chunk(None, "tool_calls" if reader and reader.calls else reason)
         except ApiError as e:
           yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         if with_usage:
@@ -187,12 +211,28 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
   @answering
   async def chat(req: HttpRequest):
     data = await body(req, schema.ChatRequest)
-    unsupported(data)
-    msgs = data.template_messages()
+    offered = [t.model_dump(exclude_none=True) for t in data.tools] if data.tools else None
+    choice = data.tool_choice
+    choice = choice.model_dump() if isinstance(choice, schema.NamedToolChoice) else choice
+    fmt = data.response_format.model_dump(by_alias=True) if data.response_format else None
+    try:
+      plan = tools.plan(data.template_messages(), offered, choice, data.parallel_tool_calls,
+                        tok.chat_template)
+      grammar = plan.grammar or structured.response_format_grammar(fmt)
+    except (tools.ToolsError, structured.ConstraintError) as e:
+      raise ApiError(400, str(e)) from None
+    run = asyncio.get_running_loop().run_in_executor
     # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
-    text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
-                                                            msgs)
-    return await respond(request(tok.encode(text), data, None), data, chat=True)
+    text = await run(None, functools.partial(tok.apply_chat_template, plan.messages,
+                                             **plan.template_kwargs))
+    r = request(tok.encode(text), data, None)
+    if grammar is not None:
+      try:  # the first one builds the vocabulary's index (seconds for a large vocabulary)
+        r.constraint = await run(None, structured.Constraint, tok, grammar)
+      except structured.ConstraintError as e:
+        raise ApiError(400, f"response_format: {e}" if plan.grammar is None else
+                       f"tools: {e}") from None
+    return await respond(r, data, chat=True, plan=plan)
 
   @answering
   async def models(req: HttpRequest):
