@@ -206,8 +206,11 @@ def transfer(batch: int = 8, reps: int = 50) -> list[str]:
 
 def main(args) -> str:
   tok = Tokenizer.from_gguf(args.model or default_model_path())
-  lines = [f"Command: `python -m benchmarks.structured --write`; machine: {report.machine()}; "
-           f"{report.stamp()}. Ratios are of arms run side by side in this one run.", "",
+  argv = " ".join(a for a in sys.argv[1:] if a != "--write")
+  lines = ["## Constrained decoding (structured output)", "",
+           f"Command: `python -m benchmarks.structured {argv}`  ",
+           f"Machine: {report.machine()}  ", f"Date: {report.stamp()}", "",
+           "Ratios are of arms run side by side in this one run.", "",
            "Serving the default model over HTTP, greedy (tokens/s; ratio against free):", "",
            "| arm | tok/s | ratio |", "|---|---|---|"]
   lines += serving(args.model, args.tokens, args.rounds, "/tmp/jaxvt-bench-structured.log")
@@ -224,5 +227,9 @@ def main(args) -> str:
   return report.publish("structured", lines, args.write)
 
 
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
 if __name__ == "__main__":
-  sys.exit(run(main, parser()))
+  sys.exit(cli())

@@ -113,15 +113,15 @@ class Scheduler:
       else:
         req.tokens.append(tok)
         req.text += piece
-        if req.constraint is not None:
-          req.constraint.advance(tok)
+        held = req.constraint is None or req.constraint.advance(tok)
         cut = _first_stop(req.text, req.stop)
-        if cut is not None or (req.constraint is not None and req.constraint.finished):
-          cut = len(req.text) if cut is None else cut
+        if cut is None and req.constraint is not None and req.constraint.finished:
+          cut = len(req.text)  # the grammar is complete: nothing more may follow
+        if cut is not None:
           req.text = req.text[:cut]
           req.finish_reason = "stop"
-        elif len(req.tokens) >= req.max_tokens:
-          req.finish_reason = "length"
+        elif len(req.tokens) >= req.max_tokens or not held:
+          req.finish_reason = "length"  # (not held: cut short, the constraint cannot go on)
       if req.done:
         self.slots[slot] = None
         finished.append(req)

@@ -122,10 +122,10 @@ class Constraint:
     the output is complete)."""
     return np.frombuffer(self.matcher.compute_bitmask(), np.int32)[:mask_words(self.vocab)]
 
-  def advance(self, token: int) -> None:
-    """Consumes the sampled `token` (one the mask allowed)."""
-    if not self.matcher.consume_token(int(token)):
-      raise RuntimeError(f"the constraint refused token {token}: {self.matcher.get_error()}")
+  def advance(self, token: int) -> bool:
+    """Consumes the sampled `token`; False where the matcher refuses it (only a token the mask
+    did not allow can be refused: non-finite logits, say)."""
+    return self.matcher.consume_token(int(token))
 
   @property
   def finished(self) -> bool:
