@@ -23,6 +23,7 @@ from jaxvt import inputs
 from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
 from jaxvt.serve import schema, structured, tools
+from jaxvt.serve.logprobs import CompletionLogprobs, chat_content
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import QueueFull, Request
 
@@ -75,8 +76,9 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       raise ApiError(e.status, str(e)) from None
 
   def request(ids: list[int], data, default_tokens: int | None) -> Request:
-    """The Request of a validated body `data`. A max_tokens beyond the room the context leaves
-    is clamped to that room: such a generation ends with finish_reason "length"."""
+    """The Request of a validated body `data`. A max_tokens beyond
+    the room the context leaves is clamped to that room: such a generation ends with
+    finish_reason "length"."""
     if len(ids) + 1 > engine.max_context:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, more than --max-context "
                      f"{engine.max_context} allows")
@@ -86,12 +88,16 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     return Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=data.stop,
                    temperature=data.temperature,
                    top_k=inputs.top_k_for(data.top_k, engine.cfg.vocab_size), top_p=data.top_p,
-                   seed=seed, decoder=tok.stream_decoder(), logit_bias=dict(data.logit_bias))
+                   seed=seed, decoder=tok.stream_decoder(), logit_bias=dict(data.logit_bias),
+                   frequency_penalty=data.frequency_penalty,
+                   presence_penalty=data.presence_penalty, logprobs=data.alternatives)
 
   def submit(r: Request):
-    """Queues `r`; returns an asyncio queue that receives (new text, done) from the loop."""
+    """Queues `r`; returns an asyncio queue that receives (new text, done, how many of its
+    token_logprobs there are with that text) from the loop."""
     aloop, q = asyncio.get_running_loop(), asyncio.Queue()
-    r.listener = lambda r: aloop.call_soon_threadsafe(q.put_nowait, (r.release(), r.done))
+    r.listener = lambda r: aloop.call_soon_threadsafe(
+        q.put_nowait, (r.release(), r.done, len(r.token_logprobs)))
     try:
       loop.submit(r)
     except QueueFull as e:
@@ -118,10 +124,23 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     q = submit(r)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
             "model": model_id}
+    want_lps = r.logprobs is not None
+    legacy = CompletionLogprobs(tok)
+    sent = 0  # token_logprobs sent so far
+
+    def lps(upto: int) -> dict | None:
+      """The logprobs object of token_logprobs[sent:upto] (None without logprobs)."""
+      nonlocal sent
+      if not want_lps:
+        return None
+      entries = list(zip(r.tokens[sent:upto], r.token_logprobs[sent:upto]))
+      sent = upto
+      return {"content": chat_content(tok, entries)} if chat else legacy.take(entries)
+
     if not data.stream:
       while not (await q.get())[1]:
         pass
-      choice = {"index": 0, "finish_reason": finish_reason(r)}
+      choice = {"index": 0, "finish_reason": finish_reason(r), "logprobs": lps(len(r.tokens))}
       if chat:
         choice["message"] = {"role": "assistant", "content": r.text}
         if reading:
@@ -129,36 +148,39 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
           choice["message"]["content"] = content
           if calls:
             choice["message"]["tool_calls"] = calls
-            choice["finish_reason"] = "tool_calls"
+            if choice["finish_reason"] == "stop":
+              choice["finish_reason"] = "tool_calls"
       else:
-        choice.update(text=r.text, logprobs=None)
+        choice["text"] = r.text
       return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                            "choices": [choice], "usage": usage(r)})
     kind = "chat.completion.chunk" if chat else "text_completion"
     with_usage = data.include_usage
 
-    def chunk(piece: str | None, reason: str | None, delta: dict | None = None) -> str:
+    def chunk(piece: str | None, reason: str | None, delta: dict | None = None,
+              logprobs: dict | None = None) -> str:
       if chat:
         choice = {"index": 0, "delta": delta or ({} if piece is None else {"content": piece}),
-                  "finish_reason": reason}
+                  "logprobs": logprobs, "finish_reason": reason}
       else:
-        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
       return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
     reader = tools.Reader(plan.names, plan.parallel) if reading else None
 
-    def deltas(events) -> list[str]:
-      """A tool Reader's events as chunks."""
+    def deltas(events, n_lps: int) -> list[str]:
+      """A tool Reader's events as chunks (the logprobs of their tokens with the first)."""
       out = []
       for kind, x in events:
+        lp = None if out else lps(n_lps)
         if kind == "content":
-          out.append(chunk(x, None))
+          out.append(chunk(x, None, logprobs=lp))
           continue
         i = len(reader.calls) - 1
         fn = x["function"]
-        out.append(chunk(None, None, {"tool_calls": [{"index": i, "id": x["id"], "type":
-                                                      "function", "function": {
-                                                          "name": fn["name"], "arguments": ""}}]}))
+        head_delta = {"tool_calls": [{"index": i, "id": x["id"], "type": "function",
+                                      "function": {"name": fn["name"], "arguments": ""}}]}
+        out.append(chunk(None, None, head_delta, logprobs=lp))
         out += [chunk(None, None, {"tool_calls": [{"index": i, "function": {"arguments": a}}]})
                 for a in tools.argument_pieces(fn["arguments"])]
       return out
@@ -168,17 +190,21 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         if chat:
           yield chunk(None, None, {"role": "assistant", "content": ""})
         while True:
-          piece, done = await q.get()
-          if piece:
-            for c in deltas(reader.feed(piece)) if reader else [chunk(piece, None)]:
+          piece, done, n_lps = await q.get()
+          if piece and reader:
+            for c in deltas(reader.feed(piece), n_lps):
               yield c
+          elif piece:
+            yield chunk(piece, None, logprobs=lps(n_lps))
           if done:
             break
-        for c in deltas(reader.close()) if reader else []:
+        for c in deltas(reader.close(), len(r.token_logprobs)) if reader else []:
           yield c
         try:
           reason = finish_reason(r)
-          yield chunk(None, "tool_calls" if reader and reader.calls else reason)
+          reason = "tool_calls" if reader and reader.calls and reason == "stop" else reason
+          yield chunk(None, reason, logprobs=lps(len(r.token_logprobs)) if sent < len(
+              r.token_logprobs) else None)
         except ApiError as e:
           yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         if with_usage:

@@ -26,7 +26,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
                       ValidationInfo, field_validator, model_validator)
 
 from jaxvt import inputs
-from jaxvt.errors import JaxvtError
+from jaxvt.errors import MESSAGE_LIMIT, JaxvtError, escape
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
@@ -43,10 +43,11 @@ NOT_DECLARED = frozenset({
 
 
 class BodyError(Exception):
-  """A request body refused: `status` and a one-line message naming the field."""
+  """A request body refused: `status` and a one-line message naming the field (escaped: field
+  names and values come from the client)."""
 
   def __init__(self, status: int, message: str):
-    super().__init__(message)
+    super().__init__(escape(message, MESSAGE_LIMIT))
     self.status = status
 
 
@@ -91,7 +92,6 @@ class JsonSchemaFormat(_Model):
   # "schema" would shadow BaseModel.schema: the attribute is schema_, the JSON key "schema"
   schema_: dict[str, Any] | None = Field(None, alias="schema")
   strict: bool | None = None
-  model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class TextFormat(_Model):
