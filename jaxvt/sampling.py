@@ -136,8 +136,9 @@ def apply_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
   (a row of all ones bits, -1, leaves its row as it is). Jittable: the expansion runs on the
   device, so a step moves vocab / 8 bytes a row instead of a float bias's 4 * vocab."""
   vocab = logits.shape[-1]
-  ids = jnp.arange(vocab, dtype=jnp.int32)
-  bits = (jnp.take(mask, ids >> 5, axis=-1) >> (ids & 31)) & 1
+  # each word's 32 bits side by side (a broadcast, not a gather), then cut to the vocabulary
+  bits = (mask[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  bits = bits.reshape(*mask.shape[:-1], mask.shape[-1] * 32)[..., :vocab]
   return jnp.where(bits != 0, logits, -jnp.inf)
 
 
