@@ -114,9 +114,9 @@ def test_end_of_generation_only_when_complete(tok):
 
 
 @pytest.mark.parametrize("fmt", [{"type": "json_schema", "json_schema": {"schema": {}}},
-                                 {"type": "xml"}, {"type": "json_schema", "json_schema": {
-                                     "name": "x", "schema": {"type": "object",
-                                                             "properties": {"a": {"$ref": "#/nope"}}}}}])
+                                 {"type": "xml"},
+                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                     "type": "object", "properties": {"a": {"$ref": "#/no"}}}}}])
 def test_bad_formats_are_refused(tok, fmt):
   with pytest.raises(structured.ConstraintError):
     structured.Constraint(tok, structured.response_format_grammar(fmt))

@@ -85,11 +85,11 @@ class BatchSession:
              masks: dict[int, np.ndarray] | None = None):
     """`steps` decode steps of the requests in `feed`: slot -> (the token to feed at its
     position, then sample's row parameters); `masks`: slot -> its packed allowed tokens
-    (sampling.apply_mask; only with steps=1: the next mask depends on this token). Returns (the sampled tokens int32 [steps, rows] for
-    the first `rows` slots (the ROWS bucket holding the highest slot fed; rows of slots not in
-    `feed` are meaningless), and with `logprobs` the numpy arrays of decode_slots_fn's logprobs,
-    else None). The cache then holds the fed token and the first steps - 1 sampled ones of each
-    row."""
+    (sampling.apply_mask; only with steps=1: the next mask depends on this token). Returns (the
+    sampled tokens int32 [steps, rows] for the first `rows` slots (the ROWS bucket holding the
+    highest slot fed; rows of slots not in `feed` are meaningless), and with `logprobs` the numpy
+    arrays of decode_slots_fn's logprobs, else None). The cache then holds the fed token and the
+    first steps - 1 sampled ones of each row."""
     rows = bucket(max(feed) + 1, ROWS, self.batch)
     toks = np.zeros(rows, np.int32)
     # A row not fed still writes K/V rows: at that slot's next positions (masked until the slot

@@ -2,8 +2,8 @@
 
 The engine loop asks it, before each device program, which queued requests join the batch
 (`admit`), feeds it each step's sampled token per active slot (`step`), and it says which
-requests finished (eos, a stop string, max_tokens, a constraint's grammar complete) and frees their slots. Requests that arrive
-while others decode wait in a bounded FIFO queue and take the next free slot; a request that
+requests finished (eos, a stop string, max_tokens, a constraint's grammar complete) and frees
+their slots. Requests that arrive while others decode wait in a bounded FIFO queue and take the next free slot; a request that
 finds neither a free slot nor room in the queue is refused at once (`QueueFull`: the server
 answers 429 with Retry-After). Text is released to a stream (`Request.release`) only where no
 stop string can still begin, so a streamed answer never shows the start of a stop string.

@@ -3,7 +3,8 @@ schema) or a tool call it must make compiles, with llguidance, into a matcher ov
 own vocabulary. Before each token the matcher gives the tokens that keep the output a prefix of
 something the grammar accepts, as a packed bitmask (int32 [ceil(vocab / 32)], bit t % 32 of word
 t // 32 set where token t is allowed); the engine moves the masks of a batch's rows to the device
-and expands them there (jaxvt.sampling.apply_mask, before sampling: a disallowed token's logit becomes -inf).
+and expands them there (jaxvt.sampling.apply_mask, before sampling: a disallowed token's logit
+becomes -inf).
 The end-of-generation tokens are allowed only where the grammar accepts; once the grammar can
 take nothing more, the request ends ("stop").
 
