@@ -119,6 +119,17 @@ def test_schema_answers_validate(smol, name):
     assert (content, calls, reason) == (r.choices[0].message.content, [], "stop")
 
 
+@pytest.mark.parametrize("name", ["person", "enum", "array"])
+def test_schema_answers_validate_random_weights(tiny, name):
+  """A random-weight model: the constraint alone makes the answer valid, greedy and sampled."""
+  for kw in (GREEDY, {"temperature": 1.0, "seed": 7}):
+    r = tiny.client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": PROMPTS[name]}],
+        response_format=_fmt(name), max_tokens=400, **kw)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
+
+
 def test_json_object_mode_sampled(smol):
   for seed in range(2):
     r = smol.client.chat.completions.create(
