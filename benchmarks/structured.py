@@ -90,16 +90,17 @@ def serving(model: str | None, tokens: int, rounds: int, log: str) -> list[str]:
       one["schema"].append(_chat(s, True, tokens))
       one["free"].append(_chat(s, False, n, eos))
     rate = {k: sum(a for a, _ in v) / sum(b for _, b in v) for k, v in one.items()}
-    four = {}
-    for arm in ("free", "one constrained"):
-      jobs = [(arm != "free" and i == 0) for i in range(4)]
-      with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        list(ex.map(lambda c: _chat(s, c, n, None if c else eos), jobs))  # warm-up
-        t = time.perf_counter()
-        done = []
-        for _ in range(rounds):
-          done += list(ex.map(lambda c: _chat(s, c, n, None if c else eos), jobs))
-        four[arm] = sum(a for a, _ in done) / (time.perf_counter() - t)
+    arms = {"free": [False] * 4, "one constrained": [True, False, False, False]}
+    made, took = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+      for r in range(rounds + 1):  # round 0 warms up; the arms alternate round by round
+        for arm, jobs in arms.items():
+          t = time.perf_counter()
+          done = list(ex.map(lambda c: _chat(s, c, n, None if c else eos), jobs))
+          if r:
+            made[arm] += sum(a for a, _ in done)
+            took[arm] += time.perf_counter() - t
+    four = {arm: made[arm] / took[arm] for arm in arms}
   finally:
     s.stop()
   return [
