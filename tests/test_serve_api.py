@@ -214,7 +214,7 @@ def test_max_tokens_past_the_context_is_clamped_with_finish_reason_length(client
               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"n": 2}, "n"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
     ("chat", {"frequency_penalty": -3}, "frequency_penalty"),
     ("chat", {"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
@@ -236,6 +236,8 @@ def test_fields_refused_by_name(server, path, extra, says):
   err = r.json()["error"]
   assert r.status_code == 400 and err["type"] == "invalid_request_error"
   assert says in err["message"] and "\n" not in err["message"], err["message"]
+  param = says[len("unknown fields: "):].split(",")[0] if says.startswith("unknown") else says
+  assert err["param"] == param, err
 
 
 def test_fields_accepted_and_ignored(client):

@@ -33,15 +33,17 @@ COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 
 
 class ApiError(Exception):
-  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None):
     super().__init__(message)
-    self.status, self.kind = status, kind
+    self.status, self.kind, self.param = status, kind, param
 
 
 def _error(e: ApiError) -> JSONResponse:
   log.warning("%d %s", e.status, e)
   headers = {"Retry-After": "1"} if e.status == 429 else None
-  return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}},
+  return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param,
+                                 "code": None}},
                       status_code=e.status, headers=headers)
 
 
@@ -73,12 +75,11 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     try:
       return schema.parse(raw, model, engine.cfg.vocab_size)
     except schema.BodyError as e:
-      raise ApiError(e.status, str(e)) from None
+      raise ApiError(e.status, str(e), param=e.param) from None
 
   def request(ids: list[int], data, default_tokens: int | None) -> Request:
-    """The Request of a validated body `data`. A max_tokens beyond
-    the room the context leaves is clamped to that room: such a generation ends with
-    finish_reason "length"."""
+    """The Request of a validated body `data`. A max_tokens beyond the room the context leaves is
+    clamped to that room: such a generation ends with finish_reason "length"."""
     if len(ids) + 1 > engine.max_context:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, more than --max-context "
                      f"{engine.max_context} allows")
@@ -245,8 +246,10 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       plan = tools.plan(data.template_messages(), offered, choice, data.parallel_tool_calls,
                         tok.chat_template)
       grammar = plan.grammar or structured.response_format_grammar(fmt)
-    except (tools.ToolsError, structured.ConstraintError) as e:
-      raise ApiError(400, str(e)) from None
+    except tools.ToolsError as e:
+      raise ApiError(400, str(e), param="tools") from None
+    except structured.ConstraintError as e:
+      raise ApiError(400, f"response_format: {e}", param="response_format") from None
     run = asyncio.get_running_loop().run_in_executor
     # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
     text = await run(None, functools.partial(tok.apply_chat_template, plan.messages,
@@ -256,8 +259,8 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       try:  # the first one builds the vocabulary's index (seconds for a large vocabulary)
         r.constraint = await run(None, structured.Constraint, tok, grammar)
       except structured.ConstraintError as e:
-        raise ApiError(400, f"response_format: {e}" if plan.grammar is None else
-                       f"tools: {e}") from None
+        field = "response_format" if plan.grammar is None else "tools"
+        raise ApiError(400, f"{field}: {e}", param=field) from None
     return await respond(r, data, chat=True, plan=plan)
 
   @answering

@@ -5,7 +5,11 @@ then written into its slot. The requests are kept in slots 0..n-1 (the scheduler
 them at their own positions: a step of one request reads one token's routed experts, not B
 rows'. Rows in the bucket without a request decode a dummy token and are ignored (a slot's
 every leaf is written again when its next request is prefilled into it). A finished request's
-slot is stored in the prefix cache, so the next turn of its conversation reuses it."""
+slot is stored in the prefix cache, so the next turn of its conversation reuses it.
+
+The session's state on the device is the cache and, once a request asks for penalties, each
+slot's counts of its generated tokens (`start`, `decode` and `move` keep them); every method that
+changes it (prefill, start, decode, move, finish) is a call another process can replay."""
 
 from __future__ import annotations
 
@@ -65,21 +69,13 @@ class BatchSession:
     if self.counts is not None:
       self.counts = _move_row(self.counts, src, dst)
 
-  def first(self, slot: int, logits: jax.Array, params: tuple, logprobs: bool = False,
-            mask: np.ndarray | None = None):
-    """The first token of `slot`'s request, sampled from its prefill `logits` [vocab] with
-    sample's row parameters `params` among the tokens `mask` allows (a packed mask, or None:
-    all; its generated-token counts start from it). Returns (token, None or token_logprobs'
-    three arrays of that one row)."""
-    tok = sample(logits, params, mask)
-    if self.counts is None and (params[6] or params[7]):
+  def start(self, slot: int, token: int, penalized: bool) -> None:
+    """`slot`'s request generated its first token (`first_token`): its counts row starts from
+    it. The counts are made when a `penalized` request first needs them."""
+    if self.counts is None and penalized:
       self.counts = jnp.zeros((self.batch, self.engine.cfg.vocab_size), jnp.int32)
     if self.counts is not None:
-      self.counts = _start_row(self.counts, slot, tok)
-    lps = None
-    if logprobs:
-      lps = tuple(np.asarray(a)[0] for a in _first_logprobs(logits, tok))
-    return tok, lps
+      self.counts = _start_row(self.counts, slot, token)
 
   def decode(self, feed: dict[int, tuple], steps: int = 1, logprobs: bool = False,
              masks: dict[int, np.ndarray] | None = None):
@@ -179,6 +175,18 @@ def row_masks(n: int, vocab: int, masks: dict[int, np.ndarray] | None) -> np.nda
     out[r] = 0
     out[r, :min(len(m), out.shape[1])] = m[:out.shape[1]]
   return out
+
+
+def first_token(logits: jax.Array, params: tuple, logprobs: bool = False,
+                mask: np.ndarray | None = None):
+  """A request's first token, sampled from its prefill's `logits` [vocab] with sample's row
+  parameters `params` among the tokens `mask` allows (a packed mask, or None: all). Returns
+  (token, None or token_logprobs' three arrays of that row)."""
+  tok = sample(logits, params, mask)
+  lps = None
+  if logprobs:
+    lps = tuple(np.asarray(a)[0] for a in _first_logprobs(logits, tok))
+  return tok, lps
 
 
 def sample(logits: jax.Array, params: tuple, mask: np.ndarray | None = None) -> int:

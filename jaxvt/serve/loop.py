@@ -13,7 +13,7 @@ import logging
 import threading
 
 from jaxvt.prefix import PrefixCache
-from jaxvt.serve.batch import BatchSession
+from jaxvt.serve.batch import BatchSession, first_token
 from jaxvt.serve.scheduler import Request, Scheduler
 
 log = logging.getLogger("jaxvt.serve")
@@ -141,9 +141,12 @@ class EngineLoop:
       first, first_lps = {}, {}
       for req in admitted:
         logits, req.cached = self.session.prefill(req.slot, req.prompt)
-        first[req.slot], first_lps[req.slot] = self.session.first(
-            req.slot, logits, _params(req), logprobs=req.logprobs is not None,
+        tok, first_lps[req.slot] = first_token(
+            logits, _params(req), logprobs=req.logprobs is not None,
             mask=req.constraint.mask() if req.constraint else None)
+        self.session.start(req.slot, tok,
+                           penalized=bool(req.frequency_penalty or req.presence_penalty))
+        first[req.slot] = tok
       self._record(first, logprobs=first_lps)
       with self._cv:
         active = self.sched.active()

@@ -46,9 +46,18 @@ class BodyError(Exception):
   """A request body refused: `status` and a one-line message naming the field (escaped: field
   names and values come from the client)."""
 
-  def __init__(self, status: int, message: str):
+  def __init__(self, status: int, message: str, param: str | None = None):
     super().__init__(escape(message, MESSAGE_LIMIT))
     self.status = status
+    self.param = None if param is None else escape(param, 64)  # OpenAI's error.param
+
+
+class RuleError(ValueError):
+  """A rule between fields broken (pydantic gives it no location): `param` is the field named."""
+
+  def __init__(self, param: str, message: str):
+    super().__init__(message)
+    self.param = param
 
 
 def _checked(fn):
@@ -253,8 +262,8 @@ class _Common(_Model):
       data = dict(data)
       mct = data.pop("max_completion_tokens")
       if data.get("max_tokens") is not None and data["max_tokens"] != mct:
-        raise ValueError(f"max_completion_tokens {mct!r} and max_tokens {data['max_tokens']!r} "
-                         "differ: give one of them")
+        raise RuleError("max_completion_tokens", f"max_completion_tokens {mct!r} and max_tokens "
+                        f"{data['max_tokens']!r} differ: give one of them")
       data["max_tokens"] = mct
     return data
 
@@ -291,11 +300,11 @@ class CompletionRequest(_Common):
   @model_validator(mode="after")
   def _supported(self):
     if self.echo:
-      raise ValueError("echo: echoing the prompt is not supported")
+      raise RuleError("echo", "echo: echoing the prompt is not supported")
     if self.best_of not in (None, 1):
-      raise ValueError("best_of: only best_of=1 is supported")
+      raise RuleError("best_of", "best_of: only best_of=1 is supported")
     if self.suffix:
-      raise ValueError("suffix: insertion (a suffix) is not supported")
+      raise RuleError("suffix", "suffix: insertion (a suffix) is not supported")
     return self
 
   @property
@@ -319,13 +328,13 @@ class ChatRequest(_Common):
   @model_validator(mode="after")
   def _consistent(self):
     if self.top_logprobs is not None and not self.logprobs:
-      raise ValueError("top_logprobs needs logprobs: true")
+      raise RuleError("top_logprobs", "top_logprobs needs logprobs: true")
     if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
-      raise ValueError("tool_choice needs tools")
+      raise RuleError("tool_choice", "tool_choice needs tools")
     if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
         t.function.name for t in self.tools}:
-      raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, not one of the "
-                       "tools")
+      raise RuleError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
+                      "not one of the tools")
     return self
 
   @property
@@ -348,18 +357,21 @@ def _no_constant(name: str):
   raise BodyError(400, f"numbers must be finite (got {name})")
 
 
-def _message(e: ValidationError) -> str:
-  """One line naming the field: every unknown top-level field, else the first error."""
+def _message(e: ValidationError) -> tuple[str, str | None]:
+  """One line naming the field (every unknown top-level field, else the first error's), and
+  the top-level field it names (OpenAI's error.param)."""
   unknown = sorted(str(err["loc"][0]) for err in e.errors()
                    if err["type"] == "extra_forbidden" and len(err["loc"]) == 1)
   if unknown:
-    return f"unknown fields: {', '.join(unknown)}"
+    return f"unknown fields: {', '.join(unknown)}", unknown[0]
   err = e.errors()[0]
   loc = ".".join(str(p) for p in err["loc"])
+  param = str(err["loc"][0]) if err["loc"] else None
   if err["type"] == "value_error":  # our checks: their message names the field already
     msg = str(err["ctx"]["error"])
-    return msg if not loc or msg.startswith(loc.split(".")[0]) else f"{loc}: {msg}"
-  return f"{loc}: {err['msg']}" if loc else err["msg"]
+    param = getattr(err["ctx"]["error"], "param", param)
+    return (msg if not loc or msg.startswith(loc.split(".")[0]) else f"{loc}: {msg}"), param
+  return (f"{loc}: {err['msg']}" if loc else err["msg"]), param
 
 
 def parse(raw: bytes, model: type[_Common], vocab: int | None = None):
@@ -373,4 +385,4 @@ def parse(raw: bytes, model: type[_Common], vocab: int | None = None):
   try:
     return model.model_validate(data, context={"vocab": vocab} if vocab else None)
   except ValidationError as e:
-    raise BodyError(400, _message(e)) from None
+    raise BodyError(400, *_message(e)) from None
