@@ -24,6 +24,8 @@ BENCHMARKS = {
     "long_prompt": "a long prompt (8192 tokens) at --offload-gb auto on an emulated card",
     "serve": "jaxvt.serve against llama-server over HTTP: prompt reuse, 1-8 streams, memory per "
              "sequence (GPU)",
+    "structured": "what constrained decoding (a JSON schema) costs per token, the matcher "
+                  "libraries compared, packed masks against a float bias",
     "routing": "a MoE model's expert choices in a decode: reuse, skew, next-layer predictability",
     "cache": "the device-side expert cache by budget: LRU, LFRU, prediction, llama.cpp (GPU)",
 }

@@ -17,8 +17,8 @@ from jaxvt import programs
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
-from jaxvt.sampling import (TOP_LOGPROBS, SamplingParams, adjust_logits, sample, sample_keyed,
-                            sample_rows, token_logprobs)
+from jaxvt.sampling import (TOP_LOGPROBS, SamplingParams, adjust_logits, apply_mask, sample,
+                            sample_keyed, sample_rows, token_logprobs)
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
@@ -77,7 +77,8 @@ def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, 
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows", "steps", "greedy", "logprobs"),
               donate_argnames=("cache", "counts"))
 def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperature, top_k, top_p,
-                    bias, counts=None, frequency=None, presence=None, *, cfg: ModelConfig,
+                    bias, counts=None, frequency=None, presence=None, mask=None, *,
+                    cfg: ModelConfig,
                     ex: Exec, kv_len: int, rows: int, steps: int, greedy: bool,
                     logprobs: bool = False):
   """`steps` decode steps of the first `rows` sequences of a cache of B >= rows (a server's
@@ -87,7 +88,9 @@ def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperat
   temperature, top_k, top_p: sample_rows' per-row arguments; bias float32 [rows, vocab] or None.
   counts int32 [B, vocab] (each slot's generated-token counts) with frequency and presence
   float32 [rows]: the penalties (sampling.penalize), the counts of the first `rows` slots updated
-  with each sampled token; None: no penalties. With `logprobs`, each step's log-softmax of the
+  with each sampled token; None: no penalties. mask int32 [rows, ceil(vocab / 32)] or None: each
+  row's allowed tokens, packed (sampling.apply_mask; a constrained row needs a new one each step,
+  so it comes with steps=1). With `logprobs`, each step's log-softmax of the
   model's logits (sampling.token_logprobs) is returned as well.
   Returns (tokens int32 [steps, rows], cache, counts, logprobs: None or (sampled token's
   float32 [steps, rows], top ids int32 [steps, rows, TOP_LOGPROBS], their float32 [steps, rows,
@@ -103,6 +106,8 @@ def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperat
                             kv_len)
     raw = logits[:, 0]
     adjusted = adjust_logits(raw, bias, None if cnt is None else (cnt, *penalties))
+    if mask is not None:
+      adjusted = apply_mask(adjusted, mask)
     nxt = (jnp.argmax(adjusted, axis=-1).astype(jnp.int32) if greedy else
            sample_rows(adjusted, seeds, counters + i, temperature, top_k, top_p))
     if cnt is not None:

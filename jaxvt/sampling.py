@@ -118,6 +118,29 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
   drawn = jax.vmap(draw)(seeds, counters, x)
   return jnp.where(hot, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
+def mask_words(vocab: int) -> int:
+  """int32 words of a packed token mask over `vocab` tokens (apply_mask)."""
+  return (vocab + 31) // 32
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+  """bool [..., vocab] -> the packed int32 [..., ceil(vocab / 32)] mask (little-endian bits)."""
+  v = allowed.shape[-1]
+  pad = np.zeros(allowed.shape[:-1] + (mask_words(v) * 32 - v,), bool)
+  bits = np.packbits(np.concatenate([allowed, pad], -1), axis=-1, bitorder="little")
+  return bits.view(np.int32)
+
+
+def apply_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """logits float [b, vocab] with disallowed tokens at -inf; mask int32 [b, ceil(vocab / 32)]
+  (a row of all ones bits, -1, leaves its row as it is). Jittable: the expansion runs on the
+  device, so a step moves vocab / 8 bytes a row instead of a float bias's 4 * vocab."""
+  vocab = logits.shape[-1]
+  # each word's 32 bits side by side (a broadcast, not a gather), then cut to the vocabulary
+  bits = (mask[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  bits = bits.reshape(*mask.shape[:-1], mask.shape[-1] * 32)[..., :vocab]
+  return jnp.where(bits != 0, logits, -jnp.inf)
+
 
 def row_key(seed: int, params: SamplingParams) -> dict:
   """The sampling state of one sequence that generate's programs carry (first_token_fn,

@@ -134,6 +134,44 @@ CHAT_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+# ChatML with tools in the Hermes/Qwen2.5 format: the tools listed in the system turn, an
+# assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
+TOOLS_CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' %}
+{%- elif message['role'] == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message['content'] }}
+</tool_response><|im_end|>
+{% elif message['role'] == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message['content'] }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:
@@ -328,7 +366,7 @@ def _rope_sections(rope_dim: int) -> list[int]:
 
 
 def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, specs: list[TensorSpec], vocab: Vocab,
-                    pre: str, name: str) -> None:
+                    pre: str, name: str, chat_template: str = CHAT_TEMPLATE) -> None:
   arch = cfg.arch
   w.add_name(name)
   w.add_type("model")
@@ -378,7 +416,7 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, specs: list[TensorSpec
   w.add_eos_token_id(vocab.eos_id)
   w.add_pad_token_id(vocab.pad_id)
   w.add_add_bos_token(False)
-  w.add_chat_template(CHAT_TEMPLATE)
+  w.add_chat_template(chat_template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +490,7 @@ def _fill_values(spec: TensorSpec, rows: Callable[[int, int], np.ndarray], out: 
 
 def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, object] | str = "f32",
                 seed: int = 0, *, threads: int | None = None, pre: str | None = None,
-                name: str | None = None,
+                name: str | None = None, chat_template: str = CHAT_TEMPLATE,
                 progress: Callable[[str, int], None] | None = None,
                 routing: RoutingStats | None = None) -> dict[str, str]:
   """Writes a synthetic GGUF model for `cfg` to `path`.
@@ -465,6 +503,8 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, 
     seed: everything written is a function of (cfg, recipe, seed).
     threads: generator threads (default: all cores).
     pre: tokenizer.ggml.pre (default "smollm" for llama, else "qwen2").
+    chat_template: tokenizer.chat_template (CHAT_TEMPLATE: plain ChatML; TOOLS_CHAT_TEMPLATE:
+      ChatML with tools in the Hermes format).
     progress: called as progress(tensor name, bytes) after each tensor is written.
     routing: None (default): random routers, uniform and memoryless routing. RoutingStats: a
       MoE model whose embedding, output head and routers are built so that a decode's expert
@@ -477,7 +517,7 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, recipe: Mapping[str, 
   vocab = build_vocab(cfg.vocab_size)
   pre = pre or ("smollm" if cfg.arch == "llama" else "qwen2")
   w = gguf.GGUFWriter(os.fspath(path), cfg.arch)
-  _write_metadata(w, cfg, specs, vocab, pre, name or f"jaxvt synthetic {cfg.arch}")
+  _write_metadata(w, cfg, specs, vocab, pre, name or f"jaxvt synthetic {cfg.arch}", chat_template)
   for s in specs:
     if s.kind == "matrix":
       byte_shape = (*s.shape[:-1], _row_bytes(s))

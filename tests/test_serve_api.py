@@ -206,11 +206,12 @@ def test_max_tokens_past_the_context_is_clamped_with_finish_reason_length(client
 
 
 @pytest.mark.parametrize("path,extra,says", [
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}},
+     "response_format"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"n": 2}, "n"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),

@@ -8,6 +8,7 @@ serving the others."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -23,7 +24,7 @@ from starlette.routing import Route
 from jaxvt import inputs
 from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
-from jaxvt.serve import schema
+from jaxvt.serve import schema, structured, tools
 from jaxvt.serve.limits import SendTimeout, wait_or_gone
 from jaxvt.serve.logprobs import CompletionLogprobs, chat_content
 from jaxvt.serve.loop import EngineLoop
@@ -48,27 +49,6 @@ def _error(e: ApiError) -> JSONResponse:
   return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param,
                                  "code": None}},
                       status_code=e.status, headers=headers)
-
-
-def unsupported(data: schema.ChatRequest) -> None:
-  """Declared fields the server does not act on: refused with a 400 naming them, never
-  silently ignored."""
-  if data.response_format is not None and data.response_format.type != "text":
-    raise ApiError(400, f"response_format: type {data.response_format.type!r} is not supported",
-                   param="response_format")
-  if data.tools:
-    raise ApiError(400, "tools: tool calls are not supported", param="tools")
-
-
-def structured(data: schema.ChatRequest) -> dict:
-  """The Request fields a constrained decoder acts on, as plain dicts."""
-  return {"response_format": None if data.response_format is None else
-          data.response_format.model_dump(by_alias=True, exclude_none=True),
-          "tools": None if data.tools is None else [t.model_dump(exclude_none=True)
-                                                   for t in data.tools],
-          "tool_choice": (data.tool_choice.model_dump() if isinstance(
-              data.tool_choice, schema.NamedToolChoice) else data.tool_choice),
-          "parallel_tool_calls": data.parallel_tool_calls}
 
 
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
@@ -104,10 +84,9 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     except schema.BodyError as e:
       raise ApiError(e.status, str(e), param=e.param) from None
 
-  def request(ids: list[int], data, default_tokens: int | None, **extra) -> Request:
-    """The Request of a validated body `data` (and `extra` Request fields). A max_tokens beyond
-    the room the context leaves is clamped to that room: such a generation ends with
-    finish_reason "length"."""
+  def request(ids: list[int], data, default_tokens: int | None) -> Request:
+    """The Request of a validated body `data`. A max_tokens beyond the room the context leaves is
+    clamped to that room: such a generation ends with finish_reason "length"."""
     if len(ids) + 1 > engine.max_context:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, more than --max-context "
                      f"{engine.max_context} allows")
@@ -119,7 +98,7 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
                    top_k=inputs.top_k_for(data.top_k, engine.cfg.vocab_size), top_p=data.top_p,
                    seed=seed, decoder=tok.stream_decoder(), logit_bias=dict(data.logit_bias),
                    frequency_penalty=data.frequency_penalty,
-                   presence_penalty=data.presence_penalty, logprobs=data.alternatives, **extra)
+                   presence_penalty=data.presence_penalty, logprobs=data.alternatives)
 
   def submit(r: Request):
     """Queues `r`; returns an asyncio queue that receives (new text, done, how many of its
@@ -145,7 +124,11 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       raise ApiError(500, f"the engine failed: {loop.error}", "server_error")
     return r.finish_reason
 
-  async def respond(r: Request, data, chat: bool):
+  async def respond(r: Request, data, chat: bool, plan: tools.Plan | None = None):
+    """Answers `r`; with `plan` (tools offered and read back), the answer's tool calls are
+    `tool_calls` (streamed as OpenAI streams them: the call's id and name, then its arguments
+    in fragments) and finish_reason is "tool_calls"."""
+    reading = plan is not None and plan.parse
     q = submit(r)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
             "model": model_id}
@@ -169,6 +152,13 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       choice = {"index": 0, "finish_reason": finish_reason(r), "logprobs": lps(len(r.tokens))}
       if chat:
         choice["message"] = {"role": "assistant", "content": r.text}
+        if reading:
+          content, calls = tools.read(r.text, plan.names, plan.parallel)
+          choice["message"]["content"] = content
+          if calls:
+            choice["message"]["tool_calls"] = calls
+            if choice["finish_reason"] == "stop":
+              choice["finish_reason"] = "tool_calls"
       else:
         choice["text"] = r.text
       return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
@@ -185,18 +175,43 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
       return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
+    reader = tools.Reader(plan.names, plan.parallel) if reading else None
+
+    def deltas(events, n_lps: int) -> list[str]:
+      """A tool Reader's events as chunks (the logprobs of their tokens with the first)."""
+      out = []
+      for kind, x in events:
+        lp = None if out else lps(n_lps)
+        if kind == "content":
+          out.append(chunk(x, None, logprobs=lp))
+          continue
+        i = len(reader.calls) - 1
+        fn = x["function"]
+        head_delta = {"tool_calls": [{"index": i, "id": x["id"], "type": "function",
+                                      "function": {"name": fn["name"], "arguments": ""}}]}
+        out.append(chunk(None, None, head_delta, logprobs=lp))
+        out += [chunk(None, None, {"tool_calls": [{"index": i, "function": {"arguments": a}}]})
+                for a in tools.argument_pieces(fn["arguments"])]
+      return out
+
     async def events():
       try:
         if chat:
           yield chunk(None, None, {"role": "assistant", "content": ""})
         while True:
           piece, done, n_lps = await q.get()
-          if piece:
+          if piece and reader:
+            for c in deltas(reader.feed(piece), n_lps):
+              yield c
+          elif piece:
             yield chunk(piece, None, logprobs=lps(n_lps))
           if done:
             break
+        for c in deltas(reader.close(), len(r.token_logprobs)) if reader else []:
+          yield c
         try:
           reason = finish_reason(r)
+          reason = "tool_calls" if reader and reader.calls and reason == "stop" else reason
           yield chunk(None, reason, logprobs=lps(len(r.token_logprobs)) if sent < len(
               r.token_logprobs) else None)
         except ApiError as e:
@@ -235,13 +250,30 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
   @answering
   async def chat(req: HttpRequest):
     data = await body(req, schema.ChatRequest)
-    unsupported(data)
-    msgs = data.template_messages()
+    offered = [t.model_dump(exclude_none=True) for t in data.tools] if data.tools else None
+    choice = data.tool_choice
+    choice = choice.model_dump() if isinstance(choice, schema.NamedToolChoice) else choice
+    fmt = data.response_format.model_dump(by_alias=True) if data.response_format else None
+    try:
+      plan = tools.plan(data.template_messages(), offered, choice, data.parallel_tool_calls,
+                        tok.chat_template)
+      grammar = plan.grammar or structured.response_format_grammar(fmt)
+    except tools.ToolsError as e:
+      raise ApiError(400, str(e), param="tools") from None
+    except structured.ConstraintError as e:
+      raise ApiError(400, f"response_format: {e}", param="response_format") from None
+    run = asyncio.get_running_loop().run_in_executor
     # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
-    text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
-                                                            msgs)
-    r = request(tok.encode(text), data, None, **structured(data))
-    return await respond(r, data, chat=True)
+    text = await run(None, functools.partial(tok.apply_chat_template, plan.messages,
+                                             **plan.template_kwargs))
+    r = request(tok.encode(text), data, None)
+    if grammar is not None:
+      try:  # the first one builds the vocabulary's index (seconds for a large vocabulary)
+        r.constraint = await run(None, structured.Constraint, tok, grammar)
+      except structured.ConstraintError as e:
+        field = "response_format" if plan.grammar is None else "tools"
+        raise ApiError(400, f"{field}: {e}", param=field) from None
+    return await respond(r, data, chat=True, plan=plan)
 
   @answering
   async def models(req: HttpRequest):

@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxvt.model_fns import bucket, decode_slots_fn
 from jaxvt.prefix import PrefixCache
-from jaxvt.sampling import TOP_LOGPROBS, sample_rows, seed_words, token_logprobs
+from jaxvt.sampling import (TOP_LOGPROBS, apply_mask, mask_words, sample_rows, seed_words,
+                            token_logprobs)
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode programs' row counts (few programs, little waste)
 
@@ -76,13 +77,15 @@ class BatchSession:
     if self.counts is not None:
       self.counts = _start_row(self.counts, slot, token)
 
-  def decode(self, feed: dict[int, tuple], steps: int = 1, logprobs: bool = False):
+  def decode(self, feed: dict[int, tuple], steps: int = 1, logprobs: bool = False,
+             masks: dict[int, np.ndarray] | None = None):
     """`steps` decode steps of the requests in `feed`: slot -> (the token to feed at its
-    position, then sample's row parameters). Returns (the sampled tokens int32 [steps, rows] for
-    the first `rows` slots (the ROWS bucket holding the highest slot fed; rows of slots not in
-    `feed` are meaningless), and with `logprobs` the numpy arrays of decode_slots_fn's logprobs,
-    else None). The cache then holds the fed token and the first steps - 1 sampled ones of each
-    row."""
+    position, then sample's row parameters); `masks`: slot -> its packed allowed tokens
+    (sampling.apply_mask; only with steps=1: the next mask depends on this token). Returns (the
+    sampled tokens int32 [steps, rows] for the first `rows` slots (the ROWS bucket holding the
+    highest slot fed; rows of slots not in `feed` are meaningless), and with `logprobs` the numpy
+    arrays of decode_slots_fn's logprobs, else None). The cache then holds the fed token and the
+    first steps - 1 sampled ones of each row."""
     rows = bucket(max(feed) + 1, ROWS, self.batch)
     toks = np.zeros(rows, np.int32)
     # A row not fed still writes K/V rows: at that slot's next positions (masked until the slot
@@ -92,13 +95,15 @@ class BatchSession:
       toks[r] = tok
     seeds, counters, t, k, p, bias, fp, pp = row_args(rows, self.engine.cfg.vocab_size,
                                                       {r: q for r, (_, q) in feed.items()})
+    mask = row_masks(rows, self.engine.cfg.vocab_size, masks)
     e = self.engine
     put = jax.device_put
     penalized = fp.any() or pp.any()  # else the counts are not needed and not kept
     out, self.cache, counts, lps = decode_slots_fn(
         e.weights, self.cache, put(toks), put(pos), put(seeds), put(counters), put(t), put(k),
         put(p), None if bias is None else put(bias), self.counts if penalized else None,
-        put(fp) if penalized else None, put(pp) if penalized else None, cfg=e.cfg, ex=e.ex,
+        put(fp) if penalized else None, put(pp) if penalized else None,
+        None if mask is None else put(mask), cfg=e.cfg, ex=e.ex,
         kv_len=e.kv_len(int(pos.max()) + steps), rows=rows, steps=steps, greedy=not t.any(),
         logprobs=logprobs)
     if penalized:
@@ -135,6 +140,7 @@ def _start_row(counts, slot, token):
   return jax.lax.dynamic_update_slice_in_dim(counts, row, slot, 0)
 
 
+_masked = jax.jit(apply_mask)
 _argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 _first_logprobs = jax.jit(lambda logits, tok: token_logprobs(
     logits[None], jnp.asarray(tok, jnp.int32)[None], TOP_LOGPROBS))
@@ -158,20 +164,39 @@ def row_args(n: int, vocab: int, params: dict[int, tuple]):
   return seeds, counters, t, k, p, bias, fp, pp
 
 
-def first_token(logits: jax.Array, params: tuple, logprobs: bool = False):
+def row_masks(n: int, vocab: int, masks: dict[int, np.ndarray] | None) -> np.ndarray | None:
+  """The packed masks int32 [n, ceil(vocab / 32)] of `masks` (row -> a matcher's mask, which
+  may cover fewer tokens than the model's logits: those past it are never allowed); rows not
+  named allow every token. None where no row is masked."""
+  if not masks:
+    return None
+  out = np.full((n, mask_words(vocab)), -1, np.int32)
+  for r, m in masks.items():
+    out[r] = 0
+    out[r, :min(len(m), out.shape[1])] = m[:out.shape[1]]
+  return out
+
+
+def first_token(logits: jax.Array, params: tuple, logprobs: bool = False,
+                mask: np.ndarray | None = None):
   """A request's first token, sampled from its prefill's `logits` [vocab] with sample's row
-  parameters `params`. Returns (token, None or token_logprobs' three arrays of that row)."""
-  tok = sample(logits, params)
+  parameters `params` among the tokens `mask` allows (a packed mask, or None: all). Returns
+  (token, None or token_logprobs' three arrays of that row)."""
+  tok = sample(logits, params, mask)
   lps = None
   if logprobs:
     lps = tuple(np.asarray(a)[0] for a in _first_logprobs(logits, tok))
   return tok, lps
 
 
-def sample(logits: jax.Array, params: tuple) -> int:
+def sample(logits: jax.Array, params: tuple, mask: np.ndarray | None = None) -> int:
   """The token sampled from `logits` [vocab] with sample's row parameters `params` (a prefill's
-  first token: nothing generated yet, so the penalties take nothing off)."""
+  first token: nothing generated yet, so the penalties take nothing off), among the tokens
+  `mask` allows (a packed mask, or None: all)."""
   seeds, counters, t, k, p, bias, _, _ = row_args(1, logits.shape[-1], {0: params})
+  logits = logits[None]
+  if mask is not None:
+    logits = _masked(logits, row_masks(1, logits.shape[-1], {0: mask}))
   if not t.any():  # greedy: the argmax, without sampling's sort
-    return int(_argmax(logits[None] if bias is None else logits[None] + bias)[0])
-  return int(sample_rows(logits[None], seeds, counters, t, k, p, bias)[0])
+    return int(_argmax(logits if bias is None else logits + bias)[0])
+  return int(sample_rows(logits, seeds, counters, t, k, p, bias)[0])

@@ -116,10 +116,11 @@ class EngineLoop:
 
   def _steps(self, active: list[Request]) -> int:
     """Decode steps in the next program: a power of two up to MAX_STEPS, one while requests
-    wait for a slot (they join at the next program), never past a request's max_tokens or the
-    context. Tokens sampled after a request's end in the same program are dropped."""
-    if self.sched.queue:
-      return 1
+    wait for a slot (they join at the next program) or a constrained request is in the batch,
+    never past a request's max_tokens or the context. Tokens sampled after a request's end in
+    the same program are dropped."""
+    if self.sched.queue or any(r.constraint for r in active):
+      return 1  # a constrained row's next mask depends on the token this step samples
     pos = self.session.positions
     room = min(min(r.max_tokens - len(r.tokens), self.engine.max_context - int(pos[r.slot]))
                for r in active)
@@ -151,8 +152,9 @@ class EngineLoop:
       first, first_lps = {}, {}
       for req in admitted:
         logits, req.cached = self.session.prefill(req.slot, req.prompt)
-        tok, first_lps[req.slot] = first_token(logits, _params(req),
-                                               logprobs=req.logprobs is not None)
+        tok, first_lps[req.slot] = first_token(
+            logits, _params(req), logprobs=req.logprobs is not None,
+            mask=req.constraint.mask() if req.constraint else None)
         self.session.start(req.slot, tok,
                            penalized=bool(req.frequency_penalty or req.presence_penalty))
         first[req.slot] = tok
@@ -162,8 +164,10 @@ class EngineLoop:
         steps = self._steps(active) if active else 0
       if not active:
         continue
+      masks = {r.slot: r.constraint.mask() for r in active if r.constraint}
       out, lps = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps,
-                                     logprobs=any(r.logprobs is not None for r in active))
+                                     logprobs=any(r.logprobs is not None for r in active),
+                                     masks=masks)
       for i in range(steps):
         self._record({r.slot: int(out[i, r.slot]) for r in active}, exact=i == steps - 1,
                      compact=i == steps - 1,

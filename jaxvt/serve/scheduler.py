@@ -2,8 +2,8 @@
 
 The engine loop asks it, before each device program, which queued requests join the batch
 (`admit`), feeds it each step's sampled token per active slot (`step`), and it says which
-requests finished (eos, a stop string, max_tokens) and frees their slots. Requests that arrive
-while others decode wait in a bounded FIFO queue and take the next free slot; a request that
+requests finished (eos, a stop string, max_tokens, a constraint's grammar complete) and frees
+their slots. Requests that arrive while others decode wait in a bounded FIFO queue and take the next free slot; a request that
 finds neither a free slot nor room in the queue is refused at once (`QueueFull`: the server
 answers 429 with Retry-After). Text is released to a stream (`Request.release`) only where no
 stop string can still begin, so a streamed answer never shows the start of a stop string.
@@ -36,11 +36,7 @@ class Request:
   frequency_penalty: float = 0.0  # OpenAI's penalties (jaxvt.sampling.penalize)
   presence_penalty: float = 0.0
   logprobs: int | None = None  # alternatives reported per token; None: no logprobs
-  # The chat fields a constrained decoder acts on, as validated (jaxvt.serve.schema), as dicts.
-  response_format: dict | None = None
-  tools: list[dict] | None = None
-  tool_choice: str | dict | None = None
-  parallel_tool_calls: bool = True
+  constraint: Any = None  # the allowed tokens (jaxvt.serve.structured.Constraint), or None
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   tokens: list[int] = dataclasses.field(default_factory=list)
   # with `logprobs`, one per token of `tokens`: (its log-probability, [(token id, log-probability)
@@ -124,12 +120,15 @@ class Scheduler:
       else:
         req.tokens.append(tok)
         req.text += piece
+        held = req.constraint is None or req.constraint.advance(tok)
         cut = _first_stop(req.text, req.stop)
+        if cut is None and req.constraint is not None and req.constraint.finished:
+          cut = len(req.text)  # the grammar is complete: nothing more may follow
         if cut is not None:
           req.text = req.text[:cut]
           req.finish_reason = "stop"
-        elif len(req.tokens) >= req.max_tokens:
-          req.finish_reason = "length"
+        elif len(req.tokens) >= req.max_tokens or not held:
+          req.finish_reason = "length"  # (not held: cut short, the constraint cannot go on)
       if req.done:
         self.slots[slot] = None
         finished.append(req)
