@@ -145,6 +145,16 @@ inline float dot_kq(const void* k, const float* q, int64_t n, bool tiny) {
 }
 
 
+// Query token ti of row bi is padding (ti >= nq[bi]: a bucketed prefill's tail): its output is
+// zeros, not computed (nothing real reads it; at a long prompt's bucket it is a large share of
+// the quadratic work). Writes the zeros and returns true for such a query.
+inline bool padding_query(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h) {
+  if (ti < a.nq[bi]) return false;
+  float* out = a.o + ((bi * a.T + ti) * a.H + h) * a.Dv;
+  for (int64_t c = 0; c < a.Dv; ++c) out[c] = 0.f;
+  return true;
+}
+
 // Which of ggml's orders row bi's two products take (attend_one and the AVX2 copy in
 // kernels_cpu_ggml_avx2.cc read it from here, so both follow one rule). KQ: with an f16 cache q
 // is converted to f16 and tinyBLAS runs the batched product; an f32 q stays permuted

@@ -33,6 +33,7 @@ void attention(const AttnArgs& a, bool half_cache, int64_t u0, int64_t u1) {
   std::vector<float> scratch(a.kv_len + a.D + 8);
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t h = u % a.H, ti = (u / a.H) % a.T, bi = u / (a.H * a.T);
+    if (padding_query(a, bi, ti, h)) continue;
     if (half_cache) attend_one_v<true>(a, bi, ti, h, scratch.data());
     else attend_one_v<false>(a, bi, ti, h, scratch.data());
   }
