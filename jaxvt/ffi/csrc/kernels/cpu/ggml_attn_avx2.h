@@ -215,8 +215,10 @@ void pv_vecdot(const uint8_t* vb, int64_t vstride, const float* w, int64_t last,
       t1 = _mm256_add_pd(t1, _mm256_cvtps_pd(_mm256_extractf128_ps(pr, 1)));
     }
     const __m256 r = reduce32_cols(A);
-    const __m128 lo = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(r)), t0));
-    const __m128 hi = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)), t1));
+    const __m256d r0 = _mm256_cvtps_pd(_mm256_castps256_ps128(r));
+    const __m256d r1 = _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1));
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_add_pd(r0, t0));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_add_pd(r1, t1));
     _mm256_storeu_ps(out + c0, _mm256_set_m128(hi, lo));
   }
   for (int64_t c = c0; c < Dv; ++c) {
