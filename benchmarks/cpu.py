@@ -2,6 +2,9 @@
 
 Decode: greedy tokens after a short prompt; prefill: a longer prompt. Each engine runs once to
 warm up (jaxvt compiles; llama.cpp maps the file), then `repeats` timed runs; medians reported.
+Long prompts (`--long`, token counts): jaxvt prefills random token ids of each length with
+max_context the longest, warm (each length once to compile first), and reports each rate against
+the first length's, so that a part of prefill growing faster than the prompt shows.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--decode-tokens", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+  ap.add_argument("--long", default="512,1699,2048,8192",
+                  help="long-prompt token counts, comma-separated ('' for none)")
   return ap
 
 
@@ -50,6 +55,24 @@ def bench_jaxvt(n_decode: int, repeats: int) -> dict:
   eng.close()
   return dict(load_s=load_s, decode=statistics.median(dec), prefill=statistics.median(pre),
               prompt_long=len(long_ids), kernels=eng.ex.kernels, tokens=g.tokens, path=eng.path)
+
+
+def bench_long(lengths: list[int]) -> list[dict]:
+  """jaxvt's warm prefill rate for a prompt of each length (random token ids), one engine with
+  max_context the longest length."""
+  eng = jaxvt.load(max_context=max(lengths))
+  rng = np.random.default_rng(0)
+  rows = []
+  for n in lengths:
+    ids = rng.integers(10, eng.cfg.vocab_size - 10, n).tolist()
+    eng.prefill(ids)[0].block_until_ready()  # compile this length's programs
+    t = time.perf_counter()
+    eng.prefill(ids)[0].block_until_ready()
+    s = time.perf_counter() - t
+    rows.append(dict(tokens=n, seconds=s, rate=n / s,
+                     calls=" + ".join(f"{T}" for T, _ in eng.prefill_shapes(n))))
+  eng.close()
+  return rows
 
 
 def bench_llamacpp(path: str, n_decode: int, repeats: int, threads: int) -> dict | None:
@@ -97,7 +120,8 @@ def main(args) -> str:
   n, reps = args.decode_tokens, args.repeats
   j = bench_jaxvt(n, reps)
   l = bench_llamacpp(j["path"], n, reps, args.threads)  # the file jaxvt.load() opened
-  cmd = f"python -m benchmarks.cpu --decode-tokens {n} --repeats {reps} --threads {args.threads}"
+  cmd = (f"python -m benchmarks.cpu --decode-tokens {n} --repeats {reps} --threads {args.threads}"
+         f" --long '{args.long}'")
   lines = [f"## CPU: default model (SmolLM2-135M-Instruct Q4_1)\n",
            f"Command: `{cmd}`  ",
            f"Machine: {report.machine()}  ", f"Date: {report.stamp()}\n",
@@ -115,6 +139,17 @@ def main(args) -> str:
   else:
     lines.append("\nllama.cpp arm not run: llama-cpp-python is not installed "
                  "(pip install llama-cpp-python==0.3.36).")
+  lengths = [int(v) for v in args.long.split(",") if v.strip()]
+  if lengths:
+    rows = bench_long(lengths)
+    base = rows[0]
+    lines += [f"\nLong prompts: jaxvt's warm prefill of random token ids, `jaxvt.load(max_context="
+              f"{max(lengths)})`, one run each after a compiling run; the rate against the "
+              f"{base['tokens']}-token prompt's.\n",
+              "| prompt tokens | prefill calls (program lengths) | seconds | tok/s | vs "
+              f"{base['tokens']} |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['calls']} | {r['seconds']:.2f} | {r['rate']:.1f} | "
+              f"{r['rate'] / base['rate']:.2f}x |" for r in rows]
   return report.publish("cpu", lines)
 
 

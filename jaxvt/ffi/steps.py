@@ -73,9 +73,11 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, posit
 
   q f32 [b, t, H, D] (after RoPE); k_cache [A, b, S, K, D], v_cache [A, b, S, K, Dv] (float16
   or float32: q and the probabilities are rounded to it); layer int32 [] (which of the A);
-  positions int32 [b, t]; n_query int32 [b]: query tokens of each row in this call (llama.cpp's
-  batched products, whose float32 order differs, serve >= 2). Only the first kv_len (static)
-  positions are read. -> f32 [b, t, H, Dv].
+  positions int32 [b, t]; n_query int32 [b]: real query tokens of each row in this call
+  (llama.cpp's batched products, whose float32 order differs, serve >= 2); the tokens from
+  n_query on are a bucketed prefill's padding, and their output is zeros (the kernel skips
+  them: at a long prompt's bucket they are much of the quadratic work). Only the first kv_len
+  (static) positions are read. -> f32 [b, t, H, Dv].
   """
   q = jnp.asarray(q, jnp.float32)
   layer = ops._layer(layer)
@@ -89,7 +91,8 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, posit
     l = jnp.clip(layer, 0, kc.shape[0] - 1)
     ks = jax.lax.dynamic_slice(kc, (l, zero, zero, zero, zero), (1, b, kv_len, K, D))[0]
     vs = jax.lax.dynamic_slice(vc, (l, zero, zero, zero, zero), (1, b, kv_len, K, Dv))[0]
-    return numerics.attention(q, ks, vs, positions, scale)
+    real = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :] < n_query[:, None]
+    return jnp.where(real[:, :, None, None], numerics.attention(q, ks, vs, positions, scale), 0.0)
 
   args = (q, k_cache, v_cache, layer, positions, n_query)
   if not kernels or kv_len % 8:

@@ -69,8 +69,9 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
             logits_at: jax.Array | None = None):
   """One pass over `tokens` [b, t] at absolute `positions` [b, t] (int32).
 
-  valid [b, t] bool marks real tokens (padding of bucketed prefill is False: it must not touch
-  recurrent state; its KV entries lie beyond every real position and are overwritten later).
+  valid [b, t] bool marks real tokens, a prefix of each row (padding of bucketed prefill is
+  False: it must not touch recurrent state, attention leaves its queries' output zero, and its
+  KV entries lie beyond every real position and are overwritten later).
   logits_at [b] int32: return logits only at that token index of each row ([b, vocab]);
   None returns all positions ([b, t, vocab]). Returns (logits float32, new cache).
   """

@@ -145,21 +145,41 @@ inline float dot_kq(const void* k, const float* q, int64_t n, bool tiny) {
 }
 
 
+// Query token ti of row bi is padding (ti >= nq[bi]: a bucketed prefill's tail): its output is
+// zeros, not computed (nothing real reads it; at a long prompt's bucket it is a large share of
+// the quadratic work). Writes the zeros and returns true for such a query.
+inline bool padding_query(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h) {
+  if (ti < a.nq[bi]) return false;
+  float* out = a.o + ((bi * a.T + ti) * a.H + h) * a.Dv;
+  for (int64_t c = 0; c < a.Dv; ++c) out[c] = 0.f;
+  return true;
+}
+
+// Which of ggml's orders row bi's two products take (attend_one and the AVX2 copy in
+// kernels_cpu_ggml_avx2.cc read it from here, so both follow one rule). KQ: with an f16 cache q
+// is converted to f16 and tinyBLAS runs the batched product; an f32 q stays permuted
+// (non-contiguous), so ggml takes vec_dot_f32 for every batch size. KQV: tinyBLAS when batched.
+struct AttnRecipe {
+  bool tiny_kq, tiny_v;
+};
+inline AttnRecipe attn_recipe(const AttnArgs& a, int64_t bi, bool half) {
+  const bool batched = a.nq[bi] >= 2;
+  return {half && batched && a.D % 8 == 0, batched && a.kv_len % 8 == 0 && a.Dv % 4 == 0};
+}
+
 // One (row, token, head): o = softmax(scale * q.K^T + mask) V with ggml's roundings.
 template <bool kHalf>
 inline void attend_one(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h, float* scratch) {
   const int64_t kvh = h / (a.H / a.K);
   const int64_t p = a.pos[bi * a.T + ti];
-  const bool batched = a.nq[bi] >= 2;
   const int64_t n = a.kv_len;
   const int64_t last = p < n - 1 ? p : n - 1;  // positions beyond are masked (exact zeros)
   float* w = scratch;                          // [n]
   float* qh = scratch + n;                     // [D]
   const float* qs = a.q + ((bi * a.T + ti) * a.H + h) * a.D;
   for (int64_t d = 0; d < a.D; ++d) qh[d] = kHalf ? round_half(qs[d]) : qs[d];
-  // KQ: with an f16 cache q is converted to f16 and tinyBLAS runs the batched product; an f32
-  // q stays permuted (non-contiguous), so ggml takes vec_dot_f32 for every batch size.
-  const bool tiny_kq = kHalf && batched && a.D % 8 == 0;
+  const AttnRecipe rc = attn_recipe(a, bi, kHalf);
+  const bool tiny_kq = rc.tiny_kq;
   const size_t es = kHalf ? 2 : 4;
   const uint8_t* kb = static_cast<const uint8_t*>(a.k) + (bi * a.S * a.K + kvh) * a.D * es;
   float mx = -INFINITY;
@@ -186,7 +206,7 @@ inline void attend_one(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h, flo
     w[s] = kHalf ? round_half(pr) : pr;
   }
   // KQV: tinyBLAS when batched (lane s % 8), else vec_dot (accumulator (s/32)... lane s % 8).
-  const bool tiny_v = batched && n % 8 == 0 && a.Dv % 4 == 0;
+  const bool tiny_v = rc.tiny_v;
   const uint8_t* vb = static_cast<const uint8_t*>(a.v) + (bi * a.S * a.K + kvh) * a.Dv * es;
   float* out = a.o + ((bi * a.T + ti) * a.H + h) * a.Dv;
   const int64_t vstride = a.K * a.Dv;  // elements between positions

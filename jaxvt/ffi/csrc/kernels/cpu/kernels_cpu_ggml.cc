@@ -83,6 +83,7 @@ void attention(const AttnArgs& a, bool half_cache) {
     std::vector<float> scratch(a.kv_len + a.D);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t h = u % a.H, ti = (u / a.H) % a.T, bi = u / (a.H * a.T);
+      if (portable::padding_query(a, bi, ti, h)) continue;
       if (half_cache) portable::attend_one<true>(a, bi, ti, h, scratch.data());
       else portable::attend_one<false>(a, bi, ti, h, scratch.data());
     }

@@ -28,7 +28,8 @@ struct AttnArgs {
   const void* k;       // this layer's cache [B, S, K, D] (f16 bits or float32)
   const void* v;       // [B, S, K, Dv]
   const int32_t* pos;  // [B, T] absolute positions
-  const int32_t* nq;   // [B] query tokens of each row in this call (>= 2: the prefill products)
+  const int32_t* nq;   // [B] real query tokens of each row (>= 2: the prefill products); the
+                       // tokens from nq[b] on are padding, their output zeros
   float* o;            // [B, T, H, Dv]
   int64_t B, T, H, K, D, Dv, S, kv_len;
   float scale;

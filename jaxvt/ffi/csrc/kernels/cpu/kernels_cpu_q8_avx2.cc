@@ -253,18 +253,29 @@ void rows_nb(const uint8_t* w, int64_t cols, const uint8_t* const* a, float* con
   }
 }
 
+// Many activation rows (a prefill) are taken in blocks of about 32 KiB (a multiple of 4 rows), each
+// block against every tile of the task's weight rows: the block stays in L1/L2 while the task's
+// weight rows (tens of KiB) are swept, instead of every activation row being streamed from the
+// last-level cache once per tile of 16 weight rows. Each output is still one rows_nb chain (the
+// groups of 4 activation rows and the remainder group are the same), so no bit changes.
 template <int F>
 void rows(const uint8_t* w, int64_t cols, const QBatch& bt, int64_t r0, int64_t r1) {
   constexpr int64_t kRowTile = 16;  // a tile of weight rows stays in L1 across batch groups
-  for (int64_t ra = r0; ra < r1; ra += kRowTile) {
-    const int64_t rz = ra + kRowTile < r1 ? ra + kRowTile : r1;
-    int64_t b = 0;
-    for (; b + 4 <= bt.n; b += 4) rows_nb<F, 4>(w, cols, bt.a + b, bt.y + b, ra, rz);
-    switch (bt.n - b) {
-      case 3: rows_nb<F, 3>(w, cols, bt.a + b, bt.y + b, ra, rz); break;
-      case 2: rows_nb<F, 2>(w, cols, bt.a + b, bt.y + b, ra, rz); break;
-      case 1: rows_nb<F, 1>(w, cols, bt.a + b, bt.y + b, ra, rz); break;
-      default: break;
+  const int64_t abytes = act_row_bytes(vec_type(F), cols);
+  const int64_t fit = (int64_t{32} << 10) / (abytes > 0 ? abytes : 1);
+  const int64_t block = fit < 4 ? 4 : fit & ~int64_t{3};
+  for (int64_t b0 = 0; b0 < bt.n; b0 += block) {
+    const int64_t bz = b0 + block < bt.n ? b0 + block : bt.n;
+    for (int64_t ra = r0; ra < r1; ra += kRowTile) {
+      const int64_t rz = ra + kRowTile < r1 ? ra + kRowTile : r1;
+      int64_t b = b0;
+      for (; b + 4 <= bz; b += 4) rows_nb<F, 4>(w, cols, bt.a + b, bt.y + b, ra, rz);
+      switch (bz - b) {
+        case 3: rows_nb<F, 3>(w, cols, bt.a + b, bt.y + b, ra, rz); break;
+        case 2: rows_nb<F, 2>(w, cols, bt.a + b, bt.y + b, ra, rz); break;
+        case 1: rows_nb<F, 1>(w, cols, bt.a + b, bt.y + b, ra, rz); break;
+        default: break;
+      }
     }
   }
 }

@@ -1,0 +1,61 @@
+"""The CPU attention kernel's AVX2 copy gives the portable copy's bits (both follow ggml's order),
+for every recipe (1 query or several; f16 or f32 cache), ragged lengths, a GQA group, columns and
+head sizes that leave a remainder past the 8-wide blocks, scores far apart (ggml_v_expf's
+underflow branch), and any thread count. The portable copy itself is checked against the jnp
+formula and float64 in tests/test_ffi.py, and the whole against llama.cpp in
+tests/test_llamacpp_match.py."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxvt import ffi
+
+pytestmark = pytest.mark.skipif(not ffi.available("cpu"),
+                                reason="jaxvt's extension is not built (pip install -e .)")
+
+if ffi.available("cpu"):
+  from jaxvt.ffi import steps
+
+
+def _run(q, kc, vc, pos, nq, kv_len, scale):
+  f = jax.jit(functools.partial(steps.attention, kv_len=kv_len, scale=scale, kernels=True))
+  return np.asarray(f(q, kc, vc, np.int32(1), pos, nq))
+
+
+@pytest.mark.parametrize("cache", ["float16", "float32"])
+@pytest.mark.parametrize("t", [1, 2, 37])
+@pytest.mark.parametrize("D,Dv", [(64, 64), (48, 36)])
+@pytest.mark.parametrize("spread", [1.0, 40.0])
+def test_avx2_attention_is_the_portable_bits(cache, t, D, Dv, spread):
+  ext = ffi.extension()
+  if ext.cpu_isa() != "avx2":
+    pytest.skip("this CPU has no AVX2+FMA+F16C path to compare")
+  rng = np.random.default_rng(7 + t + D)
+  A, b, S, H, K, kv_len = 2, 2, 304, 6, 2, 296  # kv_len % 32 == 8: vec_dot's double tail
+  cd = np.dtype(cache)
+  kc = (rng.standard_normal((A, b, S, K, D)) * 2).astype(cd)
+  vc = rng.standard_normal((A, b, S, K, Dv)).astype(cd)
+  q = (rng.standard_normal((b, t, H, D)) * spread).astype(np.float32)
+  # row 0 ends at the last cached position and beyond (clamped), row 1 at ragged lengths
+  pos = np.stack([np.arange(kv_len - t + 3, kv_len + 3),
+                  np.arange(5, 5 + 7 * t, 7)]).astype(np.int32)
+  nq = np.array([t, max(t - 1, 1)], np.int32)
+  args = (q, kc, vc, pos, nq, kv_len, 0.125)
+  n0 = ext.cpu_threads()
+  try:
+    ext.set_cpu_threads(2)
+    fast = _run(*args)
+    ext.set_cpu_threads(1)
+    np.testing.assert_array_equal(_run(*args), fast)
+    ext.set_cpu_isa("generic")
+    portable = _run(*args)
+  finally:
+    ext.set_cpu_isa("auto")
+    ext.set_cpu_threads(n0)
+  assert np.isfinite(fast).all()
+  np.testing.assert_array_equal(fast.view(np.uint32), portable.view(np.uint32))
