@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt.gguf import quants
+from jaxvt.gguf import formats
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
 
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -250,7 +250,7 @@ def token_bytes(weights: dict, cache: dict, cfg, rows: int, position: int) -> di
     elif name == "embed" and not cfg.tied_embeddings:
       share = rows / m.rows  # only the tokens' rows
     for f in fmts.reshape(-1):
-      b = m.rows * quants.row_bytes(int(f) & FMT_MASK, m.cols) * share
+      b = m.rows * formats.row_bytes(int(f) & FMT_MASK, m.cols) * share
       if int(f) & HOST_BIT:
         host += b
       else:

@@ -37,6 +37,9 @@ PUBLIC_MODULES = {
     "jaxvt.offload.host_tier": "the host tier (HostTier) that place() fills and the kernels read",
     "jaxvt.gguf.formats": "the GGUF block formats",
     "jaxvt.gguf.tokenizer": "the Tokenizer an Engine is built with",
+    "jaxvt.sampling": "the per-row sampling and token-mask functions (apply_mask, mask_words) the "
+                      "structured-output benchmark times on their own",
+    "jaxvt.gguf.default_model": "where the embedded default model's file is (default_model_path)",
     "jaxvt.synth": "synthetic GGUF files to benchmark on",
     "jaxvt.synth_routing": "the routing statistics a synthetic file is written for and measured by",
     "jaxvt.model.presets": "the published models' shapes, for jaxvt.synth",
