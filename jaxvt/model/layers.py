@@ -227,10 +227,13 @@ def attend(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, kv_len: 
   v_cache = v_cache.at[ai, bidx, positions].set(v.astype(v_cache.dtype), mode="drop")
 
   if ex.ggml:
-    if ex.numerics == "llamacpp":  # llama.cpp's choice, by the query tokens in this call
-      nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
-    else:  # one recipe for every row, however many share the call
-      nq = jnp.full((b,), ATTN_RECIPE_ROWS, jnp.int32)
+    # the real query tokens of each row: the kernel leaves the padding queries after them
+    # uncomputed, and under "llamacpp" picks llama.cpp's recipe by their count
+    nq = jnp.full((b,), t, jnp.int32) if n_query is None else n_query
+    if ex.numerics != "llamacpp":
+      # one recipe for every row however many share the call: never fewer than ATTN_RECIPE_ROWS
+      # as the kernel counts them (a 1-token call's one padding query is computed, never read)
+      nq = jnp.maximum(nq, ATTN_RECIPE_ROWS)
     scale = float(np.float32(1) / np.sqrt(np.float32(D)))  # llama.cpp: 1.0f/sqrtf(head_dim)
     o = ex.backend.attention(q, k_cache, v_cache, ai, positions, nq, kv_len, scale,
                              ex).reshape(b, t, H * Dv)
