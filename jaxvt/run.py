@@ -64,6 +64,9 @@ def _validate(F, prompt: str | None) -> float | str:
   inputs.sampling(F.temperature, F.top_k, F.top_p, cli=True)
   inputs.seed(F.seed, cli=True)
   offload = cli.validate_model_flags(F)
+  if F.interactive and F.coordinator is not None:
+    raise JaxvtError("--interactive runs in one process; leave out --coordinator (or serve the "
+                     "model over several processes: python -m jaxvt.serve)")
   if prompt is not None:
     inputs.text(prompt, "the prompt" if F.prompt is None else "--prompt")
   return offload
@@ -322,9 +325,10 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
       prompt, tokenizer, nbytes = _preflight(path, prompt, False if F.interactive else F.chat,
                                                 F.plan)
-    if F.coordinator is not None and not F.plan:
-      from jaxvt.parallel import mesh
-      mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
+    if not F.plan:  # several processes: join them (jaxvt.parallel.processes)
+      cli.join_processes(F, path, dict(prompt=prompt, max_tokens=F.max_tokens, seed=F.seed,
+                                       sampling=[F.temperature, F.top_k, F.top_p],
+                                       interactive=F.interactive))
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
     if F.plan:
@@ -341,6 +345,9 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
 
     def show_plan(placed):
       _print_escaped(placed.report(), file=sys.stderr)
+      if F.coordinator is not None:
+        from jaxvt.parallel import processes
+        print(processes.describe(placed.devices), file=sys.stderr)
 
     from jaxvt import programs
     counter = programs.compile_counter()

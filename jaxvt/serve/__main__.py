@@ -36,7 +36,8 @@ EXAMPLES = (
 GROUPS = (
     ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
                              "device_gb", "expert_cache_gb", "expert_cache_policy", "force",
-                             "mesh", "coordinator", "num_processes", "process_id")),
+                             "mesh", "coordinator", "num_processes", "process_id",
+                             "join_timeout")),
     ("server", ("host", "port", "api_key", "max_batch", "max_queue", "prefix_cache_gb",
                 "drain_seconds")),
     ("runtime", ("deterministic", "compile_cache", "verbose", "help", "helpfull", "version")),
