@@ -101,12 +101,17 @@ def validate_model_flags(F) -> float | str:
   return offload
 
 
-def join_processes(F, model_path: str | None, program_flags: dict) -> None:
+def join_processes(F, module: str, model_path: str | None, program_flags: dict) -> int | None:
   """With --coordinator: this process joins the run over several processes
   (jaxvt.parallel.processes.start), checking that every process has the same model file and
-  `program_flags` (the flags that shape the device programs, besides define_model_flags')."""
+  `program_flags` (the flags that shape the device programs, besides define_model_flags').
+  Unguarded, it instead runs `python -m module` (this command) as its guarded child
+  (jaxvt.parallel.guard) and returns the status to exit with."""
   if F.coordinator is None:
-    return
+    return None
+  from jaxvt.parallel import guard
+  if not guard.guarded():
+    return guard.supervise(module, sys.argv, F.process_id, F.coordinator, F.join_timeout)
   from jaxvt.parallel import processes
   shared = {k: F[k].value for k in ("max_context", "offload_gb", "offload_pattern", "device_gb",
                                     "mesh", "expert_cache_gb", "expert_cache_policy", "force",
@@ -114,6 +119,7 @@ def join_processes(F, model_path: str | None, program_flags: dict) -> None:
   shared["model"] = os.path.basename(shared["model"] or "")
   processes.start(F.coordinator, F.num_processes, F.process_id, timeout=F.join_timeout,
                   verbose=F.verbose, model_path=model_path, flags={**shared, **program_flags})
+  return None
 
 
 def load_options(F) -> dict:

@@ -326,9 +326,11 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
       prompt, tokenizer, nbytes = _preflight(path, prompt, False if F.interactive else F.chat,
                                                 F.plan)
     if not F.plan:  # several processes: join them (jaxvt.parallel.processes)
-      cli.join_processes(F, path, dict(prompt=prompt, max_tokens=F.max_tokens, seed=F.seed,
-                                       sampling=[F.temperature, F.top_k, F.top_p],
-                                       interactive=F.interactive))
+      status = cli.join_processes(F, "jaxvt.run", path, dict(
+          prompt=prompt, max_tokens=F.max_tokens, seed=F.seed,
+          sampling=[F.temperature, F.top_k, F.top_p]))
+      if status is not None:  # this process guarded the one that ran
+        return status
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
     if F.plan:
@@ -390,6 +392,9 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
             file=sys.stderr)
   except Exception as e:  # pylint: disable=broad-except  (re-raised unless it is the user's)
     error = e if isinstance(e, JaxvtError) else out_of_memory(e)
+    if error is None and F.coordinator is not None:  # a collective failed: another process
+      from jaxvt.parallel import processes  # died (one line, exit status 1)
+      processes.peer_failure(e)
     if error is None:
       raise
     if bar:

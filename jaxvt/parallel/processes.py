@@ -10,10 +10,11 @@ JAX's backends:
   2. the coordination service and its client start with bounded waits: connecting waits at most
      `timeout` seconds for every process (an unreachable coordinator, a mismatched
      --num-processes, a process that never starts: one line each), and a process whose
-     heartbeats stop for HEARTBEAT_S seconds is declared dead. The client's failure callback
-     (which by default aborts the process with a stack trace) prints one line and exits with
-     status 1, so when any process fails or is killed the others stop within about
-     HEARTBEAT_S seconds (SIGTERM to process 0 stops all of them the same way);
+     heartbeats stop for HEARTBEAT_S seconds is declared dead, upon which the runtime aborts the
+     others (jaxvt.parallel.guard turns that abort into one line), so when any process fails or
+     is killed the others stop within about HEARTBEAT_S seconds (SIGTERM to process 0 stops all
+     of them the same way); a collective that fails because its peer is gone is one line too
+     (`peer_failure`);
   3. the backend starts (CPU: collectives over gloo), with C++'s stdout on stderr (jaxvt.parallel
      .voice);
   4. every process publishes a digest of its model file and of the flags that shape the device
@@ -33,6 +34,7 @@ import sys
 import jax
 
 from jaxvt.errors import JaxvtError, escape
+from jaxvt.parallel import guard
 
 HEARTBEAT_S = 10  # a process silent this long is dead; the others stop
 SAMPLES = 16  # pieces of the model file hashed besides its header
@@ -75,14 +77,26 @@ def check_port(coordinator: str) -> str:
   return f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}"
 
 
-def _peer_failed(*status) -> None:
-  """The coordination client's failure callback (a process died or stopped answering, or the
-  coordinator is gone): one line on stderr, exit status EXIT_PEER at once."""
-  why = escape(str(status[0]) if status else "", 300).splitlines()
+def _stop(why: str) -> None:
+  """One line on stderr, exit status EXIT_PEER at once (no atexit: JAX's distributed shutdown
+  would wait for the process that is gone)."""
+  why = escape(why, 300).strip().splitlines()
   why = why[0] if why else "no reason given"
-  os.write(2, (f"jaxvt: error: process {_ME[0]} stops: another process of the run "
-               f"failed or stopped answering ({why})\n").encode())
+  try:
+    sys.stdout.flush()
+  except Exception:  # pylint: disable=broad-except  (exiting anyway)
+    pass
+  os.write(2, (f"jaxvt: error: process {_ME[0]} stops: another process of the run failed or "
+               f"stopped answering ({why})\n").encode())
   os._exit(EXIT_PEER)
+
+
+def peer_failure(error: BaseException) -> None:
+  """An exception out of a device program of a run over several processes that is not jaxvt's
+  own: a collective failed because another process is gone (gloo: "Connection reset by peer"),
+  or XLA failed in a way every process sees. One line, exit status EXIT_PEER."""
+  if isinstance(error, jax.errors.JaxRuntimeError):
+    _stop(str(error))
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, timeout: int) -> None:
@@ -106,8 +120,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout: i
   state.coordinator_address = coordinator
   state.client = _jax.get_distributed_runtime_client(
       coordinator, process_id, init_timeout=timeout, heartbeat_timeout=HEARTBEAT_S,
-      shutdown_timeout=HEARTBEAT_S, missed_heartbeat_callback=_peer_failed,
-      use_compression=True)
+      shutdown_timeout=HEARTBEAT_S, use_compression=True)
   try:
     state.client.connect()
   except Exception as e:  # pylint: disable=broad-except  (JAX's error is one more traceback)
@@ -116,7 +129,9 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout: i
         f"{timeout} s: process 0 not reachable there, or not every one of the "
         f"{num_processes} processes started with the same --coordinator and --num-processes "
         f"({escape(str(e).splitlines()[0] if str(e) else type(e).__name__, 200)})") from None
-  state.initialize_preemption_sync_manager()
+  # No preemption sync manager (jax.distributed's default): it takes SIGTERM over, and SIGTERM
+  # must stop the process (and with it the run).
+  guard.mark_joined()
 
 
 def start_backend() -> list:
