@@ -144,8 +144,13 @@ def _serve(F) -> int:
   opts = cli.load_options(F)
   cache_gb, policy = opts.pop("expert_cache_gb"), opts.pop("expert_cache_policy")
   # the expert cache takes what the batch and the prefix cache leave, so it comes after them
-  eng = engine_mod.load(F.model, on_plan=lambda p: print(p.report(), file=sys.stderr),
-                        expert_cache_gb=0, **opts)
+  def show_plan(placed):
+    print(placed.report(), file=sys.stderr)
+    if several:
+      from jaxvt.parallel import processes
+      print(processes.describe(placed.devices), file=sys.stderr)
+
+  eng = engine_mod.load(F.model, on_plan=show_plan, expert_cache_gb=0, **opts)
   try:
     mem = None
     if F.process_id == 0:
