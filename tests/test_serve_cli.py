@@ -29,7 +29,8 @@ def test_help_lists_the_server_and_placement_flags():
     (["--max-batch", "0"], "--max-batch must be between 1 and"),
     (["--offload-gb", "lots"], "--offload-gb"),
     (["--api-key", ""], "--api-key is empty"),
-    (["--mesh", "tp=2"], "one device"),
+    (["--mesh", "tp=2,tp=4"], "names 'tp' twice"),
+    (["--coordinator", "nohost"], "must be HOST:PORT"),
     (["--model", "/nonexistent/model.gguf"], "not found"),
     (["extra"], "takes no arguments")])
 def test_a_mistake_is_one_line_and_status_2(args, says):
