@@ -75,6 +75,8 @@ SLOW = (
     "tests/test_serve_http.py::test_full_queue_gets_429_and_sigterm_drains_in_flight",
     "tests/test_serve_http.py::test_hybrid_second_turn_reuses_the_first",
     "tests/test_serve_http.py::test_stop_strings_cut_streamed_and_not",
+    "tests/test_serve_mesh.py::test_one_process_two_devices",
+    "tests/test_serve_mesh.py::test_two_processes",
 )
 
 
