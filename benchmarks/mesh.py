@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--time-limit", type=int, default=480)
   ap.add_argument("--out", default="docs/BENCHMARKS.md",
                   help="the file whose mesh section to write")
+  ap.add_argument("--section", default="mesh",
+                  help="the section's name (e.g. mesh-cpu: another machine's table beside it)")
   ap.add_argument("--known", default="{}", help=argparse.SUPPRESS)
   ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)  # a /Np point's child
   ap.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
@@ -352,7 +354,7 @@ def main(args) -> str:
         f"measure {r.measure_s:.1f} s, total {time.perf_counter() - t:.1f} s")
     rows.append(r)
   body = render(rows, meta, args, report.stamp(), time.time() - t_start, skipped)
-  report.write_section("mesh", body, args.out)
+  report.write_section(args.section, body, args.out)
   with open(os.path.join(out_dir, "mesh_runs.json"), "w") as f:
     json.dump(dict(meta=meta, skipped=skipped, rows=[dataclasses.asdict(r) for r in rows]), f,
               indent=1)
@@ -399,6 +401,8 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
          f"--prompt {args.prompt} --gen {args.gen} --time-limit {args.time_limit}")
   cmd += f" --device-gb {args.device_gb:g}" if args.device_gb is not None else ""
   cmd += "" if default else f" --model {args.model}"
+  section = getattr(args, "section", "mesh")
+  cmd += "" if section == "mesh" else f" --section {section}"
   card = (f"an emulated {args.device_gb:g} GiB card per device (XLA's pool capped, the planner "
           f"told --device-gb {args.device_gb:g})" if args.device_gb is not None else
           "each device's whole memory")
