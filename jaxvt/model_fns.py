@@ -17,7 +17,8 @@ from jaxvt import programs
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
-from jaxvt.sampling import SamplingParams, sample, sample_rows
+from jaxvt.sampling import (TOP_LOGPROBS, SamplingParams, adjust_logits, sample, sample_rows,
+                            token_logprobs)
 
 PREFILL_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 # Tokens per prefill call: longer prompts run in chunks of at most this many (capped at
@@ -73,34 +74,56 @@ def decode_fn(weights, cache, tokens, positions, *, cfg: ModelConfig, ex: Exec, 
   return logits[:, 0], cache
 
 
-@programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows", "steps", "greedy"),
-              donate_argnames=("cache",))
+@programs.jit(static_argnames=("cfg", "ex", "kv_len", "rows", "steps", "greedy", "logprobs"),
+              donate_argnames=("cache", "counts"))
 def decode_slots_fn(weights, cache, tokens, positions, seeds, counters, temperature, top_k, top_p,
-                    bias, *, cfg: ModelConfig, ex: Exec, kv_len: int, rows: int, steps: int,
-                    greedy: bool):
+                    bias, counts=None, frequency=None, presence=None, *, cfg: ModelConfig,
+                    ex: Exec, kv_len: int, rows: int, steps: int, greedy: bool,
+                    logprobs: bool = False):
   """`steps` decode steps of the first `rows` sequences of a cache of B >= rows (a server's
   slots, kept packed from slot 0), each row sampled with its own parameters (sample_rows; with
   `greedy`, every row's argmax). tokens int32 [rows] (the last sampled, not yet in the cache),
   positions int32 [rows] (where they go); seeds, counters (the rows' next token indices),
   temperature, top_k, top_p: sample_rows' per-row arguments; bias float32 [rows, vocab] or None.
-  Returns (tokens int32 [steps, rows], cache). The other slots are neither read nor written, so a
-  step of a few sequences reads the routed experts those few choose, not B rows' worth."""
+  counts int32 [B, vocab] (each slot's generated-token counts) with frequency and presence
+  float32 [rows]: the penalties (sampling.penalize), the counts of the first `rows` slots updated
+  with each sampled token; None: no penalties. With `logprobs`, each step's log-softmax of the
+  model's logits (sampling.token_logprobs) is returned as well.
+  Returns (tokens int32 [steps, rows], cache, counts, logprobs: None or (sampled token's
+  float32 [steps, rows], top ids int32 [steps, rows, TOP_LOGPROBS], their float32 [steps, rows,
+  TOP_LOGPROBS])). The other slots are neither read nor written, so a step of a few sequences
+  reads the routed experts those few choose, not B rows' worth."""
   part = {k: jax.lax.slice_in_dim(v, 0, rows, axis=1) for k, v in cache.items()}
+  cnt = None if counts is None else counts[:rows]
+  penalties = None if counts is None else (frequency, presence)
 
   def step(i, carry):
-    part, tok, out = carry
+    part, tok, cnt, out, lps = carry
     logits, part = _forward(weights, part, tok[:, None], (positions + i)[:, None], cfg, ex,
                             kv_len)
-    logits = logits[:, 0] if bias is None else logits[:, 0] + bias
-    nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else
-           sample_rows(logits, seeds, counters + i, temperature, top_k, top_p))
-    return part, nxt, out.at[i].set(nxt)
+    raw = logits[:, 0]
+    adjusted = adjust_logits(raw, bias, None if cnt is None else (cnt, *penalties))
+    nxt = (jnp.argmax(adjusted, axis=-1).astype(jnp.int32) if greedy else
+           sample_rows(adjusted, seeds, counters + i, temperature, top_k, top_p))
+    if cnt is not None:
+      cnt = cnt.at[jnp.arange(rows), nxt].add(1)
+    if lps is not None:
+      lps = tuple(a.at[i].set(b) for a, b in zip(lps, token_logprobs(raw, nxt)))
+    return part, nxt, cnt, out.at[i].set(nxt), lps
 
   out = jnp.zeros((steps, rows), jnp.int32)
-  part, _, out = jax.lax.fori_loop(0, steps, step, (part, tokens.astype(jnp.int32), out))
+  lps = None
+  if logprobs:
+    lps = (jnp.zeros((steps, rows), jnp.float32), jnp.zeros((steps, rows, TOP_LOGPROBS),
+                                                            jnp.int32),
+           jnp.zeros((steps, rows, TOP_LOGPROBS), jnp.float32))
+  part, _, cnt, out, lps = jax.lax.fori_loop(
+      0, steps, step, (part, tokens.astype(jnp.int32), cnt, out, lps))
   cache = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], part[k].astype(cache[k].dtype), 0, 1)
            for k in cache}
-  return out, cache
+  if counts is not None:
+    counts = jax.lax.dynamic_update_slice_in_dim(counts, cnt, 0, 0)
+  return out, cache, counts, lps
 
 
 @programs.jit(static_argnames=("cfg", "ex", "kv_len", "params"), donate_argnames=("cache",))

@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p (nucleus), as pure jittable functions (one
 set of parameters for every row: `sample`; each row its own, as a server's batch needs:
-`sample_rows`); and what a generation returns (Generation, GenerationStats:
-jaxvt.engine.Engine.generate)."""
+`sample_rows`, with OpenAI's logit bias and frequency/presence penalties: `adjust_logits`); the
+log-probabilities a server reports (`token_logprobs`); and what a generation returns
+(Generation, GenerationStats: jaxvt.engine.Engine.generate)."""
 
 from __future__ import annotations
 
@@ -50,19 +51,53 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
   return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
 
 
+TOP_LOGPROBS = 20  # alternatives token_logprobs returns per row (OpenAI's top_logprobs limit)
+
+
+def penalize(logits: jax.Array, counts: jax.Array, frequency: jax.Array,
+             presence: jax.Array) -> jax.Array:
+  """OpenAI's frequency and presence penalties: logits float32 [b, vocab] less
+  frequency[b] * counts[b, v] + presence[b] * (counts[b, v] > 0). counts int32 [b, vocab]: how
+  many times each token was generated so far in the row; as OpenAI's, only generated tokens
+  count, never the prompt's."""
+  c = counts.astype(jnp.float32)
+  return (logits.astype(jnp.float32) - frequency[:, None] * c
+          - presence[:, None] * (c > 0).astype(jnp.float32))
+
+
+def adjust_logits(logits: jax.Array, bias: jax.Array | None = None,
+                  penalties: tuple | None = None) -> jax.Array:
+  """The logits sampling draws from: `bias` float32 [b, vocab] (OpenAI's logit_bias) added, then
+  `penalties` (counts, frequency, presence: `penalize`'s arguments) taken off; None: none."""
+  if bias is not None:
+    logits = logits.astype(jnp.float32) + bias
+  if penalties is not None:
+    logits = penalize(logits, *penalties)
+  return logits
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = TOP_LOGPROBS):
+  """The log-softmax of `logits` float32 [b, vocab] (the model's own, before bias, penalties,
+  temperature and cuts) at `tokens` int32 [b], and its `k` largest entries: (float32 [b], ids
+  int32 [b, k], float32 [b, k]); ties keep the lower token id first."""
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  top, ids = jax.lax.top_k(lp, k)
+  return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top
+
+
 @jax.jit
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-                top_k: jax.Array, top_p: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+                top_k: jax.Array, top_p: jax.Array, bias: jax.Array | None = None,
+                penalties: tuple | None = None) -> jax.Array:
   """Each row sampled with its own parameters: logits float32 [b, vocab]; seeds uint32 [b, 2]
   (a 64-bit seed as low and high words) and counters int32 [b] (the row's token index: the key
   is the seed's folded with it, so a row's draws do not depend on the other rows); temperature
   float32 [b] (0: greedy, the argmax), top_k int32 [b] (0: off), top_p float32 [b] (1: off).
-  `bias` float32 [b, vocab] (OpenAI's logit_bias) is added to the logits first. Returns token ids
-  int32 [b]. The cuts are `sample`'s: top-k first, then the smallest most-likely prefix whose
-  mass reaches top_p (at least one token)."""
+  `bias` and `penalties` (adjust_logits) change the logits first, greedy rows' as well.
+  Returns token ids int32 [b]. The cuts are `sample`'s: top-k first, then the smallest
+  most-likely prefix whose mass reaches top_p (at least one token)."""
   vocab = logits.shape[-1]
-  if bias is not None:
-    logits = logits.astype(jnp.float32) + bias
+  logits = adjust_logits(logits, bias, penalties)
   hot = temperature > 0
   x = logits.astype(jnp.float32) / jnp.where(hot, temperature, 1.0)[:, None]
   desc = jnp.sort(x, axis=-1)[:, ::-1]

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxvt.sampling import SamplingParams, sample, sample_rows, seed_words
+from jaxvt.sampling import SamplingParams, sample, sample_rows, seed_words, token_logprobs
 
 V = 12
 
@@ -92,3 +92,51 @@ def test_logit_bias_moves_the_choice():
   got = np.asarray(sample_rows(logits, np.zeros((2, 2), np.uint32), np.zeros(2, np.int32), z,
                                np.zeros(2, np.int32), np.ones(2, np.float32), bias))
   assert got[0] == np.argsort(-logits[0])[1] and got[1] == top[1]
+
+
+def _penalized(logits, counts, freq, pres):
+  """OpenAI's penalties in float64: logit - freq * count - pres * (count > 0)."""
+  c = counts.astype(np.float64)
+  return logits.astype(np.float64) - freq * c - pres * (c > 0)
+
+
+def test_penalties_match_the_float64_reference():
+  """Greedy rows take the argmax of the penalized logits; sampled rows draw from the penalized
+  distribution; each row with its own counts and penalties (one row unpenalized)."""
+  rng = np.random.default_rng(5)
+  b = 4
+  logits = rng.normal(0, 1, (b, V)).astype(np.float32)
+  counts = rng.integers(0, 3, (b, V)).astype(np.int32)
+  counts[:, np.argmax(logits, -1)] = 2  # the unpenalized best is penalized in every row
+  freq = np.asarray([0.8, -0.5, 0.0, 1.7], np.float32)
+  pres = np.asarray([0.6, 1.0, 0.0, -2.0], np.float32)
+  want = [_penalized(logits[i], counts[i], freq[i], pres[i]) for i in range(b)]
+  z, ones = np.zeros(b, np.float32), np.ones(b, np.float32)
+  seeds, zk = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32)
+  greedy = np.asarray(sample_rows(logits, seeds, zk, z, zk, ones, None, (counts, freq, pres)))
+  assert greedy.tolist() == [int(np.argmax(w)) for w in want]
+  assert greedy[2] == np.argmax(logits[2])  # no penalty: the raw argmax
+  assert (greedy[[0, 1]] != np.argmax(logits[[0, 1]], -1)).any()  # the penalties changed picks
+  n = 4000
+  seeds = np.asarray([seed_words(s) for s in range(b)], np.uint32)
+  draw = jax.jit(jax.vmap(lambda c: sample_rows(logits, seeds, jax.numpy.full(b, c, np.int32),
+                                                ones, zk, ones, None, (counts, freq, pres))))
+  got = np.asarray(draw(np.arange(n, dtype=np.int32)))
+  for i in range(b):
+    p = np.exp(want[i] - want[i].max())
+    p /= p.sum()
+    freq_i = np.bincount(got[:, i], minlength=V) / n
+    assert np.all(np.abs(freq_i - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9), (i, freq_i, p)
+
+
+def test_token_logprobs_are_the_log_softmax_of_the_raw_logits():
+  rng = np.random.default_rng(6)
+  logits = rng.normal(0, 4, (3, 300)).astype(np.float32)
+  toks = np.asarray([5, 17, 299], np.int32)
+  lp, ids, top = (np.asarray(a) for a in token_logprobs(logits, toks, 20))
+  x = logits.astype(np.float64)
+  ref = x - x.max(-1, keepdims=True)
+  ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+  np.testing.assert_allclose(lp, ref[np.arange(3), toks], atol=1e-5)
+  np.testing.assert_array_equal(ids, np.argsort(-ref, -1, kind="stable")[:, :20])
+  np.testing.assert_allclose(top, np.take_along_axis(ref, ids, -1), atol=1e-5)

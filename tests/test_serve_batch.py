@@ -9,13 +9,13 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):", "Once upon 
 STEPS = 12
 
 
-GREEDY = (0.0, 0, 1.0, 0, 0, {})  # sample's row parameters of a greedy row
+GREEDY = (0.0, 0, 1.0, 0, 0, {}, 0.0, 0.0)  # sample's row parameters of a greedy row
 
 
 def _greedy(s: BatchSession, slots: dict[int, list[int]]) -> dict[int, list[int]]:
   out = {k: [int(np.argmax(s.prefill(k, p)[0]))] for k, p in slots.items()}
   for steps in (1, 3, 8):  # one device program of each length, STEPS steps in all
-    toks = s.decode({k: (v[-1], GREEDY) for k, v in out.items()}, steps)
+    toks, _ = s.decode({k: (v[-1], GREEDY) for k, v in out.items()}, steps)
     for k in out:
       out[k] += toks[:, k].tolist()
   return out

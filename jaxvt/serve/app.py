@@ -10,10 +10,8 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 import secrets
 import time
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -23,81 +21,50 @@ from starlette.routing import Route
 from jaxvt import inputs
 from jaxvt.engine import expert_cache_stats
 from jaxvt.errors import JaxvtError
+from jaxvt.serve import schema
+from jaxvt.serve.logprobs import CompletionLogprobs, chat_content
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import QueueFull, Request
 
 log = logging.getLogger("jaxvt.serve")
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-          "stream_options", "user", "logit_bias"}
 MAX_BODY = 1 << 20
-MAX_STOPS = 4
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
 class ApiError(Exception):
-  def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None):
     super().__init__(message)
-    self.status, self.kind = status, kind
+    self.status, self.kind, self.param = status, kind, param
 
 
 def _error(e: ApiError) -> JSONResponse:
   log.warning("%d %s", e.status, e)
   headers = {"Retry-After": "1"} if e.status == 429 else None
-  return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": None, "code": None}},
+  return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param,
+                                 "code": None}},
                       status_code=e.status, headers=headers)
 
 
-def _finite(x: Any) -> None:
-  if isinstance(x, float) and not math.isfinite(x):
-    raise ApiError(400, "numbers must be finite")
-  if isinstance(x, dict):
-    for v in x.values():
-      _finite(v)
-  if isinstance(x, list):
-    for v in x:
-      _finite(v)
+def unsupported(data: schema.ChatRequest) -> None:
+  """Declared fields the server does not act on: refused with a 400 naming them, never
+  silently ignored."""
+  if data.response_format is not None and data.response_format.type != "text":
+    raise ApiError(400, f"response_format: type {data.response_format.type!r} is not supported",
+                   param="response_format")
+  if data.tools:
+    raise ApiError(400, "tools: tool calls are not supported", param="tools")
 
 
-def _text_of(content: Any) -> str:
-  """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
-  if isinstance(content, str):
-    return content
-  if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in content):
-    return "".join(p["text"] for p in content)
-  raise ApiError(400, "a message's content must be a string or a list of text parts")
-
-
-def _messages(data: dict) -> list[dict]:
-  msgs = data.get("messages")
-  if not isinstance(msgs, list) or not msgs or not all(
-      isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
-    raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-  return [{**m, "content": _text_of(m.get("content"))} for m in msgs]
-
-
-def _stops(value: Any) -> tuple[str, ...]:
-  stop = () if value is None else (value,) if isinstance(value, str) else value
-  if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or not all(
-      isinstance(s, str) and s for s in stop):
-    raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS}")
-  return tuple(stop)
-
-
-def _logit_bias(value: Any, vocab: int) -> dict[int, float]:
-  """OpenAI's logit_bias: {"token id": bias in [-100, 100]}."""
-  if value is None:
-    return {}
-  if not isinstance(value, dict):
-    raise ApiError(400, "logit_bias must be an object of token id -> bias")
-  out = {}
-  for k, v in value.items():
-    if not (k.isdigit() and int(k) < vocab) or isinstance(v, bool) or not isinstance(
-        v, (int, float)) or not -100 <= v <= 100:
-      raise ApiError(400, f"logit_bias: {k!r}: {v!r} must map a token id below {vocab} to a "
-                     "number in [-100, 100]")
-    out[int(k)] = float(v)
-  return out
+def structured(data: schema.ChatRequest) -> dict:
+  """The Request fields a constrained decoder acts on, as plain dicts."""
+  return {"response_format": None if data.response_format is None else
+          data.response_format.model_dump(by_alias=True, exclude_none=True),
+          "tools": None if data.tools is None else [t.model_dump(exclude_none=True)
+                                                   for t in data.tools],
+          "tool_choice": (data.tool_choice.model_dump() if isinstance(
+              data.tool_choice, schema.NamedToolChoice) else data.tool_choice),
+          "parallel_tool_calls": data.parallel_tool_calls}
 
 
 def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
@@ -116,7 +83,8 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
                        "authentication_error")
 
-  async def body(req: HttpRequest, allowed: set[str]) -> dict:
+  async def body(req: HttpRequest, model: type):
+    """The request's body validated as `model` (jaxvt.serve.schema)."""
     authorize(req)
     declared = req.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:  # refused before it is read
@@ -125,43 +93,33 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     if len(raw) > MAX_BODY:
       raise ApiError(413, f"the body has {len(raw)} bytes, more than {MAX_BODY}")
     try:
-      data = json.loads(raw)
-    except ValueError as e:
-      raise ApiError(400, f"malformed JSON: {e}") from None
-    if not isinstance(data, dict):
-      raise ApiError(400, "the body must be a JSON object")
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-      raise ApiError(400, f"unknown fields: {', '.join(unknown)}")
-    _finite(data)
-    if data.get("n", 1) != 1:
-      raise ApiError(400, "only n=1 is supported")
-    return data
+      return schema.parse(raw, model, engine.cfg.vocab_size)
+    except schema.BodyError as e:
+      raise ApiError(e.status, str(e), param=e.param) from None
 
-  def request(ids: list[int], data: dict, default_tokens: int | None) -> Request:
+  def request(ids: list[int], data, default_tokens: int | None, **extra) -> Request:
+    """The Request of a validated body `data` (and `extra` Request fields). A max_tokens beyond
+    the room the context leaves is clamped to that room: such a generation ends with
+    finish_reason "length"."""
     if len(ids) + 1 > engine.max_context:
       raise ApiError(400, f"the prompt has {len(ids)} tokens, more than --max-context "
                      f"{engine.max_context} allows")
     room = engine.max_context - len(ids)
-    try:
-      mt = data.get("max_tokens")
-      mt = min(inputs.max_tokens(mt), room) if mt is not None else min(default_tokens or room,
-                                                                         room)
-      t, k, p = inputs.sampling(data.get("temperature", 1.0), data.get("top_k", 0),
-                                data.get("top_p", 1.0))
-      seed = (inputs.seed(data["seed"]) if data.get("seed") is not None else
-              secrets.randbits(63))
-    except JaxvtError as e:
-      raise ApiError(400, str(e)) from None
-    return Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=_stops(data.get("stop")),
-                   temperature=t, top_k=inputs.top_k_for(k, engine.cfg.vocab_size), top_p=p,
-                   seed=seed, decoder=tok.stream_decoder(),
-                   logit_bias=_logit_bias(data.get("logit_bias"), engine.cfg.vocab_size))
+    mt = min(data.max_tokens or default_tokens or room, room)
+    seed = data.seed if data.seed is not None else secrets.randbits(63)
+    return Request(prompt=ids, max_tokens=mt, eos_ids=eos, stop=data.stop,
+                   temperature=data.temperature,
+                   top_k=inputs.top_k_for(data.top_k, engine.cfg.vocab_size), top_p=data.top_p,
+                   seed=seed, decoder=tok.stream_decoder(), logit_bias=dict(data.logit_bias),
+                   frequency_penalty=data.frequency_penalty,
+                   presence_penalty=data.presence_penalty, logprobs=data.alternatives, **extra)
 
   def submit(r: Request):
-    """Queues `r`; returns an asyncio queue that receives (new text, done) from the loop."""
+    """Queues `r`; returns an asyncio queue that receives (new text, done, how many of its
+    token_logprobs there are with that text) from the loop."""
     aloop, q = asyncio.get_running_loop(), asyncio.Queue()
-    r.listener = lambda r: aloop.call_soon_threadsafe(q.put_nowait, (r.release(), r.done))
+    r.listener = lambda r: aloop.call_soon_threadsafe(
+        q.put_nowait, (r.release(), r.done, len(r.token_logprobs)))
     try:
       loop.submit(r)
     except QueueFull as e:
@@ -180,29 +138,43 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
       raise ApiError(500, f"the engine failed: {loop.error}", "server_error")
     return r.finish_reason
 
-  async def respond(r: Request, data: dict, chat: bool):
+  async def respond(r: Request, data, chat: bool):
     q = submit(r)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r.id}", "created": int(time.time()),
             "model": model_id}
-    if not data.get("stream"):
+    want_lps = r.logprobs is not None
+    legacy = CompletionLogprobs(tok)
+    sent = 0  # token_logprobs sent so far
+
+    def lps(upto: int) -> dict | None:
+      """The logprobs object of token_logprobs[sent:upto] (None without logprobs)."""
+      nonlocal sent
+      if not want_lps:
+        return None
+      entries = list(zip(r.tokens[sent:upto], r.token_logprobs[sent:upto]))
+      sent = upto
+      return {"content": chat_content(tok, entries)} if chat else legacy.take(entries)
+
+    if not data.stream:
       while not (await q.get())[1]:
         pass
-      choice = {"index": 0, "finish_reason": finish_reason(r)}
+      choice = {"index": 0, "finish_reason": finish_reason(r), "logprobs": lps(len(r.tokens))}
       if chat:
         choice["message"] = {"role": "assistant", "content": r.text}
       else:
-        choice.update(text=r.text, logprobs=None)
+        choice["text"] = r.text
       return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                            "choices": [choice], "usage": usage(r)})
     kind = "chat.completion.chunk" if chat else "text_completion"
-    with_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+    with_usage = data.include_usage
 
-    def chunk(piece: str | None, reason: str | None, delta: dict | None = None) -> str:
+    def chunk(piece: str | None, reason: str | None, delta: dict | None = None,
+              logprobs: dict | None = None) -> str:
       if chat:
         choice = {"index": 0, "delta": delta or ({} if piece is None else {"content": piece}),
-                  "finish_reason": reason}
+                  "logprobs": logprobs, "finish_reason": reason}
       else:
-        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
       return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
     async def events():
@@ -210,13 +182,15 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
         if chat:
           yield chunk(None, None, {"role": "assistant", "content": ""})
         while True:
-          piece, done = await q.get()
+          piece, done, n_lps = await q.get()
           if piece:
-            yield chunk(piece, None)
+            yield chunk(piece, None, logprobs=lps(n_lps))
           if done:
             break
         try:
-          yield chunk(None, finish_reason(r))
+          reason = finish_reason(r)
+          yield chunk(None, reason, logprobs=lps(len(r.token_logprobs)) if sent < len(
+              r.token_logprobs) else None)
         except ApiError as e:
           yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         if with_usage:
@@ -242,24 +216,20 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
 
   @answering
   async def completions(req: HttpRequest):
-    data = await body(req, COMMON | {"prompt"})
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-      ids = inputs.token_ids(prompt, engine.cfg.vocab_size, "prompt")
-    elif isinstance(prompt, str) and prompt:
-      ids = tok.encode(prompt)
-    else:
-      raise ApiError(400, "prompt must be a non-empty string or list of token ids")
+    data = await body(req, schema.CompletionRequest)
+    ids = data.prompt if isinstance(data.prompt, list) else tok.encode(data.prompt)
     return await respond(request(ids, data, COMPLETION_DEFAULT_TOKENS), data, chat=False)
 
   @answering
   async def chat(req: HttpRequest):
-    data = await body(req, COMMON | {"messages"})
-    msgs = _messages(data)
+    data = await body(req, schema.ChatRequest)
+    unsupported(data)
+    msgs = data.template_messages()
     # the file's template, rendered in a limited child process (jaxvt.gguf.chat_template)
     text = await asyncio.get_running_loop().run_in_executor(None, tok.apply_chat_template,
                                                             msgs)
-    return await respond(request(tok.encode(text), data, None), data, chat=True)
+    r = request(tok.encode(text), data, None, **structured(data))
+    return await respond(r, data, chat=True)
 
   @answering
   async def models(req: HttpRequest):

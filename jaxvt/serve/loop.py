@@ -13,7 +13,7 @@ import logging
 import threading
 
 from jaxvt.prefix import PrefixCache
-from jaxvt.serve.batch import BatchSession, sample
+from jaxvt.serve.batch import BatchSession, first_token
 from jaxvt.serve.scheduler import Request, Scheduler
 
 log = logging.getLogger("jaxvt.serve")
@@ -77,13 +77,21 @@ class EngineLoop:
     if ev:
       ev.set()
 
-  def _record(self, sampled: dict[int, int], exact: bool = True, compact: bool = True) -> None:
-    """Feeds one step's tokens (slot -> token) to the scheduler and the requests' listeners.
+  def _record(self, sampled: dict[int, int], exact: bool = True, compact: bool = True,
+              logprobs: dict[int, tuple] | None = None) -> None:
+    """Feeds one step's tokens (slot -> token) to the scheduler and the requests' listeners,
+    with `logprobs` (slot -> token_logprobs' three arrays of its row) kept by the requests that
+    asked for them.
     A finished request's sequence is stored for prefix reuse (with `exact`, its cache holds
     exactly `Request.fed`; else only its K/V rows are right: decode ran on past it). With
     `compact`, the requests left move down into the freed slots."""
     with self._cv:
       reqs = {s: self.sched.slots[s] for s in sampled if self.sched.slots[s] is not None}
+      for s, r in reqs.items():
+        if r.logprobs is not None and sampled[s] not in r.eos_ids:
+          lp, ids, top = logprobs[s]
+          r.token_logprobs.append((float(lp), [(int(i), float(x)) for i, x in
+                                               zip(ids[:r.logprobs], top[:r.logprobs])]))
       pieces = {s: (t, "" if t in r.eos_ids else r.decoder.push(t) if r.decoder else "")
                 for s, t in sampled.items() if (r := reqs.get(s)) is not None}
       finished = self.sched.step(pieces)
@@ -132,22 +140,30 @@ class EngineLoop:
         if self.sched.idle() and self._stop:
           return
         admitted = self.sched.admit()
-      first = {}
+      first, first_lps = {}, {}
       for req in admitted:
         logits, req.cached = self.session.prefill(req.slot, req.prompt)
-        first[req.slot] = sample(logits, _params(req))
-      self._record(first)
+        tok, first_lps[req.slot] = first_token(logits, _params(req),
+                                               logprobs=req.logprobs is not None)
+        self.session.start(req.slot, tok,
+                           penalized=bool(req.frequency_penalty or req.presence_penalty))
+        first[req.slot] = tok
+      self._record(first, logprobs=first_lps)
       with self._cv:
         active = self.sched.active()
         steps = self._steps(active) if active else 0
       if not active:
         continue
-      out = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps)
+      out, lps = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps,
+                                     logprobs=any(r.logprobs is not None for r in active))
       for i in range(steps):
         self._record({r.slot: int(out[i, r.slot]) for r in active}, exact=i == steps - 1,
-                     compact=i == steps - 1)
+                     compact=i == steps - 1,
+                     logprobs=None if lps is None else {
+                         r.slot: tuple(a[i, r.slot] for a in lps) for r in active})
 
 
 def _params(r: Request) -> tuple:
   """sample's row parameters of `r`'s next token (its index: how many it has made)."""
-  return r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens), r.logit_bias
+  return (r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens), r.logit_bias,
+          r.frequency_penalty, r.presence_penalty)

@@ -33,8 +33,20 @@ class Request:
   top_p: float = 1.0
   seed: int = 0
   logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # added to the logits
+  frequency_penalty: float = 0.0  # OpenAI's penalties (jaxvt.sampling.penalize)
+  presence_penalty: float = 0.0
+  logprobs: int | None = None  # alternatives reported per token; None: no logprobs
+  # The chat fields a constrained decoder acts on, as validated (jaxvt.serve.schema), as dicts.
+  response_format: dict | None = None
+  tools: list[dict] | None = None
+  tool_choice: str | dict | None = None
+  parallel_tool_calls: bool = True
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   tokens: list[int] = dataclasses.field(default_factory=list)
+  # with `logprobs`, one per token of `tokens`: (its log-probability, [(token id, log-probability)
+  # of the `logprobs` most likely])
+  token_logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(
+      default_factory=list)
   text: str = ""
   finish_reason: str | None = None  # "stop" | "length" | "cancelled" once done
   slot: int | None = None
