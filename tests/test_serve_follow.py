@@ -51,7 +51,8 @@ def test_a_follower_replaying_the_messages_holds_the_leaders_state(hybrid):
     prompts = [rng.integers(5, eng.cfg.vocab_size, 7 + 4 * i).tolist() for i in range(4)]
     reqs = _run(loop, [Request(prompt=p, max_tokens=4 + 2 * (i % 2)) for i, p in enumerate(prompts)]
                 + [Request(prompt=prompts[0], max_tokens=5, temperature=0.8, seed=9,
-                           logit_bias={7: 3.0, 11: -2.0})])
+                           logit_bias={7: 3.0, 11: -2.0}, frequency_penalty=0.5,
+                           presence_penalty=0.3)])
     turn2 = reqs[0].fed + rng.integers(5, eng.cfg.vocab_size, 5).tolist()
     again = _run(loop, [Request(prompt=turn2, max_tokens=4)])[0]
   finally:
@@ -59,23 +60,26 @@ def test_a_follower_replaying_the_messages_holds_the_leaders_state(hybrid):
     session.close()
   assert again.cached == len(reqs[0].fed)  # the second turn reused the first
   ops = [m[0] for m in rec.sent]
-  assert {"prefill", "decode", "finish", "move"} <= set(ops) and ops[-1] == "stop"
+  assert {"prefill", "start", "decode", "finish", "move"} <= set(ops) and ops[-1] == "stop"
   decodes = [m for m in rec.sent if m[0] == "decode"]
-  assert any(isinstance(p[-1], dict) for m in decodes for _, _, p in m[1])  # the bias travelled
+  assert any(isinstance(p[5], dict) for m in decodes for _, _, p in m[1])  # the bias travelled
 
   follower = BatchSession(eng, 3, PrefixCache(eng, budget_bytes=1 << 30, interval=16))
   follow.follow(follower, Replay(rec.sent))
   assert np.array_equal(follower.positions, session.positions)
   for k in session.cache:
     assert np.array_equal(np.asarray(follower.cache[k]), np.asarray(session.cache[k])), k
+  assert session.counts is not None  # the penalized request's counts, kept alike
+  assert np.array_equal(np.asarray(follower.counts), np.asarray(session.counts))
   lead_entries = [e.tokens for e in lead_prefix._entries.values()]
   assert [e.tokens for e in follower.prefix._entries.values()] == lead_entries
 
 
 def test_row_parameters_survive_the_wire():
-  feed = {0: (5, (0.0, 0, 1.0, 0, 3, None)),
-          2: (np.int32(9), (np.float32(0.7), 40, 0.9, 123, 1, {4: 1.5, 300: -100.0}))}
+  feed = {0: (5, (0.0, 0, 1.0, 0, 3, None, 0.0, 0.0)),
+          2: (np.int32(9), (np.float32(0.7), 40, 0.9, 123, 1, {4: 1.5, 300: -100.0}, 0.5, 0.2))}
   wire = json.loads(json.dumps(follow._feed_json(feed), default=follow._plain))
   back = follow._feed_of(wire)
-  assert back == {0: (5, (0.0, 0, 1.0, 0, 3, None)),
-                  2: (9, (np.float32(0.7).item(), 40, 0.9, 123, 1, {4: 1.5, 300: -100.0}))}
+  assert back == {0: (5, (0.0, 0, 1.0, 0, 3, None, 0.0, 0.0)),
+                  2: (9, (np.float32(0.7).item(), 40, 0.9, 123, 1, {4: 1.5, 300: -100.0}, 0.5,
+                          0.2))}

@@ -1,8 +1,9 @@
 """The server over several processes: process 0 decides, every process runs the same programs.
 
 Process 0 owns HTTP, the scheduler and the engine loop (jaxvt.serve.loop). Its BatchSession is a
-`LeaderSession`: before each device program (a prefill into a slot, a decode of the active slots,
-storing a finished slot for prompt reuse, moving a slot) it broadcasts the call and its arguments
+`LeaderSession`: before each device program (a prefill into a slot, a request's first token
+starting its slot's penalty counts, a decode of the active slots, storing a finished slot for
+prompt reuse, moving a slot) it broadcasts the call and its arguments
 (which requests are in which slots, the tokens fed, the rows' sampling parameters, the admitted
 prompts) to the other processes through `jax.experimental.multihost_utils.broadcast_one_to_all`,
 then runs the program itself. The other processes run `follow`: they receive each call and make
@@ -149,10 +150,15 @@ class LeaderSession(BatchSession):
       self._send(["move", int(src), int(dst)])
       super().move(src, dst)
 
-  def decode(self, feed, steps=1):
+  def start(self, slot, token, penalized):
     with self._lock, _or_stop():
-      self._send(["decode", _feed_json(feed), int(steps)])
-      return super().decode(feed, steps)
+      self._send(["start", int(slot), int(token), bool(penalized)])
+      super().start(slot, token, penalized)
+
+  def decode(self, feed, steps=1, logprobs=False):
+    with self._lock, _or_stop():
+      self._send(["decode", _feed_json(feed), int(steps), bool(logprobs)])
+      return super().decode(feed, steps, logprobs)
 
   def close(self) -> None:
     """Tells the followers to return (once)."""
@@ -181,8 +187,10 @@ def _follow_one(session: BatchSession, channel: Channel) -> bool:
     session.finish(*args)
   elif op == "move":
     session.move(*args)
+  elif op == "start":
+    session.start(*args)
   elif op == "decode":
-    session.decode(_feed_of(args[0]), args[1])
+    session.decode(_feed_of(args[0]), *args[1:])
   elif op not in ("tick", "stop"):
     raise ValueError(f"process 0 sent an unknown call {op!r}")
   return op == "stop"
