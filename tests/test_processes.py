@@ -141,12 +141,14 @@ def _api_tokens(path: str, mesh: str | None, offload: float, n: int, devices: in
   if n == 1:
     (status, out, err), = finish(start([script + ["", "1", "0"]], devices))
     assert status == 0, err
-    return json.loads(out)
+    return json.loads(out.splitlines()[-1])
   port = free_port()
   res = finish(start([script + [f"127.0.0.1:{port}", str(n), str(i)] for i in range(n)],
                      devices))
   assert all(s == 0 for s, _, _ in res), "\n".join(e[-2000:] for _, _, e in res)
-  return json.loads(res[0][1])
+  # the last line: gloo's own "[Gloo] Rank 0 is connected ..." may come first (the user's
+  # program, not the CLI, owns this stdout)
+  return json.loads(res[0][1].splitlines()[-1])
 
 
 @needs_ffi
