@@ -41,10 +41,11 @@ SAMPLES = 16  # pieces of the model file hashed besides its header
 SAMPLE_BYTES = 1 << 16
 HEADER_BYTES = 1 << 22
 EXIT_PEER = 1  # status of a process stopped because another one failed
-_ME = [0]  # this process's id, for the failure callback (which runs on a thread of the client)
+_ME = [0]  # this process's id, for the failure line (which may come from another thread)
 
 
 def split_address(coordinator: str) -> tuple[str, int]:
+  """(host, port) of --coordinator HOST:PORT ([::1]:PORT for IPv6); JaxvtError otherwise."""
   host, _, port = (coordinator or "").rpartition(":")
   if not host or not port.isdigit() or not 0 < int(port) < 65536:
     raise JaxvtError(f"--coordinator {escape(coordinator, 80)!s} must be HOST:PORT of process 0 "
@@ -103,7 +104,9 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout: i
   """JAX's distributed runtime over `num_processes` processes with bounded waits and a one-line
   failure (module docstring). Starts the service in process 0; JaxvtError where connecting
   fails."""
-  from jax._src import distributed as dist  # the client's failure callback is not public
+  # jax.distributed.initialize binds every interface, waits 300 s and installs the preemption
+  # handler on SIGTERM; its State, service and client are driven here with our own settings
+  from jax._src import distributed as dist
   from jax._src.lib import _jax
   if not 0 <= process_id < num_processes:
     raise JaxvtError(f"--process-id {process_id} must be in 0..{num_processes - 1} "
