@@ -218,7 +218,7 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
     r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
     r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
     r.tokens, r.gen_tokens = list(g.tokens), len(g.tokens)
-    devs = [d for d in eng.ex.par.devices if d.process_index == jax.process_index()]
+    devs = [d for d in eng.ex.par.devices if d in jax.local_devices()]
     r.peak_gib = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / GiB
     r.ok = True
   except _Repeat as e:
@@ -258,7 +258,7 @@ def child(args) -> None:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                local_device_ids=list(range(args.process_id * per,
                                                            (args.process_id + 1) * per)))
-  lead = jax.process_index() == 0
+  lead = args.process_id == 0
   lock = gpu_lock() if lead and jax.devices()[0].platform != "cpu" else contextlib.nullcontext()
   with lock:
     r = measure(args, mesh, budget, json.loads(args.known))
