@@ -4,7 +4,9 @@ The offload sweep's model (benchmarks.offload.MODEL: Qwen3.6-35B-A3B's
 architecture and tensor layout, valid random Q4_K_M-like weights, ~19 GiB, written by
 jaxvt.synth when missing) is placed by `jaxvt.load(model, mesh=M, offload_gb=B, force=True)`
 for every mesh M of `--meshes` ("1": one device, no mesh; "tp=2": both GPUs of a 2-GPU host; a
-mesh of two axes is written with "+": "tp=2+ep=2") and every per-device budget B of `--budgets`
+mesh of two axes is written with "+": "tp=2+ep=2"; "/Np" runs the mesh over N processes, each
+with its share of the devices, joined by `jax.distributed.initialize` over a loopback
+coordinator: "tp=2/2p" is one GPU a process, as over two hosts) and every per-device budget B of `--budgets`
 (GiB, "auto": the planner's pick, "all": every offloadable weight, i.e. a budget above what the
 plan can move, `Plan.max_useful_budget`). Each point is measured as an offload sweep point is: a
 warm-up generate (compiles) then a timed one, a `--prompt`-token random prompt (prefill tok/s)
@@ -33,6 +35,8 @@ import gc
 import hashlib
 import json
 import os
+import re
+import socket
 import sys
 import time
 
@@ -64,7 +68,12 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--time-limit", type=int, default=480)
   ap.add_argument("--out", default="docs/BENCHMARKS.md",
                   help="the file whose mesh section to write")
+  ap.add_argument("--section", default="mesh",
+                  help="the section's name (e.g. mesh-cpu: another machine's table beside it)")
   ap.add_argument("--known", default="{}", help=argparse.SUPPRESS)
+  ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)  # a /Np point's child
+  ap.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
+  ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   return ap
 
 
@@ -97,13 +106,21 @@ class _Repeat(Exception):
 # ---- the points -------------------------------------------------------------------------------
 
 def parse_meshes(text: str) -> list[str]:
-  """'1,tp=2,tp=2+ep=2' -> ['1', 'tp=2', 'tp=2,ep=2'] (each as jaxvt.parallel.mesh names it)."""
+  """'1,tp=2,tp=2+ep=2,tp=2/2p' -> ['1', 'tp=2', 'tp=2,ep=2', 'tp=2/2p'] (each mesh as
+  jaxvt.parallel.mesh names it; /Np: over N processes, N dividing the mesh's devices)."""
   out = []
   for item in text.split(","):
     if not item.strip():
       continue
+    item, _, procs = item.strip().partition("/")
     spec = mesh_mod.parse(item.replace("+", " "))
     label = str(spec) if spec else "1"
+    if procs:
+      n = int(procs[:-1]) if procs[:-1].isdigit() and procs.endswith("p") else 0
+      if n < 2 or spec is None or spec.size % n:
+        raise JaxvtError(f"--meshes {text!r}: '/{procs}' must be /Np with N >= 2 processes "
+                         f"dividing the mesh's devices; write e.g. tp=2/2p")
+      label += f"/{n}p"
     if label not in out:
       out.append(label)
   if not out:
@@ -143,7 +160,18 @@ def points(args) -> list[tuple[str, str]]:
 
 
 def mesh_size(label: str) -> int:
-  return 1 if label == "1" else mesh_mod.parse(label).size
+  return 1 if label == "1" else mesh_mod.parse(mesh_arg(label)).size
+
+
+def mesh_arg(label: str) -> str:
+  """The --mesh of a label ('tp=2/2p' -> 'tp=2')."""
+  return label.partition("/")[0]
+
+
+def processes(label: str) -> int:
+  """How many processes a label's point runs over ('tp=2/2p' -> 2)."""
+  _, _, procs = label.partition("/")
+  return int(procs[:-1]) if procs else 1
 
 
 def budget_gib(label: str) -> float | str:
@@ -175,7 +203,7 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
   try:
     eng = jaxvt.load(args.model, max_context=args.prompt + args.gen + 8,
                      offload_gb=budget_gib(budget), device_gb=args.device_gb, force=True,
-                     mesh=None if mesh == "1" else mesh, on_plan=on_plan)
+                     mesh=None if mesh == "1" else mesh_arg(mesh), on_plan=on_plan)
     arms.no_stops(eng)  # timed runs generate exactly their token counts
     r.load_s = time.perf_counter() - t0
     r.safe = eng.memory.headroom >= eng.memory.slack  # after XLA's own analysis (one device)
@@ -190,7 +218,7 @@ def measure(args, mesh: str, budget: str, known: dict) -> Point:
     r.compile_s, r.measure_s = t2 - t1, time.perf_counter() - t2
     r.prefill_tok_s, r.decode_tok_s = g.stats.prefill_tok_s, g.stats.decode_tok_s
     r.tokens, r.gen_tokens = list(g.tokens), len(g.tokens)
-    devs = eng.ex.par.devices
+    devs = [d for d in eng.ex.par.devices if d in jax.local_devices()]
     r.peak_gib = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / GiB
     r.ok = True
   except _Repeat as e:
@@ -214,7 +242,7 @@ def child(args) -> None:
     try:
       for m in dict.fromkeys(m for m, _ in pts):
         if m != "1":
-          mesh_mod.build(mesh_mod.parse(m))
+          mesh_mod.build(mesh_mod.parse(mesh_arg(m)))
     except JaxvtError as e:
       print(f"ERROR {e}", flush=True)
       return
@@ -225,9 +253,17 @@ def child(args) -> None:
     print("META " + json.dumps(meta), flush=True)
     return
   mesh, budget = pts[args.child]
-  lock = gpu_lock() if jax.devices()[0].platform != "cpu" else contextlib.nullcontext()
+  if args.coordinator:  # one process of a /Np point: its share of the devices
+    per = mesh_size(mesh) // args.num_processes
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               local_device_ids=list(range(args.process_id * per,
+                                                           (args.process_id + 1) * per)))
+  lead = args.process_id == 0
+  lock = gpu_lock() if lead and jax.devices()[0].platform != "cpu" else contextlib.nullcontext()
   with lock:
-    print_row(measure(args, mesh, budget, json.loads(args.known)))
+    r = measure(args, mesh, budget, json.loads(args.known))
+  if lead:
+    print_row(r)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -237,6 +273,33 @@ def _child_cmd(args, i: int, known: dict) -> list[str]:
          "--meshes", args.meshes, "--budgets", args.budgets, "--prompt", str(args.prompt),
          "--gen", str(args.gen), "--known", json.dumps(known)]
   return cmd + (["--device-gb", str(args.device_gb)] if args.device_gb is not None else [])
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run_point(args, i: int, mesh: str, known: dict, env: dict, err, log,
+               deadline: float) -> Child:
+  """Point i's child, or (a /Np mesh) its N children joined over a loopback coordinator, each
+  with its share of the devices (CPU: XLA's fake-device count; GPU: local_device_ids); the
+  child of process 0 is returned (the others print no row)."""
+  n = processes(mesh)
+  if n == 1:
+    return Child(_child_cmd(args, i, known), env, err(i), log, row=Point).wait(deadline)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+",
+                 f"--xla_force_host_platform_device_count={mesh_size(mesh) // n}",
+                 os.environ.get("XLA_FLAGS", ""))
+  co = f"127.0.0.1:{_free_port()}"
+  kids = [Child(_child_cmd(args, i, known) + ["--coordinator", co, "--num-processes", str(n),
+                                              "--process-id", str(k)],
+                {**env, "XLA_FLAGS": flags}, err(f"{i}.{k}") if k else err(i),
+                log if k == 0 else (lambda line: None), row=Point) for k in range(n)]
+  for c in kids:
+    c.wait(deadline)
+  return kids[0]
 
 
 def _failed(c: Child, mesh: str, budget: str) -> Point:
@@ -260,7 +323,7 @@ def main(args) -> str:
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = pool_fraction(args.device_gb)
   deadline = t_start + args.time_limit - 10
   out_dir = os.environ.get("OUT", "/tmp")
-  err = lambda i: os.path.join(out_dir, f"mesh_{i if i >= 0 else 'devices'}.err")
+  err = lambda i: os.path.join(out_dir, f"mesh_{'devices' if i == -1 else i}.err")
   c = Child(_child_cmd(args, -1, {}), env, err(-1), log).wait(deadline)  # before the model
   if "error" in c.info:
     raise JaxvtError(c.info["error"])
@@ -279,7 +342,7 @@ def main(args) -> str:
     known = {r.placement: r.budget for r in rows
              if r.mesh == mesh and r.ok and r.placement and not r.same_as}
     t = time.perf_counter()
-    c = Child(_child_cmd(args, i, known), env, err(i), log, row=Point).wait(deadline)
+    c = _run_point(args, i, mesh, known, env, err, log, deadline)
     r = c.runs[0] if c.runs else _failed(c, mesh, budget)
     if r.same_as:
       src = next(o for o in rows if o.mesh == mesh and o.budget == r.same_as)
@@ -291,7 +354,7 @@ def main(args) -> str:
         f"measure {r.measure_s:.1f} s, total {time.perf_counter() - t:.1f} s")
     rows.append(r)
   body = render(rows, meta, args, report.stamp(), time.time() - t_start, skipped)
-  report.write_section("mesh", body, args.out)
+  report.write_section(args.section, body, args.out)
   with open(os.path.join(out_dir, "mesh_runs.json"), "w") as f:
     json.dump(dict(meta=meta, skipped=skipped, rows=[dataclasses.asdict(r) for r in rows]), f,
               indent=1)
@@ -338,6 +401,8 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
          f"--prompt {args.prompt} --gen {args.gen} --time-limit {args.time_limit}")
   cmd += f" --device-gb {args.device_gb:g}" if args.device_gb is not None else ""
   cmd += "" if default else f" --model {args.model}"
+  section = getattr(args, "section", "mesh")
+  cmd += "" if section == "mesh" else f" --section {section}"
   card = (f"an emulated {args.device_gb:g} GiB card per device (XLA's pool capped, the planner "
           f"told --device-gb {args.device_gb:g})" if args.device_gb is not None else
           "each device's whole memory")
@@ -352,7 +417,9 @@ def render(rows: list[Point], meta: dict, args, date: str, total_s: float,
            "the host tier / in its memory. vs 1 device: the mesh row's tok/s over the "
            "one-device row's at the same budget label; tokens: whether its greedy tokens are "
            "the one-device row's. Times: load (open, plan, place) / compile + warm-up / timed "
-           "generate, seconds, each point in a fresh process. peak: the largest device's peak.\n",
+           "generate, seconds, each point in a fresh process. peak: the largest device's peak "
+           "(of process 0's, for a mesh over N processes, written /Np: each process has its "
+           "share of the devices, joined by jax.distributed over a loopback coordinator).\n",
            "| mesh | devices | budget | host GiB/dev | device GiB/dev | prefill tok/s | "
            "decode tok/s | prefill vs 1 device | decode vs 1 device | tokens | "
            "load/compile/measure s | peak GiB | note |",

@@ -47,6 +47,9 @@ def define_model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("num_processes", 1, "Several hosts: how many processes (one per host).",
                        flag_values=fv)
   flags.DEFINE_integer("process_id", 0, "Several hosts: this process's index.", flag_values=fv)
+  flags.DEFINE_integer("join_timeout", 120, "Several hosts: seconds to wait for every process to "
+                       "join the coordinator (and to say what it runs) before giving up.",
+                       flag_values=fv)
   flags.DEFINE_string("expert_cache_gb", "auto", "GiB of device memory that keeps the routed "
                       "experts recent tokens used from the host tier, so decode reads them from "
                       "the device; 'auto' takes what the plan leaves free, 0 turns it off.",
@@ -99,6 +102,10 @@ def validate_model_flags(F) -> float | str:
   if F.coordinator is None and (F.num_processes != 1 or F.process_id != 0):
     raise JaxvtError("--num-processes / --process-id need --coordinator HOST:PORT")
   inputs.processes(F.num_processes, F.process_id, cli=True)
+  inputs.whole("--join-timeout", F.join_timeout, 1, 86400)
+  if F.coordinator is not None:
+    from jaxvt.parallel.processes import split_address
+    split_address(F.coordinator)
   inputs.expert_cache_gb(F.expert_cache_gb, cli=True)
   return offload
 
@@ -107,6 +114,27 @@ def max_context(F) -> int | None:
   """--max-context where the user gave it; None leaves the default to the model
   (inputs.context_for)."""
   return F.max_context if F["max_context"].present else None
+
+
+def join_processes(F, module: str, model_path: str | None, program_flags: dict) -> int | None:
+  """With --coordinator: this process joins the run over several processes
+  (jaxvt.parallel.processes.start), checking that every process has the same model file and
+  `program_flags` (the flags that shape the device programs, besides define_model_flags').
+  Unguarded, it instead runs `python -m module` (this command) as its guarded child
+  (jaxvt.parallel.guard) and returns the status to exit with."""
+  if F.coordinator is None:
+    return None
+  from jaxvt.parallel import guard
+  if not guard.guarded():
+    return guard.supervise(module, sys.argv, F.process_id, F.coordinator, F.join_timeout)
+  from jaxvt.parallel import processes
+  shared = {k: F[k].value for k in ("max_context", "offload_gb", "offload_pattern", "device_gb",
+                                    "mesh", "expert_cache_gb", "expert_cache_policy", "force",
+                                    "deterministic", "model")}
+  shared["model"] = os.path.basename(shared["model"] or "")
+  processes.start(F.coordinator, F.num_processes, F.process_id, timeout=F.join_timeout,
+                  verbose=F.verbose, model_path=model_path, flags={**shared, **program_flags})
+  return None
 
 
 def load_options(F) -> dict:

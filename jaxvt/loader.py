@@ -413,11 +413,17 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
   fmts = np.array([t.type_id for t in tensors], np.int32)
   table = np.zeros((S, len(tensors)), np.uint64)
   host_pos, dev_pos, sizes = [], [], []
+  sh = NamedSharding(par.mesh, sharding.qweight_spec(r))
+  lead = 1 if S > 1 else 0  # a sharded weight's leading shard axis
+  # the shards this process's devices hold: over several processes each keeps only its own in
+  # its host tier (the table entries of the others' shards stay 0 here and are never read)
+  mine = ({(i[0].start or 0) for i in sh.addressable_devices_indices_map((S, 1, 1)).values()}
+          if lead else {0})
   for i, (l, t) in enumerate(zip(layers_of(d), tensors)):
     sizes.append(quants.row_bytes(t.type_id, lshape[-1]) * int(np.prod(lshape[:-1])))
     if where(d.name, l) == "host":
       need_host_tier(host)
-      for s in range(S):
+      for s in sorted(mine):
         buf = host.copy(t.name if S == 1 else f"{t.name}#{s}", sizes[i],
                         lambda a, t=t, s=s: fill(a, t, s))
         table[s, i] = buf.device_address
@@ -427,8 +433,6 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
       dev_pos.append(i)
   stride = max((sizes[i] for i in dev_pos), default=1)
   table[:, dev_pos] = np.arange(len(dev_pos), dtype=np.uint64)
-  sh = NamedSharding(par.mesh, sharding.qweight_spec(r))
-  lead = 1 if S > 1 else 0  # a sharded weight's leading shard axis
   gshape = (S,) * lead + ((len(dev_pos), stride) if dev_pos else (1, 1))
   arrays = []
   for device, index in sh.addressable_devices_indices_map(gshape).items():
@@ -442,8 +446,14 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
                host_layers=tuple(host_pos))
   tab = split_u64(table.reshape(-1)).reshape(S, len(tensors), 2)
   fm = np.broadcast_to(fmts, (S, len(tensors))).copy()
-  return QWeight(data, jax.device_put(tab if lead else tab[0], sh),
-                 jax.device_put(fm if lead else fm[0], sh), meta)
+  return QWeight(data, _local_put(tab if lead else tab[0], sh),
+                 _local_put(fm if lead else fm[0], sh), meta)
+
+
+def _local_put(a: np.ndarray, sh: NamedSharding) -> jax.Array:
+  """`a` over `sh`, each device's part from this process's `a`: a table of host-tier addresses
+  is each process's own (device_put would insist every process passes the same array)."""
+  return jax.make_array_from_callback(a.shape, sh, lambda index: a[index])
 
 
 def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, par: Par | None = None,

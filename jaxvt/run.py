@@ -64,6 +64,9 @@ def _validate(F, prompt: str | None) -> float | str:
   inputs.sampling(F.temperature, F.top_k, F.top_p, cli=True)
   inputs.seed(F.seed, cli=True)
   offload = cli.validate_model_flags(F)
+  if F.interactive and F.coordinator is not None:
+    raise JaxvtError("--interactive runs in one process; leave out --coordinator (or serve the "
+                     "model over several processes: python -m jaxvt.serve)")
   if prompt is not None:
     inputs.text(prompt, "the prompt" if F.prompt is None else "--prompt")
   return offload
@@ -322,9 +325,12 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
     if not (F.plan and path.lower() in PRESETS and not os.path.exists(path)):
       prompt, tokenizer, nbytes = _preflight(path, prompt, False if F.interactive else F.chat,
                                                 F.plan)
-    if F.coordinator is not None and not F.plan:
-      from jaxvt.parallel import mesh
-      mesh.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
+    if not F.plan:  # several processes: join them (jaxvt.parallel.processes)
+      status = cli.join_processes(F, "jaxvt.run", path, dict(
+          prompt=prompt, max_tokens=F.max_tokens, seed=F.seed,
+          sampling=[F.temperature, F.top_k, F.top_p]))
+      if status is not None:  # this process guarded the one that ran
+        return status
     from jaxvt import engine as engine_mod
     from jaxvt.sampling import SamplingParams
     if F.plan:
@@ -341,6 +347,9 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
 
     def show_plan(placed):
       _print_escaped(placed.report(), file=sys.stderr)
+      if F.coordinator is not None:
+        from jaxvt.parallel import processes
+        print(processes.describe(placed.devices), file=sys.stderr)
 
     from jaxvt import programs
     counter = programs.compile_counter()
@@ -383,6 +392,9 @@ def _run(F, prompt: str | None, interrupts: _Interrupts) -> int:
             file=sys.stderr)
   except Exception as e:  # pylint: disable=broad-except  (re-raised unless it is the user's)
     error = e if isinstance(e, JaxvtError) else out_of_memory(e)
+    if error is None and F.coordinator is not None:  # a collective failed: another process
+      from jaxvt.parallel import processes  # died (one line, exit status 1)
+      processes.peer_failure(e)
     if error is None:
       raise
     if bar:

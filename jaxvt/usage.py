@@ -42,7 +42,7 @@ GROUPS = (
     ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
                              "device_gb", "expert_cache_gb", "expert_cache_policy", "force",
                              "plan", "mesh", "coordinator",
-                             "num_processes", "process_id")),
+                             "num_processes", "process_id", "join_timeout")),
     ("generation", ("prompt", "chat", "interactive", "max_tokens")),
     ("sampling", ("temperature", "top_k", "top_p", "seed")),
     ("runtime", ("numerics", "deterministic", "compile_cache", "verbose", "help", "helpfull",
@@ -60,6 +60,7 @@ METAVARS = {"model": "PATH", "prompt": "TEXT", "max_tokens": "N", "temperature":
             "top_k": "K", "top_p": "P", "seed": "S", "max_context": "N", "offload_gb": "N|auto",
             "offload_pattern": "REGEX[=host|device]", "device_gb": "N", "mesh": "tp=N|ep=N|tp=N,ep=M",
             "coordinator": "HOST:PORT", "num_processes": "N", "process_id": "I",
+            "join_timeout": "S",
             "expert_cache_gb": "N|auto", "expert_cache_policy": "lru|lfru",
             # jaxvt.serve's
             "host": "ADDRESS", "port": "PORT", "api_key": "KEY", "max_batch": "N",

@@ -64,6 +64,13 @@ SLOW = (
     "tests/test_parallel.py::test_offload_budget_is_per_device",
     "tests/test_parallel.py::test_sharded_equals_unsharded",
     "tests/test_prefill.py::test_gpu_rules_in_the_model_on_cpu_kernels",
+    "tests/test_processes.py::test_a_process_gone_stops_the_other_with_one_line",
+    "tests/test_processes.py::test_another_model_file_in_one_process_is_one_line_in_each",
+    "tests/test_processes.py::test_api_over_two_processes_is_one_process",
+    "tests/test_processes.py::test_cli_meshes_over_two_processes",
+    "tests/test_processes.py::test_mesh_larger_than_the_devices_is_one_line_in_each",
+    "tests/test_processes.py::test_mismatched_num_processes_is_one_line_in_each",
+    "tests/test_processes.py::test_other_flags_in_one_process_are_one_line_in_each",
     "tests/test_qwen_offload.py::test_greedy_identical_with_experts_in_host_tier[qwen35moe]",
     "tests/test_qwen_offload.py::test_jax_pinned_host_arm_same_tokens[qwen35moe]",
     "tests/test_qwen_transformers.py::test_decoder_matches_transformers_recording[qwen35moe-ref]",
@@ -73,6 +80,8 @@ SLOW = (
     "tests/test_serve_http.py::test_full_queue_gets_429_and_sigterm_drains_in_flight",
     "tests/test_serve_http.py::test_hybrid_second_turn_reuses_the_first",
     "tests/test_serve_http.py::test_stop_strings_cut_streamed_and_not",
+    "tests/test_serve_mesh.py::test_one_process_two_devices",
+    "tests/test_serve_mesh.py::test_two_processes",
 )
 
 

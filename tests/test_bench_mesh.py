@@ -1,5 +1,6 @@
-"""python -m benchmarks.mesh on the CPU: a small qwen35moe file on one device and at tp=2 over
-two fake CPU devices, with nothing and with everything offloadable in the host tier.
+"""python -m benchmarks.mesh on the CPU: a small qwen35moe file on one device, at tp=2 over two
+fake CPU devices of one process and at tp=2 over two processes of one device each (tp=2/2p),
+with nothing and with everything offloadable in the host tier.
 
 The bench runs as a subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=2 must be set
 before JAX starts; its points run in children of their own, which inherit it) and writes its
@@ -26,7 +27,8 @@ from test_parallel import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_ffi = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
-POINTS = {("1", "0"), ("tp=2", "0"), ("1", "all"), ("tp=2", "all")}
+MESHES = ("tp=2", "tp=2/2p")
+POINTS = {("1", "0"), ("1", "all")} | {(m, b) for m in MESHES for b in ("0", "all")}
 
 
 def _model(directory) -> str:
@@ -43,15 +45,15 @@ def _bench(directory, model: str, *args: str, devices: int = 2) -> subprocess.Co
              "--xla_backend_optimization_level=0")
   cmd = [sys.executable, "-m", "benchmarks.mesh", "--model", model, "--prompt", "8",
          "--gen", "4", "--out", os.path.join(directory, "BENCHMARKS.md"), *args]
-  return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
+  return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=520)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """(stdout, the written section's text, mesh_runs.json) of one bench run: 4 points."""
+  """(stdout, the written section's text, mesh_runs.json) of one bench run: 6 points."""
   d = tmp_path_factory.mktemp("mesh")
-  p = _bench(str(d), _model(str(d)), "--meshes", "1,tp=2", "--budgets", "0,all",
-             "--time-limit", "300")
+  p = _bench(str(d), _model(str(d)), "--meshes", "1,tp=2,tp=2/2p", "--budgets", "0,all",
+             "--time-limit", "450")
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
   with open(d / "mesh_runs.json") as f:
     runs = json.load(f)
@@ -62,9 +64,10 @@ def run(tmp_path_factory):
 def test_every_point_in_the_table_with_positive_rates(run):
   out, md, runs = run
   assert "<!-- bench:mesh -->" in md and "<!-- /bench:mesh -->" in md
-  assert "Devices: 2 x cpu (cpu)" in md and "--meshes 1,tp=2 --budgets 0,all" in md
-  table = [l.split("|")[1:-1] for l in md.splitlines() if l.startswith(("| 1 |", "| tp=2 |"))]
-  assert {(c[0].strip(), c[2].strip()) for c in table} == POINTS and len(table) == 4
+  assert "Devices: 2 x cpu (cpu)" in md and "--meshes 1,tp=2,tp=2/2p --budgets 0,all" in md
+  table = [l.split("|")[1:-1] for l in md.splitlines()
+           if l.startswith(("| 1 |", "| tp=2 |", "| tp=2/2p |"))]
+  assert {(c[0].strip(), c[2].strip()) for c in table} == POINTS and len(table) == 6
   for c in table:
     assert float(c[5]) > 0 and float(c[6]) > 0, c  # prefill, decode tok/s
   rows = {(r["mesh"], r["budget"]): r for r in runs["rows"]}
@@ -72,11 +75,12 @@ def test_every_point_in_the_table_with_positive_rates(run):
   for key, r in rows.items():
     assert r["ok"] and not r["note"] and not r["same_as"], r
     assert r["gen_tokens"] == 4 and r["load_s"] > 0 and r["compile_s"] > 0, r
-    assert r["devices"] == (2 if key[0] == "tp=2" else 1)
+    assert r["devices"] == (2 if key[0] in MESHES else 1)
   # budgets are per device: nothing offloaded at 0; at "all" each tp=2 device holds less
   assert rows[("1", "0")]["host_gib"] == rows[("tp=2", "0")]["host_gib"] == 0
-  one, tp = rows[("1", "all")], rows[("tp=2", "all")]
+  one, tp, two = rows[("1", "all")], rows[("tp=2", "all")], rows[("tp=2/2p", "all")]
   assert 0 < tp["host_gib"] < one["host_gib"] and tp["device_gib"] < one["device_gib"]
+  assert two["host_gib"] == tp["host_gib"]  # each process's device plans as one of a mesh
   assert "POINT tp=2 all: load" in out
 
 
@@ -85,10 +89,11 @@ def test_tp2_greedy_tokens_are_the_one_device_tokens(run):
   _, md, runs = run
   rows = {(r["mesh"], r["budget"]): r for r in runs["rows"]}
   for budget in ("0", "all"):
-    one, tp = rows[("1", budget)]["tokens"], rows[("tp=2", budget)]["tokens"]
-    assert len(one) == 4 and tp == one, (budget, one, tp)
-  tp_rows = [l for l in md.splitlines() if l.startswith("| tp=2 |")]
-  assert all("| same |" in l and "x |" in l for l in tp_rows), tp_rows
+    one = rows[("1", budget)]["tokens"]
+    for m in MESHES:
+      assert len(one) == 4 and rows[(m, budget)]["tokens"] == one, (m, budget, one)
+  tp_rows = [l for l in md.splitlines() if l.startswith(("| tp=2 |", "| tp=2/2p |"))]
+  assert len(tp_rows) == 4 and all("| same |" in l and "x |" in l for l in tp_rows), tp_rows
 
 
 @needs_ffi
@@ -116,7 +121,13 @@ def test_bad_arguments_are_one_line(args, msg, capsys):
 
 
 def test_parse_meshes_and_budgets():
-  assert mesh.parse_meshes("1, tp=2,tp=2+ep=2,tp=2") == ["1", "tp=2", "tp=2,ep=2"]
+  assert mesh.parse_meshes("1, tp=2,tp=2+ep=2,tp=2,tp=2+ep=2/2p") == [
+      "1", "tp=2", "tp=2,ep=2", "tp=2,ep=2/2p"]
+  assert mesh.processes("tp=2,ep=2/2p") == 2 and mesh.mesh_arg("tp=2/2p") == "tp=2"
+  assert mesh.mesh_size("tp=2,ep=2/2p") == 4 and mesh.processes("tp=2") == 1
+  for bad in ("tp=2/3p", "tp=2/1p", "1/2p", "tp=2/two"):
+    with pytest.raises(JaxvtError, match="must be /Np"):
+      mesh.parse_meshes(bad)
   assert mesh.parse_budgets("0,auto,all,2.5,0") == ["0", "auto", "all", "2.5"]
   assert [mesh.budget_gib(b) for b in ("0", "auto", "all")] == [0.0, "auto", mesh.ALL_GIB]
   args = types.SimpleNamespace(meshes="1,tp=2", budgets="0,all", prompt=8, gen=4, device_gb=None)

@@ -37,7 +37,8 @@ def test_help_lists_the_server_and_placement_flags():
     (["--send-timeout", "0"], "--send-timeout must be at least 0.1"),
     (["--header-timeout", "nan"], "--header-timeout"),
     (["--limit-concurrency", "0"], "--limit-concurrency must be between 1 and"),
-    (["--mesh", "tp=2"], "one device"),
+    (["--mesh", "tp=2,tp=4"], "names 'tp' twice"),
+    (["--coordinator", "nohost"], "must be HOST:PORT"),
     (["--model", "/nonexistent/model.gguf"], "not found"),
     (["extra"], "takes no arguments")])
 def test_a_mistake_is_one_line_and_status_2(args, says):

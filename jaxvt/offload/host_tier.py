@@ -176,6 +176,8 @@ class HostTier:
     for w in weights.values():
       if not isinstance(w, QWeight) or not w.meta.any_host:
         continue
+      if len(w.table.sharding.device_set) != 1:  # prefetch runs on one device only (this
+        continue  # also skips a table over several processes' devices)
       try:
         ptr = w.table.unsafe_buffer_pointer()
       except Exception:  # an array over several devices: prefetch runs on one device only

@@ -10,9 +10,9 @@ of `jax.devices()`:
       the mesh holds its own 1/(ep*tp) of each layer's experts.
 
 So `tp=4` shards everything four ways (experts included), `ep=4` shards only the experts and
-replicates the rest, and `ep=2,tp=2` is in between. Several hosts: `initialize_distributed` runs
-`jax.distributed.initialize` (only when the user passes a coordinator), after which
-`jax.devices()` lists every host's devices and each process loads the shards of its own.
+replicates the rest, and `ep=2,tp=2` is in between. Several processes (jaxvt.parallel.processes
+joins them): `jax.devices()` lists every process's devices, the mesh takes them in that order
+(process 0's first), and each process places the shards of its own devices.
 """
 
 from __future__ import annotations
@@ -87,14 +87,3 @@ def layout(cfg: ModelConfig, spec: MeshSpec | None = None, device=None) -> Par:
   sharding.check(cfg, spec)
   return Par(build(spec), head_sharded=sharding.head_sharded(cfg, spec))
 
-
-def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
-  """`jax.distributed.initialize` for a run over several hosts (before anything touches JAX's
-  backends). Every process runs the same command with its own `process_id`."""
-  if not re.fullmatch(r"[^:\s]+:\d+", coordinator or ""):
-    raise JaxvtError(f"--coordinator {coordinator!r} must be HOST:PORT of process 0")
-  if num_processes < 1 or not 0 <= process_id < num_processes:
-    raise JaxvtError(f"--process-id {process_id} must be in 0..{num_processes - 1} "
-                     f"(--num-processes {num_processes})")
-  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                             process_id=process_id)

@@ -3,11 +3,16 @@
 It takes jaxvt.run's model and placement flags (jaxvt.cli), checks them before JAX starts, and
 answers a mistake with one line on stderr and exit status 2. SIGTERM or Ctrl-C stops accepting
 connections, lets the requests in flight finish (at most --drain-seconds), frees the host tier
-and exits 0."""
+and exits 0.
+
+With --mesh it serves a model sharded over several devices; with --coordinator over several
+processes, where process 0 owns HTTP and the scheduler and the others run the same device
+programs (jaxvt.parallel.follow)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -36,7 +41,8 @@ EXAMPLES = (
 GROUPS = (
     ("model and placement", ("model", "max_context", "offload_gb", "offload_pattern",
                              "device_gb", "expert_cache_gb", "expert_cache_policy", "force",
-                             "mesh", "coordinator", "num_processes", "process_id")),
+                             "mesh", "coordinator", "num_processes", "process_id",
+                             "join_timeout")),
     ("server", ("host", "port", "api_key", "max_batch", "max_queue", "prefix_cache_gb",
                 "drain_seconds")),
     ("connections", ("header_timeout", "timeout_keep_alive", "send_timeout",
@@ -125,14 +131,15 @@ def _validate(F) -> None:
     inputs.whole("--limit-concurrency", F.limit_concurrency, 1, 1 << 20)
   if F.api_key is not None and not F.api_key:
     raise JaxvtError("--api-key is empty; pass a key, or leave the flag out")
-  if F.mesh is not None:
-    raise JaxvtError("the server runs on one device; leave out --mesh (python -m jaxvt.run "
-                     "takes it)")
 
 
 def _serve(F) -> int:
+  from jaxvt.parallel import guard
   from jaxvt.serve import listen
-  sockets = listen.bind(F.host, F.port)  # a busy port is refused before the model loads
+  # Only process 0 owns HTTP (over several processes, its guarded child, which serves while its
+  # parent supervises); a busy port is refused before the model loads.
+  http = F.process_id == 0 and (F.coordinator is None or guard.guarded())
+  sockets = listen.bind(F.host, F.port) if http else []
   try:
     return _serve_on(F, sockets)
   finally:
@@ -145,10 +152,11 @@ def _serve_on(F, sockets) -> int:
 
   from jaxvt import engine as engine_mod
   from jaxvt.offload import expert_cache
-  from jaxvt.offload.memory import serve_memory
+  from jaxvt.offload.memory import ServeMemory, serve_memory
   from jaxvt.prefix import PrefixCache, sequence_bytes
   from jaxvt.serve import listen
   from jaxvt.serve.app import build
+  from jaxvt.serve.batch import BatchSession
   from jaxvt.serve.limits import uvicorn_options
   from jaxvt.serve.loop import EngineLoop
 
@@ -169,21 +177,41 @@ def _serve_on(F, sockets) -> int:
   if F.host not in LOOPBACK and F.api_key is None:
     print(f"jaxvt: warning: listening on {escape(F.host, 80)} with no authentication: anyone "
           "who can reach this port can use the model; pass --api-key KEY", file=sys.stderr)
+  from jaxvt.gguf.default_model import default_model_path
+  status = cli.join_processes(F, "jaxvt.serve", F.model or default_model_path(),
+                              dict(max_batch=F.max_batch, prefix_cache_gb=F.prefix_cache_gb))
+  if status is not None:  # this process guarded the one that served
+    return status
+  several = F.coordinator is not None
   opts = cli.load_options(F)
   cache_gb, policy = opts.pop("expert_cache_gb"), opts.pop("expert_cache_policy")
   # the expert cache takes what the batch and the prefix cache leave, so it comes after them
-  eng = engine_mod.load(F.model, on_plan=lambda p: print(p.report(), file=sys.stderr),
-                        expert_cache_gb=0, **opts)
+  def show_plan(placed):
+    print(placed.report(), file=sys.stderr)
+    if several:
+      from jaxvt.parallel import processes
+      print(processes.describe(placed.devices), file=sys.stderr)
+
+  eng = engine_mod.load(F.model, on_plan=show_plan, expert_cache_gb=0, **opts)
   try:
-    mem = serve_memory(eng.plan.breakdown, sequence_bytes(eng), F.max_batch,
-                       None if F.prefix_cache_gb is None else int(F.prefix_cache_gb * GiB))
+    mem = None
+    if F.process_id == 0:
+      mem = serve_memory(eng.plan.breakdown, sequence_bytes(eng), F.max_batch,
+                         None if F.prefix_cache_gb is None else int(F.prefix_cache_gb * GiB))
+    if several:  # process 0's figures in every process (each measured its own free memory)
+      from jaxvt.parallel import follow
+      mem = ServeMemory(**follow.share(None if mem is None else dataclasses.asdict(mem)))
     placed = eng.plan.with_expert_cache(cache_gb, policy, F.force, free=mem.left)
     if placed.expert_cache is not None:
       eng.weights = expert_cache.attach(eng.weights, placed.expert_cache, eng.ex.par)
       eng.memory = placed.breakdown
       print(f"jaxvt: {placed.expert_cache.describe()}", file=sys.stderr)
     prefix = PrefixCache(eng, mem.prefix_bytes) if mem.prefix_bytes else None
-    loop = EngineLoop(eng, mem.batch, F.max_queue, prefix)
+    if several and F.process_id != 0:  # the same programs as process 0, no HTTP
+      follow.follow(BatchSession(eng, mem.batch, prefix))
+      return 0
+    session = follow.LeaderSession(eng, mem.batch, prefix) if several else None
+    loop = EngineLoop(eng, mem.batch, F.max_queue, prefix, session=session)
     said = (f"jaxvt: serving {escape(eng.path, 200)} on http://{escape(F.host, 80)}:"
             f"{listen.port(sockets)}/v1: {mem.batch} sequences decoded together, "
             f"{mem.prefix_bytes / GiB:.2f} GiB for prompt reuse")
@@ -202,6 +230,8 @@ def _serve_on(F, sockets) -> int:
       server.run(sockets=sockets)
     finally:
       loop.close(F.drain_seconds)
+      if session is not None:
+        session.close()  # the other processes return
   finally:
     eng.close()
   if not server.started:
@@ -229,6 +259,9 @@ def main(argv: list[str]) -> int:
       return _serve(FLAGS)
     except Exception as e:  # pylint: disable=broad-except  (re-raised unless it is the user's)
       error = e if isinstance(e, JaxvtError) else out_of_memory(e)
+      if error is None and FLAGS.coordinator is not None:  # another process is gone
+        from jaxvt.parallel import processes
+        processes.peer_failure(e)
       if error is None:
         raise
       print(f"jaxvt: error: {error}", file=sys.stderr)

@@ -25,9 +25,12 @@ MAX_STEPS = 8  # decode steps per device program while no request waits (as gene
 class EngineLoop:
   """`submit` and `cancel` from any thread; the device work runs on the loop's own thread."""
 
-  def __init__(self, engine, max_batch: int, max_queue: int, prefix: PrefixCache | None = None):
+  def __init__(self, engine, max_batch: int, max_queue: int, prefix: PrefixCache | None = None,
+               session: BatchSession | None = None):
+    """`session`: the BatchSession to run (default: a new one of `engine`, `max_batch` slots
+    and `prefix`); over several processes, jaxvt.parallel.follow's LeaderSession."""
     self.engine = engine
-    self.session = BatchSession(engine, max_batch, prefix)
+    self.session = session or BatchSession(engine, max_batch, prefix)
     self.sched = Scheduler(max_batch, max_queue)
     self._cv = threading.Condition()
     self._stop = False
