@@ -3,7 +3,7 @@ engine loop on a LeaderSession whose messages are recorded (through JSON, as the
 replayed by `follow` into a second BatchSession of the same engine. The follower must end with
 the leader's cache bit for bit, its slot positions and its prefix cache's entries, having been
 told nothing but the messages: concurrent requests, compaction, a sampled request with a logit
-bias and a second turn that reuses the first (tests/test_serve_mesh.py runs the real thing over
+bias, a constrained request (its token masks) and a second turn that reuses the first (tests/test_serve_mesh.py runs the real thing over
 two processes)."""
 
 import json
@@ -13,6 +13,7 @@ import numpy as np
 from jaxvt.parallel import follow
 from jaxvt.prefix import PrefixCache
 from jaxvt.serve.batch import BatchSession
+from jaxvt.serve import structured
 from jaxvt.serve.loop import EngineLoop
 from jaxvt.serve.scheduler import Request
 from test_serve_fixtures import hybrid  # noqa: F401  (fixture)
@@ -52,7 +53,10 @@ def test_a_follower_replaying_the_messages_holds_the_leaders_state(hybrid):
     reqs = _run(loop, [Request(prompt=p, max_tokens=4 + 2 * (i % 2)) for i, p in enumerate(prompts)]
                 + [Request(prompt=prompts[0], max_tokens=5, temperature=0.8, seed=9,
                            logit_bias={7: 3.0, 11: -2.0}, frequency_penalty=0.5,
-                           presence_penalty=0.3)])
+                           presence_penalty=0.3),
+                   Request(prompt=prompts[1], max_tokens=4, temperature=0.8, seed=5,
+                           constraint=structured.Constraint(
+                               eng.tokenizer, structured.json_grammar({"type": "object"})))])
     turn2 = reqs[0].fed + rng.integers(5, eng.cfg.vocab_size, 5).tolist()
     again = _run(loop, [Request(prompt=turn2, max_tokens=4)])[0]
   finally:
@@ -63,6 +67,7 @@ def test_a_follower_replaying_the_messages_holds_the_leaders_state(hybrid):
   assert {"prefill", "start", "decode", "finish", "move"} <= set(ops) and ops[-1] == "stop"
   decodes = [m for m in rec.sent if m[0] == "decode"]
   assert any(isinstance(p[5], dict) for m in decodes for _, _, p in m[1])  # the bias travelled
+  assert any(m[4] for m in decodes)  # and the constrained request's token masks
 
   follower = BatchSession(eng, 3, PrefixCache(eng, budget_bytes=1 << 30, interval=16))
   follow.follow(follower, Replay(rec.sent))

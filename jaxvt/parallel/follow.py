@@ -100,6 +100,16 @@ def _feed_of(items: list) -> dict[int, tuple]:
                        for x in p)) for s, t, p in items}
 
 
+def _masks_json(masks: dict[int, np.ndarray] | None) -> list | None:
+  """decode's token masks (slot -> packed int32 allowed-token bits) as JSON."""
+  return None if not masks else [[int(s), np.asarray(m, np.int32).tolist()]
+                                 for s, m in masks.items()]
+
+
+def _masks_of(items: list | None) -> dict[int, np.ndarray] | None:
+  return None if items is None else {s: np.asarray(m, np.int32) for s, m in items}
+
+
 @contextlib.contextmanager
 def _or_stop():
   """A collective that fails (another process is gone) stops this process with one line
@@ -155,10 +165,10 @@ class LeaderSession(BatchSession):
       self._send(["start", int(slot), int(token), bool(penalized)])
       super().start(slot, token, penalized)
 
-  def decode(self, feed, steps=1, logprobs=False):
+  def decode(self, feed, steps=1, logprobs=False, masks=None):
     with self._lock, _or_stop():
-      self._send(["decode", _feed_json(feed), int(steps), bool(logprobs)])
-      return super().decode(feed, steps, logprobs)
+      self._send(["decode", _feed_json(feed), int(steps), bool(logprobs), _masks_json(masks)])
+      return super().decode(feed, steps, logprobs, masks=masks)
 
   def close(self) -> None:
     """Tells the followers to return (once)."""
@@ -190,7 +200,8 @@ def _follow_one(session: BatchSession, channel: Channel) -> bool:
   elif op == "start":
     session.start(*args)
   elif op == "decode":
-    session.decode(_feed_of(args[0]), *args[1:])
+    feed, steps, logprobs, masks = args
+    session.decode(_feed_of(feed), steps, logprobs, masks=_masks_of(masks))
   elif op not in ("tick", "stop"):
     raise ValueError(f"process 0 sent an unknown call {op!r}")
   return op == "stop"
