@@ -1,4 +1,4 @@
-"""The server over several processes, its protocol in one process (jaxvt.parallel.follow): an
+"""The server over several processes, its protocol in one process (jaxvt.serve.follow): an
 engine loop on a LeaderSession whose messages are recorded (through JSON, as they travel), then
 replayed by `follow` into a second BatchSession of the same engine. The follower must end with
 the leader's cache bit for bit, its slot positions and its prefix cache's entries, having been
@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from jaxvt.parallel import follow
+from jaxvt.serve import follow
 from jaxvt.prefix import PrefixCache
 from jaxvt.serve.batch import BatchSession
 from jaxvt.serve import structured

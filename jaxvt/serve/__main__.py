@@ -7,7 +7,7 @@ and exits 0.
 
 With --mesh it serves a model sharded over several devices; with --coordinator over several
 processes, where process 0 owns HTTP and the scheduler and the others run the same device
-programs (jaxvt.parallel.follow)."""
+programs (jaxvt.serve.follow)."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def _serve_on(F, sockets) -> int:
       mem = serve_memory(eng.plan.breakdown, sequence_bytes(eng), F.max_batch,
                          None if F.prefix_cache_gb is None else int(F.prefix_cache_gb * GiB))
     if several:  # process 0's figures in every process (each measured its own free memory)
-      from jaxvt.parallel import follow
+      from jaxvt.serve import follow
       mem = ServeMemory(**follow.share(None if mem is None else dataclasses.asdict(mem)))
     placed = eng.plan.with_expert_cache(cache_gb, policy, F.force, free=mem.left)
     if placed.expert_cache is not None:

@@ -28,7 +28,7 @@ class EngineLoop:
   def __init__(self, engine, max_batch: int, max_queue: int, prefix: PrefixCache | None = None,
                session: BatchSession | None = None):
     """`session`: the BatchSession to run (default: a new one of `engine`, `max_batch` slots
-    and `prefix`); over several processes, jaxvt.parallel.follow's LeaderSession."""
+    and `prefix`); over several processes, jaxvt.serve.follow's LeaderSession."""
     self.engine = engine
     self.session = session or BatchSession(engine, max_batch, prefix)
     self.sched = Scheduler(max_batch, max_queue)
