@@ -111,5 +111,9 @@ def main(args) -> str:
   return report.publish("invariance", lines, write=not args.no_write)
 
 
+def cli(argv: list[str] | None = None) -> int:
+  return run(main, parser(), argv)
+
+
 if __name__ == "__main__":
-  raise SystemExit(run(main, parser()))
+  raise SystemExit(cli())

@@ -23,21 +23,8 @@ inline __m256 round_half8(__m256 x) {  // to f16 (nearest even) and back, as rou
   return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }
 
-inline float hsum8v(__m256 x) {  // hsum8: (a4+a0 + a6+a2) + (a5+a1 + a7+a3)
-  __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-
-inline float reduce32v(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // reduce32
-  a0 = _mm256_add_ps(a0, a2);
-  a1 = _mm256_add_ps(a1, a3);
-  a0 = _mm256_add_ps(a0, a1);
-  const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-  const __m128 t1 = _mm_hadd_ps(t0, t0);
-  return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
-}
+using avx2_sums::hsum8;
+using avx2_sums::reduce32;
 
 // hsum8 of eight registers, lane by lane: out[c] = hsum8({A[0][c], ..., A[7][c]}).
 inline __m256 hsum8_cols(const __m256 (&A)[8]) {
@@ -115,14 +102,14 @@ float scores(const uint8_t* kb, int64_t kstride, const float* qh, int64_t D, int
         for (int r = 0; r < 4; ++r)
           acc[r] = _mm256_fmadd_ps(ld8<kHalf>(k0 + r * kstride * es, i), qv, acc[r]);
       }
-      for (int r = 0; r < 4; ++r) put(s + r, hsum8v(acc[r]));
+      for (int r = 0; r < 4; ++r) put(s + r, hsum8(acc[r]));
     }
     for (; s <= last; ++s) {
       const uint8_t* k0 = kb + s * kstride * es;
       __m256 acc = _mm256_setzero_ps();
       for (int64_t i = 0; i < D; i += 8)
         acc = _mm256_fmadd_ps(ld8<kHalf>(k0, i), _mm256_loadu_ps(qh + i), acc);
-      put(s, hsum8v(acc));
+      put(s, hsum8(acc));
     }
     return mx;
   }
@@ -136,7 +123,7 @@ float scores(const uint8_t* kb, int64_t kstride, const float* qh, int64_t D, int
       a2 = _mm256_fmadd_ps(ld8<kHalf>(k0, i + 16), _mm256_loadu_ps(qh + i + 16), a2);
       a3 = _mm256_fmadd_ps(ld8<kHalf>(k0, i + 24), _mm256_loadu_ps(qh + i + 24), a3);
     }
-    double sum = reduce32v(a0, a1, a2, a3);
+    double sum = reduce32(a0, a1, a2, a3);
     for (int64_t i = np; i < D; ++i) sum += static_cast<double>(cache_val<kHalf>(k0, i) * qh[i]);
     put(s, static_cast<float>(sum));
   }
@@ -262,7 +249,7 @@ void attend_one_v(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h, float* s
     const __m256 e = _mm256_and_ps(v_expf8(_mm256_sub_ps(_mm256_loadu_ps(w + s0), mxv)),
                                    _mm256_castsi256_ps(keep));
     _mm256_maskstore_ps(w + s0, keep, e);
-    sum += static_cast<double>(hsum8v(e));
+    sum += static_cast<double>(hsum8(e));
   }
   const float inv = static_cast<float>(1.0 / sum);
   const __m256 invv = _mm256_set1_ps(inv);

@@ -10,6 +10,7 @@
 
 #define JAXVT_FORMATS_INTERNAL_LINKAGE 1
 #include "common/formats.h"
+#include "kernels/cpu/avx2_sums.h"
 #include "kernels/cpu/kernels_cpu_ggml.h"
 
 namespace jaxvt::cpu::ggml::avx2 {

@@ -11,25 +11,14 @@
 #define JAXVT_FORMATS_INTERNAL_LINKAGE 1
 #include "common/act.h"
 #include "common/formats.h"
+#include "kernels/cpu/avx2_sums.h"
 #include "kernels/cpu/kernels_cpu.h"
 
 namespace jaxvt::cpu::avx2 {
 namespace {
 
-inline float hsum8(__m256 x) {  // ggml's hsum_float_8
-  __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-inline float reduce32(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // GGML_F32x8_REDUCE
-  a0 = _mm256_add_ps(a0, a2);
-  a1 = _mm256_add_ps(a1, a3);
-  a0 = _mm256_add_ps(a0, a1);
-  const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-  const __m128 t1 = _mm_hadd_ps(t0, t0);
-  return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
-}
+using avx2_sums::hsum8;
+using avx2_sums::reduce32;
 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
