@@ -116,14 +116,16 @@ def test_assign_matches_the_numpy_reference(stacks, device, rng, policy):
   state = np.asarray(jnp.copy(cache.state)).reshape(len(CACHED), words)
   for row, l in zip(state, CACHED):
     got, ref = xc.LayerState.from_words(row), refs[l]
-    assert (got.clock, got.hits, got.misses) == (ref.clock, ref.hits, ref.misses)
+    assert (got.clock, got.hits, got.misses, got.fills) == (ref.clock, ref.hits, ref.misses,
+                                                            ref.fills)
     np.testing.assert_array_equal(got.dir, ref.dir)
     np.testing.assert_array_equal(got.owner, ref.owner)
     np.testing.assert_array_equal(got.score, ref.score)
   assert refs[0].hits > 0 and refs[0].misses > SLOTS  # the stream both hit and evicted
   s = cache.stats()
-  assert (s.hits, s.misses) == (sum(r.hits for r in refs.values()),
-                                sum(r.misses for r in refs.values()))
+  assert (s.hits, s.misses, s.fills) == (sum(r.hits for r in refs.values()),
+                                         sum(r.misses for r in refs.values()),
+                                         sum(r.fills for r in refs.values()))
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "cached"))
@@ -196,6 +198,36 @@ def test_hits_read_the_cache(stacks, device, rng, tier):
   again = np.asarray(_moe(wc, x, ids, wts, jnp.int32(layer), mode, True))
   np.testing.assert_array_equal(again, first)
   assert np.isnan(np.asarray(_moe(w, x, ids, wts, jnp.int32(layer), mode, False))).all()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_a_batch_reads_each_distinct_expert_once(stacks, device, rng, policy):
+  """A decode step of 8 rows whose experts overlap (drawn from 9 of the layer's 16): the cache
+  fills each distinct expert once (the call's bus reads), however many rows route to it, and
+  counts one miss per routed slot; the products equal those without the cache bit for bit (on a
+  GPU the later slots of an expert being filled read it from its slot, after the fill). The same
+  experts in a second step, rows reordered: all hits, nothing filled."""
+  w, cache = _cache(stacks, device, policy, slots=12)
+  wc = {**w, expert_cache.CACHE: cache.tables()}
+  mode, layer = _mode(device), 0
+  pool = rng.permutation(E)[:9]
+  ids = np.stack([rng.permutation(pool)[:K] for _ in range(8)]).astype(np.int32)
+  distinct = len(set(ids.reshape(-1).tolist()))
+  assert distinct < ids.size  # rows share experts
+  eb = dict(cache.plan.expert_bytes)[layer]
+  for step, rows in enumerate((ids, ids[rng.permutation(8)])):
+    x = jnp.asarray(rng.standard_normal((8, D)).astype(np.float32))
+    wts = jnp.asarray(rng.random((8, K)).astype(np.float32))
+    before = cache.stats()
+    got = _moe(wc, x, jnp.asarray(rows), wts, jnp.int32(layer), mode, True)
+    plain = _moe(w, x, jnp.asarray(rows), wts, jnp.int32(layer), mode, False)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    d = cache.stats() - before
+    if step == 0:
+      assert (d.hits, d.misses, d.fills) == (0, ids.size, distinct)
+      assert d.fill_bytes == distinct * eb and d.host_bytes == ids.size * eb
+    else:
+      assert (d.hits, d.misses, d.fills, d.fill_bytes) == (ids.size, 0, 0, 0)
 
 
 # ---- the engine ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from jaxvt.qweight import STAGES, CacheTables  # noqa: F401 (re-exported)
 
 _ffi.register()
 
-HEADER_WORDS = 8  # expert_cache.h Header
+HEADER_WORDS = 10  # expert_cache.h Header
 POLICIES = ("lru", "lfru")  # Header.policy 0, 1
 MAX_CALL_SLOTS = 1024  # routed slots of one call (expert_cache.h kMaxCallSlots)
 MAX_SLOTS = 1024  # slots of one layer (kMaxSlots)
@@ -75,6 +75,7 @@ class LayerState:
   clock: int = 0
   hits: int = 0
   misses: int = 0
+  fills: int = 0
   dir: np.ndarray = None
   owner: np.ndarray = None
   score: np.ndarray = None
@@ -92,8 +93,8 @@ class LayerState:
     e, s = int(w[3]), int(w[2])
     d = HEADER_WORDS
     return cls(e, s, POLICIES[int(w[1])], int(u[0]), int(u[4] + (u[5] << 32)),
-               int(u[6] + (u[7] << 32)), w[d:d + e].copy(), w[d + e:d + e + s].copy(),
-               u[d + e + s:d + e + 2 * s].copy())
+               int(u[6] + (u[7] << 32)), int(u[8] + (u[9] << 32)), w[d:d + e].copy(),
+               w[d + e:d + e + s].copy(), u[d + e + s:d + e + 2 * s].copy())
 
 
 def assign_ref(st: LayerState, ids) -> np.ndarray:
@@ -114,6 +115,7 @@ def assign_ref(st: LayerState, ids) -> np.ndarray:
     st.owner[j], st.dir[e] = e, j
     decided[e] = -(j + 2)
     filled.add(j)
+    st.fills += 1
   st.clock += 1
   for j in range(st.slots):
     if st.policy == "lfru":

@@ -119,11 +119,17 @@ def expected(gb, platform: str, device_gb: float | None) -> bool:
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
   """Routed-expert reads of the cached layers since the cache was made, one per (token, slot):
-  hits read from the cache, misses over the bus; *_bytes: the bytes they read."""
+  hits read from the cache, misses over the bus; *_bytes: the bytes they read, a missed expert
+  counted once per slot routed to it. fills: the experts copied into the cache, one per distinct
+  expert a call missed (the experts kernels read such an expert over the bus once a call,
+  however many of the call's rows or tokens route to it); fill_bytes: their bytes, what the
+  misses cost the bus where every missed expert found a slot."""
   hits: int
   misses: int
   hit_bytes: int
   host_bytes: int
+  fills: int = 0
+  fill_bytes: int = 0
 
   @property
   def hit_rate(self) -> float:
@@ -132,7 +138,8 @@ class CacheStats:
 
   def __sub__(self, other: "CacheStats") -> "CacheStats":
     return CacheStats(self.hits - other.hits, self.misses - other.misses,
-                      self.hit_bytes - other.hit_bytes, self.host_bytes - other.host_bytes)
+                      self.hit_bytes - other.hit_bytes, self.host_bytes - other.host_bytes,
+                      self.fills - other.fills, self.fill_bytes - other.fill_bytes)
 
 
 class ExpertCache:
@@ -195,13 +202,14 @@ class ExpertCache:
     words = xc.layer_words(self.plan.experts, self.plan.slots)
     state = np.asarray(jnp.copy(self.state)).reshape(len(self.plan.layers), words)
     eb = dict(self.plan.expert_bytes)
-    hits = misses = hit_bytes = host_bytes = 0
+    hits = misses = hit_bytes = host_bytes = fills = fill_bytes = 0
     for l, row in zip(self.plan.layers, state):
       st = xc.LayerState.from_words(row)
-      hits, misses = hits + st.hits, misses + st.misses
+      hits, misses, fills = hits + st.hits, misses + st.misses, fills + st.fills
       hit_bytes += st.hits * eb[l]
       host_bytes += st.misses * eb[l]
-    return CacheStats(hits, misses, hit_bytes, host_bytes)
+      fill_bytes += st.fills * eb[l]
+    return CacheStats(hits, misses, hit_bytes, host_bytes, fills, fill_bytes)
 
 
 def attachable(weights: dict, cp: CachePlan) -> bool:

@@ -28,7 +28,10 @@
 //   scores: LRU: a slot used or filled gets the layer's clock (incremented once a call);
 //   LFRU: every slot's score decays by 1/8 a call, a slot used gets +256, a slot filled 256:
 //   frequency over a recency-weighted window (a hit 8 calls ago counts about a third of a new one).
-// Counters (per layer, 64-bit): routed slots that hit and that missed, one per (token, slot).
+// Counters (per layer, 64-bit): routed slots that hit and that missed, one per (token, slot), and
+// the experts filled, one per distinct expert a call copies into a slot: the experts kernels read
+// a filled expert over the bus once a call however many of its slots (a batch's rows, a short
+// prompt's tokens) route to it, so fills count the bus reads of the cached layers' misses.
 #ifndef JAXVT_FFI_CSRC_COMMON_EXPERT_CACHE_H_
 #define JAXVT_FFI_CSRC_COMMON_EXPERT_CACHE_H_
 
@@ -53,9 +56,10 @@ struct Header {
   int32_t slots;
   int32_t experts;
   uint32_t hits_lo, hits_hi, misses_lo, misses_hi;
+  uint32_t fills_lo, fills_hi;
 };
 constexpr int64_t kHeaderWords = sizeof(Header) / 4;
-static_assert(kHeaderWords == 8, "the state block's header is 8 words");
+static_assert(kHeaderWords == 10, "the state block's header is 10 words");
 
 JV_HD int64_t layer_words(int64_t experts, int64_t slots) {
   return kHeaderWords + experts + 2 * slots;
@@ -96,7 +100,7 @@ inline void assign_layer(Header* h, const int32_t* ids, int64_t n, int32_t* wher
   int32_t* taken = used + S;          // [S] filled by this call
   int32_t* order = taken + S;         // [S] the slots not hit, by (score, index)
   const uint32_t clock = h->clock + 1;
-  uint32_t hits = 0, misses = 0;
+  uint32_t hits = 0, misses = 0, fills = 0;
   for (int32_t j = 0; j < S; ++j) used[j] = taken[j] = 0;
   for (int64_t s = 0; s < n; ++s) {
     const int32_t e = expert_of(ids[s], E);
@@ -144,6 +148,7 @@ inline void assign_layer(Header* h, const int32_t* ids, int64_t n, int32_t* wher
       dir[e] = j;
       taken[j] = 1;
       where[s] = -(j + 2);
+      ++fills;
     } else {
       where[s] = -1;
     }
@@ -161,6 +166,7 @@ inline void assign_layer(Header* h, const int32_t* ids, int64_t n, int32_t* wher
   h->clock = clock;
   add64(h->hits_lo, h->hits_hi, hits);
   add64(h->misses_lo, h->misses_hi, misses);
+  add64(h->fills_lo, h->fills_hi, fills);
 }
 
 // The state block's header checked (nullptr: it fits, else the problem).

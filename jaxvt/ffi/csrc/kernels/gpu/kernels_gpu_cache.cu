@@ -53,7 +53,9 @@ __global__ void __launch_bounds__(kAssignThreads) expert_cache_assign_kernel(
     if (hit[s] >= 0) used[hit[s]] = 1;  // (every writer writes 1)
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // misses ranked in order of first occurrence; the counters
+  // misses ranked in order of first occurrence; the counters (fills: the distinct misses that
+  // get a slot)
+  if (threadIdx.x == 0) {
     int32_t r = 0;
     uint32_t hits = 0, misses = 0;
     for (int64_t s = 0; s < n; ++s) {
@@ -71,6 +73,7 @@ __global__ void __launch_bounds__(kAssignThreads) expert_cache_assign_kernel(
     free_n = f;
     xcache::add64(h->hits_lo, h->hits_hi, hits);
     xcache::add64(h->misses_lo, h->misses_hi, misses);
+    xcache::add64(h->fills_lo, h->fills_hi, static_cast<uint32_t>(r < f ? r : f));
   }
   // the slots not hit, by (score, index): each finds its own place
   for (int32_t j = threadIdx.x; j < S; j += blockDim.x) {

@@ -147,31 +147,45 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
 // either way, so the bits are those of qmatmul_experts_kernel and of a dense qmatmul of the
 // expert's rows. Dynamic shared memory: the warps' slots, then the held activation row (XM as in
 // matvec.cuh).
+// phase (with the expert cache, where a call's slots may share an expert: a batch of rows, a short
+// prompt): 0 computes every slot but the later slots of an expert the call fills (the first fills
+// it, reading the bus once), 1 only those later slots, reading the slot the first launch filled;
+// -1 (one token: its k experts are distinct) every slot in one launch.
 template <int XM>
 __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kernel(
     WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids,
-    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts) {
+    int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts,
+    int phase) {
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t m = blockIdx.y / slots, s = blockIdx.y % slots;
   float* const y = (m ? y1 : y0) + s * rows;
   const int e = expert_id(ids[s], experts);
   if (e < 0) {  // routed nowhere: this block's share of the slot's output row is 0
+    if (phase == 1) return;
     for (int64_t r = threadIdx.x + static_cast<int64_t>(blockIdx.x) * kThreads; r < rows;
          r += static_cast<int64_t>(gridDim.x) * kThreads)
       y[r] = 0.f;
     return;
   }
-  Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
   const WeightArgs w = m ? w1 : w0;  // a copy: a reference to either parameter puts both on the stack
-  LayerRef L;
-  const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
-  // (an unsupported format reaches matvec_fmt, which writes NaN rows)
   // The expert cache (expert_cache.h): a hit reads the slot; a fill reads where the expert lives
   // and writes the slot as it goes. Block-uniform, as ring_expert needs.
   const uint8_t* part =
       w.where != nullptr ? xcache::entry<const uint8_t>(w.ctab, w.n_layers, *w.layer) : nullptr;
-  const int32_t wj = part != nullptr ? w.where[s] : -1;
+  int32_t wj = part != nullptr ? w.where[s] : -1;
+  if (phase >= 0) {
+    // a later slot of an expert this call fills: every slot of that expert has the same where
+    int later = 0;
+    if (wj <= -2)
+      for (int64_t t = threadIdx.x; t < s; t += blockDim.x) later |= w.where[t] == wj;
+    if ((__syncthreads_or(later) != 0) != (phase == 1)) return;
+    if (phase == 1) wj = -wj - 2;  // filled by the first launch: read as a hit
+  }
+  Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
+  LayerRef L;
+  const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
+  // (an unsupported format reaches matvec_fmt, which writes NaN rows)
   const uint8_t* base =
       wj >= 0 ? part + wj * w.cslot
               : ring_expert(w.ring, *w.layer, e,
@@ -193,7 +207,7 @@ template <int XM>
 gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
                        const float* x, bool x_per_slot, const int32_t* ids, int64_t slots,
                        int64_t k, float* y0, float* y1, int64_t rows, int64_t cols,
-                       int64_t experts, int64_t smem, int64_t waves) {
+                       int64_t experts, int64_t smem, int64_t waves, int phase) {
   // One wave of resident blocks shared by the (matrix, slot) pairs.
   const int64_t resident = resident_blocks(qmatmul_experts_slot_kernel<XM>, kThreads,
                                            static_cast<size_t>(smem));
@@ -201,7 +215,7 @@ gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const Weig
   if (cap < 1) cap = 1;
   const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
   qmatmul_experts_slot_kernel<XM><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k,
-                                                           y0, y1, rows, cols, experts);
+                                                           y0, y1, rows, cols, experts, phase);
   return gpuGetLastError();
 }
 
@@ -209,7 +223,8 @@ gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const Weig
 gpuError_t launch_per_slot(gpuStream_t s, int nmat, const WeightArgs& w0,
                            const WeightArgs& w1, const float* x, bool x_per_slot,
                            const int32_t* ids, int64_t slots, int64_t k, float* y0, float* y1,
-                           int64_t rows, int64_t cols, int64_t experts, bool ggml, int64_t waves) {
+                           int64_t rows, int64_t cols, int64_t experts, bool ggml, int64_t waves,
+                           int phase) {
   constexpr int64_t kSlots = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4;
   static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_slot_kernel<1>, 0);
   static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_slot_kernel<2>, 0);
@@ -218,15 +233,15 @@ gpuError_t launch_per_slot(gpuStream_t s, int nmat, const WeightArgs& w0,
     const int64_t row = ggml_held_row_bytes(cols);
     if (kSlots + row > allowed_q) return gpuErrorInvalidValue;  // activations too large
     return launch_slot<2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                          experts, kSlots + row, waves);
+                          experts, kSlots + row, waves, phase);
   }
   const int64_t need = kSlots + xs_stride(cols) * 16;
   if (need <= allowed_f)
     return launch_slot<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                          experts, need, waves);
+                          experts, need, waves, phase);
   if (kSlots > allowed_0) return gpuErrorInvalidValue;
   return launch_slot<0>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                        experts, kSlots, waves);
+                        experts, kSlots, waves, phase);
 }
 
 constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64;
@@ -290,10 +305,19 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
     }
     return gpuSuccess;
   }
-  // Decode and short prompts: the per-slot kernel.
-  if (slots <= t.slot_max)
-    return launch_per_slot(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                           experts, ggml, t.waves);
+  // Decode and short prompts: the per-slot kernel; with the expert cache and more than one token,
+  // in two launches so that each expert the call fills crosses the bus once.
+  if (slots <= t.slot_max) {
+    if (w0.where == nullptr || slots <= k)
+      return launch_per_slot(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
+                             experts, ggml, t.waves, -1);
+    for (int phase = 0; phase < 2; ++phase) {
+      const gpuError_t e = launch_per_slot(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1,
+                                           rows, cols, experts, ggml, t.waves, phase);
+      if (e != gpuSuccess) return e;
+    }
+    return gpuSuccess;
+  }
   if (slots <= 64 || ggml)
     return launch_bt<4>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols, experts,
                         ggml);
