@@ -32,7 +32,7 @@ from jaxvt import ffi, inputs, loader, programs
 from jaxvt.errors import JaxvtError, escape
 from jaxvt.ffi import numerics
 from jaxvt.ffi import numerics as numerics_mod
-from jaxvt.ffi.tuning import Products, products_for
+from jaxvt.ffi.tuning import Products
 from jaxvt.gguf.tokenizer import Tokenizer
 from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
@@ -44,7 +44,7 @@ from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_
                              first_token_fn, prefill_chunks, prefill_fn,
                              xla_workspace_bytes)
 from jaxvt.offload import placement as placement_mod
-from jaxvt.offload import expert_cache, host_tier
+from jaxvt.offload import cost, expert_cache, host_tier
 from jaxvt.offload.expert_cache import stats as expert_cache_stats  # noqa: F401 (public)
 from jaxvt.offload.host_tier import HostTier
 from jaxvt.offload.placement import Placed
@@ -451,7 +451,7 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
   `numerics_mode` (Exec.numerics) replaces the platform's default contract."""
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
-              products=products_for(platform) if kernels else Products(),
+              products=cost.products_for(platform) if kernels else Products(),
               deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
               schedule=ExpertSchedule() if kernels else None)
 

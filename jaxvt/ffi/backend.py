@@ -133,7 +133,7 @@ class Kernels(_GgmlSteps):
   def experts(self, ex, n_tokens: int, k: int, n_experts: int):
     """The grouped kernel from the tuning row's slot count, else the per-slot kernels (both
     read only the routed experts' bytes, from either tier)."""
-    if ex.products.experts(n_tokens * k) == "grouped":
+    if ex.products.experts(n_tokens * k, n_experts) == "grouped":
       return grouped.moe_grouped
     return functools.partial(ops.moe_experts, mode=ex.mode)
 

@@ -13,6 +13,11 @@ import dataclasses
 from jaxvt.qweight import QMeta
 
 
+# The most routed slots a call reads through the expert cache: its decision takes 1024 slots a
+# call (jaxvt.ffi.expert_cache.MAX_CALL_SLOTS), the GPU's per-slot kernels with the cache 1023.
+ROUTED_SLOTS_MAX = 1023
+
+
 @dataclasses.dataclass(frozen=True)
 class Products:
   """The per-product kernel rule: how x [n, cols] times one layer of a stack is computed, and
@@ -58,6 +63,15 @@ class Products:
   count * predict_scale / k (at most 8), copied by proportionally fewer blocks, decided per layer
   on the device. predict_with_cache: whether decode still predicts where the weights carry an
   expert cache (jaxvt.offload.expert_cache), which holds the experts recent tokens used.
+
+  routed_per_expert: a call of at most this many routed slots per expert (T*k <= this * E, and
+  at most ROUTED_SLOTS_MAX) takes the per-slot experts kernels whatever grouped_slots says, and
+  no layer rings: it reads only the experts its tokens route to, through the expert cache where
+  the weights carry one (filling it), as decode does. A short prefill (a chat's next turn after
+  prompt reuse) then reads the few experts its tokens need, most of them cache hits, instead of
+  nearly every expert of each host-tier layer. 0: off. Set by jaxvt.offload.cost.products_for
+  from the platform's measured rates (cost.routed_crossover), not in the rows below; it looks at
+  slots and experts only, never at the tier or the cache, so the bits do not depend on either.
   """
 
   tiled_rows: int = 0
@@ -77,6 +91,7 @@ class Products:
   predict_blocks: int = 0
   predict_scale: int = 0
   predict_with_cache: bool = False
+  routed_per_expert: float = 0.0
 
   def predicted_ids(self) -> int:
     """How many of the next layer's likeliest experts a decode fetch is given: the most any
@@ -94,8 +109,17 @@ class Products:
       return "tiled"
     return "matvec"
 
-  def experts(self, slots: int) -> str:
-    """The path for the routed experts of T*k = `slots` slots."""
+  def routed(self, slots: int, experts: int) -> bool:
+    """Whether a call of T*k = `slots` routed slots over `experts` experts a layer reads only its
+    routed experts, per slot (routed_per_expert)."""
+    return (self.routed_per_expert > 0 and experts > 0
+            and 0 < slots <= min(ROUTED_SLOTS_MAX, self.routed_per_expert * experts))
+
+  def experts(self, slots: int, experts: int = 0) -> str:
+    """The path for the routed experts of T*k = `slots` slots over `experts` experts a layer (0:
+    not known; the routed rule is then not applied)."""
+    if self.routed(slots, experts):
+      return "matvec"
     return "grouped" if self.grouped_slots and slots >= self.grouped_slots else "matvec"
 
 

@@ -56,10 +56,10 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
   return kv + st
 
 
-def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state, slot: int):
+def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state, slot: int, valid):
   """(the FFN's output, the offload schedule's state; see moe.moe_block)."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex, state, slot)
+    return moe.moe_block(h, w, li, cfg, ex, state, slot, valid)
   return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
                        ex), state
 
@@ -76,6 +76,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   None returns all positions ([b, t, vocab]). Returns (logits float32, new cache).
   """
   b, t = tokens.shape
+  padded = valid  # a prefill's padding routes to no expert (moe.moe_block)
   if valid is None:
     valid = jnp.ones((b, t), bool)
   x = layers.embed(tokens, weights["embed"], ex)
@@ -112,7 +113,7 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
       x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
       h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
       with jax.named_scope("ffn"):
-        y, state = _ffn(h, w, li, cfg, ex, state, j)
+        y, state = _ffn(h, w, li, cfg, ex, state, j, padded)
         x = x + y
     return (x, cache, state), None
 

@@ -44,12 +44,14 @@ def local_experts(ids: jax.Array, wts: jax.Array, n_local: int) -> tuple[jax.Arr
 ROUTED = ("moe.w_gate", "moe.w_up", "moe.w_down")
 
 
-def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None, slot: int = 0):
+def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None, slot: int = 0,
+              valid: jax.Array | None = None):
   """MoE FFN of layer `li` (traced int32 index into the stacks): h [b, t, d] (already normed) ->
   (float32 [b, t, d], state). `state` is the offload schedule's (Exec.schedule; None without
   one), threaded through its hooks untouched: they say which extra stacks the router's launch
   multiplies, where the routed stacks are read from and what moves after the products. `slot`:
-  the layer's place in its period."""
+  the layer's place in its period. valid [b, t] bool or None: a padding token (False) is routed
+  to no expert (its output is 0), so a bucketed prefill reads only its real tokens' experts."""
   b, t, d = h.shape
   x = h.reshape(b * t, d).astype(jnp.float32)
   sched = ex.schedule if state is not None else None
@@ -62,6 +64,8 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None,
     gu = more[len(extra):]
     # Whole [T, E] logits on every device (the router is replicated), routed before the split.
     ids, wts = route(logits, cfg.n_experts_used, cfg.norm_topk_prob, ex)
+    if valid is not None:
+      ids = jnp.where(valid.reshape(b * t, 1), ids, -1)
     if sched:
       state, pred = sched.after_route(state, w, li, slot, more[:len(extra)], ex)
     if ex.par is not None and ex.par.size > 1:  # the experts are split over the whole mesh

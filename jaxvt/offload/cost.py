@@ -16,8 +16,10 @@ would be that much too optimistic. Rates come from the probe's cache
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxvt.errors import JaxvtError
+from jaxvt.ffi import tuning
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.declare import Role
 from jaxvt.offload import memory
@@ -81,6 +83,63 @@ def default_rates(platform: str) -> Rates:
     raise JaxvtError(f"no default rates for platform '{platform}'; run python -m "
                      "jaxvt.offload.probe on it")
   return DEFAULT_RATES[key]
+
+
+# Short calls through the expert cache (Products.routed_per_expert). A call of S routed slots
+# over a layer of E experts of B bytes each, with a cache hitting a share h of them:
+#   streamed (the grouped kernel, or the layer copied whole): each distinct expert the call
+#     routes to crosses the bus once:   D(S) B / host,   D(S) = E (1 - (1 - 1/E)^S) ~ E (1 - e^-r)
+#   routed (the per-slot kernels through the cache): the distinct experts it misses cross the bus
+#     once, and every slot reads its expert from device memory:   (1 - h) D(S) B / host + S B / dev
+# routed <= streamed  <=>  h D(S) / host >= S / dev  <=>  (1 - e^-r) / r >= host / (h dev),
+# r = S / E: B cancels, and E to the exponential's approximation, so the crossover is a number of
+# routed slots per expert that holds for any model. The hit rate it is computed for: the least a
+# cache of the smallest share a plan gives one hits on real routing (an LRU of 6% of a layer's
+# experts hit 37% on traces of Qwen3-30B-A3B; larger caches hit more, 74-96%), so the routed
+# path is chosen only where it wins on real routing at any cache size.
+ROUTED_HIT_RATE = 0.37
+
+
+def routed_crossover(rates: Rates, hit_rate: float = ROUTED_HIT_RATE) -> float:
+  """Routed slots per expert (T k / E) up to which a call reads its routed experts through the
+  expert cache, per slot, for less than streaming each distinct one (the formula above, solved
+  for r by bisection); 0 where the routed path never wins (the host tier no slower than the
+  device, as on the CPU, or no hits)."""
+  if not 0 < hit_rate <= 1:
+    raise ValueError(f"hit rate {hit_rate} is not in (0, 1]")
+  c = rates.host_read_gbps / (hit_rate * rates.device_read_gbps)
+  if c >= 1:
+    return 0.0
+  f = lambda r: -math.expm1(-r) / r
+  lo, hi = 1e-9, 1.0
+  while f(hi) > c:
+    hi *= 2
+  for _ in range(100):
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if f(mid) > c else (lo, mid)
+  return lo
+
+
+def products_for(platform: str) -> tuning.Products:
+  """The platform's tuning row (jaxvt.ffi.tuning.products_for) with its short-call crossover
+  (Products.routed_per_expert) from the platform's default rates: the measured figures, fixed
+  per platform so the kernels a call takes (and so its bits) do not depend on this machine's
+  probe."""
+  row = tuning.products_for(platform)
+  key = {"gpu": "cuda"}.get(platform.lower(), platform.lower())
+  if key not in DEFAULT_RATES:
+    return row
+  return dataclasses.replace(row, routed_per_expert=routed_crossover(DEFAULT_RATES[key]))
+
+
+def routed_tokens(products: tuning.Products, cfg: ModelConfig) -> int:
+  """The most tokens a call of `cfg`'s model reads through the expert cache under `products`
+  (0: none, or not a MoE model)."""
+  if not cfg.is_moe:
+    return 0
+  k = cfg.n_experts_used
+  return max((t for t in range(1, tuning.ROUTED_SLOTS_MAX // k + 1)
+              if products.routed(t * k, cfg.n_experts)), default=0)
 
 
 @dataclasses.dataclass(frozen=True)

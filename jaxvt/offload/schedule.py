@@ -11,8 +11,8 @@ would, so the logits do not change:
   l + 1 will likely use; where l + 1 is a host-tier layer its likeliest experts are copied into
   expert rings before it runs (`start_expert_rings`, the router seen one layer on: `next_router`).
 
-With an expert cache in the weights (jaxvt.offload.expert_cache; calls of few routed slots, as
-decode's) each host-tier layer's call first decides which of its experts the cache holds
+With an expert cache in the weights (jaxvt.offload.expert_cache; calls of few routed slots: decode's,
+and a prefill short enough for Products.routed_per_expert) each host-tier layer's call first decides which of its experts the cache holds
 (`expert_cache.assign`), and its experts kernels read those from the cache and fill it with the
 others as they read them.
 
@@ -54,8 +54,9 @@ def prefetched(w: dict, cfg: ModelConfig, ex, n_tokens: int) -> tuple[str, ...]:
   """The routed-expert stacks whose host-tier layers a call of n_tokens tokens copies to the
   device ahead of their turn (Products.prefetch_per_expert; one device)."""
   p = ex.products.prefetch_per_expert
-  if (not cfg.is_moe or not ex.kernels or not p or n_tokens * cfg.n_experts_used < p * cfg.n_experts
-      or (ex.par is not None and ex.par.size > 1)):
+  slots = n_tokens * cfg.n_experts_used
+  if (not cfg.is_moe or not ex.kernels or not p or slots < p * cfg.n_experts
+      or ex.products.routed(slots, cfg.n_experts) or (ex.par is not None and ex.par.size > 1)):
     return ()
   # a weight type that moves layers itself (a benchmark's comparison arm) keeps its own path
   return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
@@ -68,18 +69,21 @@ def predicted(w: dict, cfg: ModelConfig, ex, n_tokens: int) -> tuple[str, ...]:
   p = ex.products
   if (not cfg.is_moe or not ex.kernels or n_tokens != 1
       or not (p.predict_after_host or p.predict_after_device)
-      or p.experts(cfg.n_experts_used) != "matvec" or (ex.par is not None and ex.par.size > 1)):
+      or p.experts(cfg.n_experts_used, cfg.n_experts) != "matvec"
+      or (ex.par is not None and ex.par.size > 1)):
     return ()
   return tuple(n for n in ROUTED if type(w[n]) is QWeight and w[n].meta.any_host)
 
 
 def cached(w: dict, cfg: ModelConfig, ex, n_tokens: int) -> bool:
   """Whether a call of n_tokens tokens reads host-tier routed experts through the expert cache
-  the weights carry: few enough routed slots for the per-slot experts kernels, no layer rings
+  the weights carry: few enough routed slots for the per-slot experts kernels (a decode step, a
+  batch of them, or a prefill short enough for Products.routed_per_expert), no layer rings
   (prefill copies whole layers instead), one device."""
   slots = n_tokens * cfg.n_experts_used
   return (CACHE in w and cfg.is_moe and bool(ex.kernels) and slots < expert_cache.MAX_CALL_SLOTS
-          and ex.products.experts(slots) == "matvec" and not prefetched(w, cfg, ex, n_tokens)
+          and ex.products.experts(slots, cfg.n_experts) == "matvec"
+          and not prefetched(w, cfg, ex, n_tokens)
           and (ex.par is None or ex.par.size == 1))
 
 
