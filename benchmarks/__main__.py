@@ -28,6 +28,8 @@ BENCHMARKS = {
                   "libraries compared, packed masks against a float bias",
     "routing": "a MoE model's expert choices in a decode: reuse, skew, next-layer predictability",
     "cache": "the device-side expert cache by budget: LRU, LFRU, prediction, llama.cpp (GPU)",
+    "turns": "a chat's short next turn through the expert cache against streaming its experts, "
+             "and 1 against 8 decode rows sharing expert reads (GPU)",
 }
 
 

@@ -11,10 +11,11 @@ would, so the logits do not change:
   l + 1 will likely use; where l + 1 is a host-tier layer its likeliest experts are copied into
   expert rings before it runs (`start_expert_rings`, the router seen one layer on: `next_router`).
 
-With an expert cache in the weights (jaxvt.offload.expert_cache; calls of few routed slots: decode's,
-and a prefill short enough for Products.routed_per_expert) each host-tier layer's call first decides which of its experts the cache holds
-(`expert_cache.assign`), and its experts kernels read those from the cache and fill it with the
-others as they read them.
+With an expert cache in the weights (jaxvt.offload.expert_cache; calls of few routed slots:
+decode's, and a prefill short enough for Products.routed_per_expert) each host-tier layer's call
+first decides which of its experts the cache holds (`expert_cache.assign`), and its experts
+kernels read those from the cache and fill it with the others as they read them (each expert a
+call fills crosses the bus once, however many of its tokens route to it).
 
 `ExpertSchedule` is what the model calls (through `Exec.schedule`): `begin` before the layer scan
 returns the weights it reads and the state (`Rings`, a pytree carried through the scan), the
