@@ -171,10 +171,15 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
   const WeightArgs w = m ? w1 : w0;  // a copy: a reference to either parameter puts both on the stack
   // The expert cache (expert_cache.h): a hit reads the slot; a fill reads where the expert lives
   // and writes the slot as it goes. Block-uniform, as ring_expert needs.
-  const uint8_t* part =
-      w.where != nullptr ? xcache::entry<const uint8_t>(w.ctab, w.n_layers, *w.layer) : nullptr;
-  int32_t wj = part != nullptr ? w.where[s] : -1;
+  const uint8_t* part = nullptr;
+  int32_t wj = -1;
+  auto cached = [&] {
+    part = w.where != nullptr ? xcache::entry<const uint8_t>(w.ctab, w.n_layers, *w.layer)
+                              : nullptr;
+    wj = part != nullptr ? w.where[s] : -1;
+  };
   if (phase >= 0) {
+    cached();
     // a later slot of an expert this call fills: every slot of that expert has the same where
     int later = 0;
     if (wj <= -2)
@@ -186,6 +191,7 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
   LayerRef L;
   const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
+  if (phase < 0) cached();  // (one token: after the activation row's load is under way)
   const uint8_t* base =
       wj >= 0 ? part + wj * w.cslot
               : ring_expert(w.ring, *w.layer, e,
