@@ -5,7 +5,8 @@
 
 The file (default: benchmarks.cache's realistic-routing 35B-shaped file, written when missing)
 is loaded once, in a child process on an emulated --device-gb card (XLA's pool), at --budget GiB
-in the host tier with the expert cache the plan leaves room for (jaxvt.load's defaults). Two
+in the host tier with the expert cache what the plan and --rows sequences leave free (as
+jaxvt.serve sizes it for its batch). Two
 kernel rules run side by side on the same placed weights, alternating, --repeats times after a
 warm-up round:
   routed    the product's rule (engine.exec_for): a prefill of few tokens reads the routed
@@ -167,9 +168,16 @@ def summary(out: dict, rows: int) -> dict:
 def child(args) -> None:
   """The measurements in this process (the emulated card's pool set by the parent): one JSON
   line, RESULT."""
+  def room_for_rows(placed):
+    """As the server sizes it: the cache gets what --rows sequences leave (the plan has one)."""
+    bd = placed.breakdown
+    if args.expert_cache_gb == "auto":
+      free = bd.headroom + bd.expert_cache - bd.slack - (args.rows - 1) * (bd.kv_cache + bd.state)
+      placed.with_expert_cache("auto", free=max(0, free))
+
   eng = jaxvt.load(args.model, max_context=args.conversation + args.turn + args.steps + 64,
                    offload_gb=float(args.budget), device_gb=args.device_gb,
-                   expert_cache_gb=args.expert_cache_gb)
+                   expert_cache_gb=args.expert_cache_gb, on_plan=room_for_rows)
   with eng:
     cp = eng.plan.expert_cache
     out = measure(eng, args.conversation, args.turn, args.rows, args.steps, args.prompt,
