@@ -129,7 +129,8 @@ class Products:
 #   tile kernel from 32 rows;
 # - routed experts on the grouped kernel from 256 slots (per slot won in HBM at 128 and 512
 #   slots, but from the host tier per-slot reads about S experts against E (1 - (1 - 1/E)^S)
-#   distinct ones grouped);
+#   distinct ones grouped), except the short calls jaxvt.offload.cost.products_for routes per
+#   slot through the expert cache, which reads each distinct expert over the bus at most once;
 # - host-tier expert layers copied ahead from 4 slots per expert, two rings where layers are
 #   adjacent;
 # - decode predicts the next host-tier layer's 2 likeliest experts (at 8 blocks each, inline),
