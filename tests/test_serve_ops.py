@@ -140,6 +140,10 @@ def test_metrics_need_the_key_and_count_what_the_clients_saw(ops):
   xs0, xs1 = health0["expert_cache"], health1["expert_cache"]
   assert d("jaxvt:expert_cache_hits_total") >= xs1["hits"] - xs0["hits"] > 0
   assert d("jaxvt:expert_cache_misses_total") >= xs1["misses"] - xs0["misses"]
+  # a filled expert is read once a call however many slots route to it
+  assert 0 < xs1["fills"] - xs0["fills"] <= xs1["misses"] - xs0["misses"]
+  assert 0 < val(after, "jaxvt:expert_cache_fill_bytes_total") <= val(
+      after, "jaxvt:expert_cache_host_bytes_total")
   assert val(after, "jaxvt:expert_cache_hit_bytes_total") > 0
 
   # one access line per request, with the tokens the client was told of

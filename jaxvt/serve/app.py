@@ -291,7 +291,7 @@ def build(engine, loop: EngineLoop, model_id: str, api_key: str | None = None,
     reuse = {} if pc is None else {"entries": len(pc), "bytes": pc.nbytes, "hits": pc.hits,
                                    "reused_tokens": pc.reused_tokens}
     xs = expert_cache_stats(engine.weights)
-    experts = {} if xs is None else {"hits": xs.hits, "misses": xs.misses,
+    experts = {} if xs is None else {"hits": xs.hits, "misses": xs.misses, "fills": xs.fills,
                                      "hit_rate": round(xs.hit_rate, 4)}
     return JSONResponse({"status": "ok", "requests": loop.counts(), "serve": info or {},
                          "memory": memory, "prefix_cache": reuse, "expert_cache": experts})

@@ -21,6 +21,8 @@ instrumentator's `http_requests_total`), with llama-server's meaning for slots:
   jaxvt:expert_cache_hits_total, jaxvt:expert_cache_misses_total   routed-expert reads
                                                   (jaxvt.engine.expert_cache_stats)
   jaxvt:expert_cache_hit_bytes_total, jaxvt:expert_cache_host_bytes_total   bytes they read
+  jaxvt:expert_cache_fill_bytes_total           bytes the misses read over the bus: each
+                                                  distinct missed expert of a call once
 
 The engine loop tells `Metrics` of each request's life (EngineLoop.observer: submitted,
 admitted, tokens, finished; on the loop's thread, cheap). `AccessLog`, an ASGI middleware, counts
@@ -196,6 +198,9 @@ class _Scraped:
                      xs.hit_bytes)
       yield _counter("jaxvt:expert_cache_host_bytes", "Bytes the expert cache's misses read",
                      xs.host_bytes)
+      yield _counter("jaxvt:expert_cache_fill_bytes",
+                     "Bytes the expert cache filled over the bus (a call's distinct misses)",
+                     xs.fill_bytes)
 
 
 def _prefix_sizes(pc) -> tuple[int, int]:
