@@ -99,15 +99,15 @@ def moe_file(tmp_path_factory):
   return path
 
 
-def _prefill(eng, ex, cache, tokens: list[int], start: int, T: int):
+def _prefill(eng, ex, cache, tokens: list[int], start: int, T: int, weights=None):
   """One prefill program of T positions holding `tokens` from `start`: (logits, cache)."""
   n = len(tokens)
   toks = jnp.asarray([tokens + [0] * (T - n)], jnp.int32)
   pos = jnp.arange(start, start + T, dtype=jnp.int32)[None]
   valid = jnp.arange(T)[None] < n
   last = jnp.asarray([n - 1], jnp.int32)
-  return engine.prefill_fn(eng.weights, cache, toks, pos, valid, last, cfg=eng.cfg, ex=ex,
-                           kv_len=eng.kv_len(start + T))
+  return engine.prefill_fn(eng.weights if weights is None else weights, cache, toks, pos, valid,
+                           last, cfg=eng.cfg, ex=ex, kv_len=eng.kv_len(start + T))
 
 
 def _stats(eng):
@@ -117,10 +117,11 @@ def _stats(eng):
 @needs_ext
 def test_short_turns_read_through_the_cache_with_the_streamed_bits(moe_file):
   """Every routed expert in the host tier, a cache for all of them. Two turns (12 tokens, then
-  5 more after them), each a 16-position program: streamed (whole layers copied into rings) and
-  routed (the crossover above 16 positions) give the same logits and KV cache bit for bit; the
-  routed calls count exactly the real tokens' routed slots in every cached layer (padding routes
-  nowhere), fill each distinct expert once, and the second turn hits what the first filled."""
+  5 more after them), each a 16-position program: streamed (whole layers copied into rings),
+  routed (the crossover above 16 positions) and routed without the cache (each expert read in
+  place) give the same logits and KV cache bit for bit; the routed calls count exactly the real
+  tokens' routed slots in every cached layer (padding routes nowhere), fill each distinct expert
+  once, and the second turn hits what the first filled."""
   with jaxvt.load(moe_file, max_context=64, offload_gb=64, expert_cache_gb=0.05) as eng:
     cp = eng.plan.expert_cache
     cfg = eng.cfg
@@ -134,18 +135,23 @@ def test_short_turns_read_through_the_cache_with_the_streamed_bits(moe_file):
     assert schedule.cached(eng.weights, cfg, routed, T)
     rng = np.random.default_rng(7)
     turns = [[int(t) for t in rng.integers(3, 300, 12)], [int(t) for t in rng.integers(3, 300, 5)]]
-    caches = {"streamed": eng.new_cache(1), "routed": eng.new_cache(1)}
+    plain = {n: v for n, v in eng.weights.items() if n != CACHE}
+    arms = {"streamed": (streamed, None), "routed": (routed, None), "uncached": (routed, plain)}
+    caches = {a: eng.new_cache(1) for a in arms}
     start = 0
     for i, toks in enumerate(turns):
-      before = _stats(eng)
       got = {}
-      for name, ex in (("streamed", streamed), ("routed", routed)):
-        got[name], caches[name] = _prefill(eng, ex, caches[name], toks, start, T)
-      d = _stats(eng) - before
-      np.testing.assert_array_equal(np.asarray(got["routed"]), np.asarray(got["streamed"]))
-      for key in caches["routed"]:
-        np.testing.assert_array_equal(np.asarray(caches["routed"][key]),
-                                      np.asarray(caches["streamed"][key]), err_msg=key)
+      for name, (ex, w) in arms.items():
+        if name == "routed":
+          before = _stats(eng)
+        got[name], caches[name] = _prefill(eng, ex, caches[name], toks, start, T, w)
+        if name == "routed":
+          d = _stats(eng) - before
+      for name in ("routed", "uncached"):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(got["streamed"]))
+        for key in caches[name]:
+          np.testing.assert_array_equal(np.asarray(caches[name][key]),
+                                        np.asarray(caches["streamed"][key]), err_msg=key)
       assert d.hits + d.misses == len(toks) * k * len(cp.layers)  # padding read nothing
       assert 0 < d.fills <= d.misses and d.fill_bytes > 0
       if i == 0:  # a cold cache: tokens share experts, each filled once
