@@ -127,11 +127,12 @@ def test_gpu_products_scale_the_prediction_per_layer():
   the host tier and scales per layer (predict_scale 3: down stacks alone get 6); a decode fetch
   is given as many ids as any layer can copy (at most 8); the CPU predicts nothing."""
   from jaxvt import engine
-  from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
+  from jaxvt.ffi.tuning import CPU_PRODUCTS, GPU_PRODUCTS, Products
   g = GPU_PRODUCTS
   assert (g.predict_after_host, g.predict_after_device, g.predict_blocks) == (2, 2, 8)
   assert g.predict_scale == 3 and g.predicted_ids() == 6 and g.prefetch_rings == 2
   assert dataclasses.replace(g, predict_after_device=3).predicted_ids() == 8
   assert dataclasses.replace(g, predict_scale=0).predicted_ids() == 2
   assert engine.exec_for("cuda", True, None).products == g
-  assert engine.exec_for("cpu", True, None).products == Products()
+  assert engine.exec_for("cpu", True, None).products == CPU_PRODUCTS
+  assert engine.exec_for("cpu", False, None).products == Products()  # no kernels: no fused step
