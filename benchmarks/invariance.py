@@ -7,10 +7,17 @@ jaxvt's arithmetic before the invariant default). Decode: steps of 1 and of 8 ro
 engine's decode program (jaxvt.engine.decode_fn on a cache of that many rows); prefill: prompts of 151 and 512 tokens
 (Engine.prefill). The arms alternate within every repeat, so a machine shared with other work
 disturbs both alike; medians and their ratio are reported.
+
+`--hybrid`: the same cases on a synthetic Qwen3.5-MoE-shaped file (jaxvt.synth, Q8_0, 8 layers of
+d_model 1024, DeltaNet layers of 16 value heads of 128 x 128, written once to --hybrid-file)
+with the DeltaNet mixer as jnp ("jnp": the recurrence, XLA's code for the conv, norms and
+gates) and as the fused step token by token ("fused": the CPU's default, bitwise invariant).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
 import time
 
@@ -21,17 +28,26 @@ import jaxvt
 from benchmarks import report
 from benchmarks.cli import parser_of, run
 from benchmarks.cpu import LONG
-from jaxvt import engine
+from jaxvt import engine, synth
 
 ARMS = ("llamacpp", "ggml")  # before (llama.cpp's recipe choice), after (the invariant default)
 PROMPTS = (151, 512)
 ROWS = (1, 8)
 
 
+HYBRID = dict(n_layers=8, d_model=1024, vocab_size=4096, n_heads=8, n_kv_heads=2, head_dim=128,
+              rope_dim=32, n_experts=32, n_experts_used=4, expert_ffn_dim=256,
+              shared_ffn_dim=256, ssm_k_heads=8, ssm_v_heads=16, ssm_k_dim=128, ssm_v_dim=128,
+              context_length=4096)
+
+
 def parser():
   ap = parser_of("invariance", __doc__)
   ap.add_argument("--steps", type=int, default=8, help="decode steps per timed program")
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--hybrid", action="store_true",
+                  help="the DeltaNet mixer's arms on a synthetic hybrid file instead")
+  ap.add_argument("--hybrid-file", default="/tmp/jaxvt-bench-invariance-q35.gguf")
   ap.add_argument("--no-write", action="store_true", help="print, do not write BENCHMARKS.md")
   return ap
 
@@ -64,17 +80,33 @@ def _prefill_rate(eng, ids: list[int]) -> float:
   return len(ids) / (time.perf_counter() - t)
 
 
+def _hybrid_engines(path: str) -> dict:
+  """The hybrid file's two arms: the DeltaNet mixer in jnp, and fused (the CPU's default)."""
+  if not os.path.exists(path):
+    synth.write_model(path, synth.tiny_config("qwen35moe", **HYBRID), "q8_0", seed=1)
+  engines = {arm: jaxvt.load(path, max_context=1024) for arm in HYBRID_ARMS}
+  ex = engines["jnp"].ex
+  engines["jnp"].ex = dataclasses.replace(
+      ex, products=dataclasses.replace(ex.products, gdn_fused=False))
+  return engines
+
+
+HYBRID_ARMS = ("jnp", "fused")
+
+
 def main(args) -> str:
-  engines = {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS}
+  arms = HYBRID_ARMS if args.hybrid else ARMS
+  engines = (_hybrid_engines(args.hybrid_file) if args.hybrid else
+             {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS})
   caches = {(arm, r): e.new_cache(r) for arm, e in engines.items() for r in ROWS}
-  prompts = {n: _prompt(engines[ARMS[0]], n) for n in PROMPTS}
+  prompts = {n: _prompt(engines[arms[0]], n) for n in PROMPTS}
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
-  rates = {(arm, c): [] for arm in ARMS for c in cases}
+  rates = {(arm, c): [] for arm in arms for c in cases}
   ratios = {c: [] for c in cases}  # after / before of adjacent runs: drift of the load cancels
   for rep in range(args.repeats + 1):  # the first round compiles: not counted
     for c in cases:
       got = {}
-      for arm in (ARMS if rep % 2 else ARMS[::-1]):
+      for arm in (arms if rep % 2 else arms[::-1]):
         kind, n = c
         if kind == "decode":
           got[arm], caches[(arm, n)] = _decode_rate(engines[arm], caches[(arm, n)], args.steps)
@@ -83,9 +115,14 @@ def main(args) -> str:
         if rep:
           rates[(arm, c)].append(got[arm])
       if rep:
-        ratios[c].append(got["ggml"] / got["llamacpp"])
+        ratios[c].append(got[arms[1]] / got[arms[0]])
   med = {k: statistics.median(v) for k, v in rates.items()}
   cmd = f"python -m benchmarks.invariance --steps {args.steps} --repeats {args.repeats}"
+  if args.hybrid:
+    lines = _hybrid_lines(args, cmd + " --hybrid", cases, med, ratios)
+    for e in engines.values():
+      e.close()
+    return report.publish("invariance-hybrid", lines, write=not args.no_write)
   lines = ["## Cost of scheduling-invariant arithmetic (CPU, default model)\n",
            f"Command: `{cmd}`  ", f"Machine: {report.machine()}  ",
            f"Date: {report.stamp()}\n",
@@ -109,6 +146,30 @@ def main(args) -> str:
   for e in engines.values():
     e.close()
   return report.publish("invariance", lines, write=not args.no_write)
+
+
+def _hybrid_lines(args, cmd: str, cases, med, ratios) -> list[str]:
+  lines = ["## Cost of the bitwise-invariant DeltaNet mixer (CPU, a hybrid file)\n",
+           f"Command: `{cmd}`  ", f"Machine: {report.machine()}  ",
+           f"Date: {report.stamp()}\n",
+           "A synthetic Qwen3.5-MoE-shaped file (Q8_0; 8 layers of d_model 1024, 6 DeltaNet "
+           "layers of 16 value heads of 128 x 128; benchmarks.invariance.HYBRID), two engines in "
+           "one process, the arms alternating within each repeat (the machine is shared: "
+           "compare the ratio, not the rates). \"jnp\": the DeltaNet mixer in jnp (the "
+           "recurrence; XLA's conv, norms and gates, whose bits depend on the shapes); "
+           "\"fused\": the CPU's default, the fused step kernel token by token, the same bits "
+           f"however the tokens are scheduled. Decode: {args.steps} steps of 1 and 8 rows; "
+           f"prefill: Engine.prefill. Medians of {args.repeats} repeats after a compiling one; "
+           "the ratio is the median of each repeat's adjacent pair (its range beside it).\n",
+           "| case | jnp tok/s | fused (default) tok/s | fused / jnp (range) |",
+           "|---|---|---|---|"]
+  for kind, n in cases:
+    a, b = med[("jnp", (kind, n))], med[("fused", (kind, n))]
+    r = ratios[(kind, n)]
+    what = f"decode, {n} row{'s' if n > 1 else ''}" if kind == "decode" else f"prefill, {n} tokens"
+    lines.append(f"| {what} | {a:.1f} | {b:.1f} | {statistics.median(r):.3f} "
+                 f"({min(r):.2f}-{max(r):.2f}) |")
+  return lines
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -127,7 +127,7 @@ def test_gpu_products_scale_the_prediction_per_layer():
   the host tier and scales per layer (predict_scale 3: down stacks alone get 6); a decode fetch
   is given as many ids as any layer can copy (at most 8); the CPU predicts nothing."""
   from jaxvt import engine
-  from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
+  from jaxvt.ffi.tuning import CPU_PRODUCTS, GPU_PRODUCTS, Products
   g = GPU_PRODUCTS
   assert (g.predict_after_host, g.predict_after_device, g.predict_blocks) == (2, 2, 8)
   assert g.predict_scale == 3 and g.predicted_ids() == 6 and g.prefetch_rings == 2
@@ -137,4 +137,5 @@ def test_gpu_products_scale_the_prediction_per_layer():
   # the engine's row: the table's, with the short-call crossover of the platform's rates
   assert engine.exec_for("cuda", True, None).products == dataclasses.replace(
       g, routed_per_expert=cost.routed_crossover(cost.DEFAULT_RATES["cuda"]))
-  assert engine.exec_for("cpu", True, None).products == Products()
+  assert engine.exec_for("cpu", True, None).products == CPU_PRODUCTS
+  assert engine.exec_for("cpu", False, None).products == Products()  # no kernels: no fused step

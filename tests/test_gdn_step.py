@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import jaxvt
-from jaxvt import engine, ffi
+from jaxvt import engine, ffi, synth
 from jaxvt.errors import JaxvtError
 from jaxvt.ffi import gdn
+from jaxvt.model import deltanet
 from jaxvt.model.deltanet import gdn_step_ref
-from jaxvt.ffi.tuning import GPU_PRODUCTS, Products
+from jaxvt.ffi.tuning import CPU_PRODUCTS, GPU_PRODUCTS, Products
 
 from test_ffi_cases import (assert_rel, assert_written_in_place, chained_steps, decode_text,
                             kernel_and_reference, prefill_text)
@@ -185,10 +186,11 @@ def qwen35moe(tmp_path_factory):
 
 def test_fused_decode_in_the_model(qwen35moe):
   """The tiny Qwen3.5-MoE model decodes 8 greedy tokens after a prompt with the engine's rule
-  (on the CPU, Products()) once with gdn_fused and once without (on the CPU its kernel stands in
-  for the GPU's): logits close, the same tokens; only the fused decode program holds
-  jaxvt_gdn_step, and prefill never does."""
-  assert GPU_PRODUCTS.gdn_fused and not Products().gdn_fused
+  (on the CPU, CPU_PRODUCTS) once with gdn_fused and once without: logits close, the same
+  tokens; only the fused decode program holds jaxvt_gdn_step; a prefill holds it under the
+  CPU's rule (token by token) and not under one that takes the chunked form at its length."""
+  assert GPU_PRODUCTS.gdn_fused and CPU_PRODUCTS.gdn_fused and not Products().gdn_fused
+  assert CPU_PRODUCTS.gdn_chunked_rows == 0 and GPU_PRODUCTS.gdn_chunked_rows <= 16
   with jaxvt.load(qwen35moe, max_context=64) as eng:
     rule = lambda on: dataclasses.replace(
         eng.ex, products=dataclasses.replace(eng.ex.products, gdn_fused=on))
@@ -217,8 +219,10 @@ def test_fused_decode_in_the_model(qwen35moe):
     spec = jax.eval_shape(lambda: eng.new_cache(1))
     lower = lambda ex: decode_text(eng, spec, ex, tok0, pos0, eng.kv_len(pos0 + 1))
     assert "jaxvt_gdn_step" in lower(fused) and "jaxvt_gdn_step" not in lower(plain)
-    text = prefill_text(eng, spec, fused, 16)
-    assert "jaxvt_gdn_step" not in text
+    assert "jaxvt_gdn_step" in prefill_text(eng, spec, fused, 16)
+    chunked = dataclasses.replace(fused, products=dataclasses.replace(
+        fused.products, gdn_chunked_rows=GPU_PRODUCTS.gdn_chunked_rows))
+    assert "jaxvt_gdn_step" not in prefill_text(eng, spec, chunked, 16)
 
 
 def test_fused_decode_updates_the_stacks_in_place(qwen35moe):
@@ -232,3 +236,55 @@ def test_fused_decode_updates_the_stacks_in_place(qwen35moe):
     compiled = lambda on: decode_text(eng, spec, rule(on), 1, 3, eng.kv_len(4), True)
     assert_written_in_place(compiled(True), compiled(False), "jaxvt_gdn_step",
                             {name: spec[name].shape for name in ("ssm", "conv")})
+
+
+def _steps_inputs(rng, b, t, nk=2, nv=4, dk=16, dv=32, K=4, L=3):
+  n = lambda *s, scale=1.0: jnp.asarray((scale * rng.standard_normal(s)).astype(np.float32))
+  cd = 2 * nk * dk + nv * dv
+  seq = dict(mixed=n(b, t, cd), z=n(b, t, nv * dv), beta=n(b, t, nv), alpha=n(b, t, nv))
+  stacks = (jnp.asarray(-np.exp(rng.uniform(0, 1, (L, nv))).astype(np.float32)), n(L, nv),
+            n(L, cd, K, scale=0.5), 1 + n(L, dv, scale=0.1))
+  states = (n(L, b, K - 1, cd), n(L, b, nv, dk, dv, scale=0.3))
+  return seq, stacks, states
+
+
+def _steps(seq, stacks, states, valid, cfg, gi=1):
+  return deltanet.gdn_steps(seq["mixed"], seq["z"], seq["beta"], seq["alpha"], stacks, *states,
+                            jnp.asarray(valid), jnp.int32(gi), cfg)
+
+
+def test_steps_give_the_same_bits_however_the_tokens_are_scheduled():
+  """The token-by-token fused mixer (deltanet.gdn_steps, the CPU's prefill and decode) gives a
+  token the same bits whether its prompt came in one call, in two pieces or one token a call,
+  and whether its row ran alone or beside other rows with padding; against the jnp recurrence
+  (gdn_mix) within float32 rounding."""
+  cfg = synth.tiny_config("qwen35moe")
+  rng = np.random.default_rng(7)
+  b, t = 3, 9
+  seq, stacks, states = _steps_inputs(rng, b, t)
+  valid = np.ones((b, t), bool)
+  valid[2, 6:] = False  # a shorter row padded on the right
+  y, conv, ssm = _steps(seq, stacks, states, valid, cfg)
+
+  cut = lambda a, b0, b1, t0, t1: {k: v[b0:b1, t0:t1] for k, v in a.items()}
+  alone = lambda r: tuple(s[:, r:r + 1] for s in states)
+  for r in range(b):  # row r alone, in one call, in two pieces and token by token
+    one = _steps(cut(seq, r, r + 1, 0, t), stacks, alone(r), valid[r:r + 1], cfg)
+    np.testing.assert_array_equal(one[0], y[r:r + 1])
+    for pieces in ((0, 4, t), tuple(range(t + 1))):
+      st, ys = alone(r), []
+      for t0, t1 in zip(pieces, pieces[1:]):
+        y_p, *st = _steps(cut(seq, r, r + 1, t0, t1), stacks, st, valid[r:r + 1, t0:t1], cfg)
+        ys.append(y_p)
+      np.testing.assert_array_equal(jnp.concatenate(ys, axis=1), y[r:r + 1])
+      np.testing.assert_array_equal(st[0], conv[:, r:r + 1])
+      np.testing.assert_array_equal(st[1], ssm[:, r:r + 1])
+
+  gi = 1
+  want, wc, ws = deltanet.gdn_mix(seq["mixed"], seq["z"], seq["beta"], seq["alpha"],
+                                  *(s[gi] for s in stacks), states[0][gi], states[1][gi],
+                                  jnp.asarray(valid), EPS, "tiled", chunked=False)
+  assert_rel(y[valid], want[valid], "y", TOL)  # (padding's y is undefined)
+  assert_rel(ssm[gi], ws, "ssm state", TOL)
+  assert_rel(conv[gi], wc, "conv state", TOL)
+  np.testing.assert_array_equal(conv[0], states[0][0])  # other layers untouched

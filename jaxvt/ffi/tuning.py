@@ -22,8 +22,9 @@ ROUTED_SLOTS_MAX = 1023
 class Products:
   """The per-product kernel rule: how x [n, cols] times one layer of a stack is computed, and
   what moves host-tier layers ahead of their use. Each count is the row (slot) count from which
-  its path is taken; 0 never takes it. Products() (every field 0) is the CPU's rule: the matvec
-  kernels, which are the CPU's arithmetic contract (docs/NUMERICS.md).
+  its path is taken; 0 never takes it. Products() (every field 0) takes the matvec kernels and
+  the jnp steps everywhere; the CPU's row (CPU_PRODUCTS) adds only the fused DeltaNet step
+  (docs/NUMERICS.md has the CPU's arithmetic contract).
 
   Dense matrices: "matvec" (ops.qmatmul: reads the layer in place once per 4 rows of x under
   integer products, per 16 in float32), "tiled" (grouped.qmatmul_tiled: once per 32 rows, tensor
@@ -36,14 +37,20 @@ class Products:
 
   fused_route / gdn_fused / attn_fused: the MoE router's softmax-top-k, a DeltaNet layer's and an
   attention layer's decode step as one custom call each instead of a dozen or more small XLA
-  kernels (float32, summed in another order than the jnp path; off on the CPU, whose jnp and
-  ggml paths are matched against llama.cpp).
+  kernels (float32, summed in another order than the jnp path). The router and attention stay
+  off on the CPU, whose jnp and ggml paths are matched against llama.cpp; the DeltaNet step is
+  on there: below gdn_chunked_rows tokens a prefill takes it token by token too
+  (model.deltanet.gdn_steps), so a token's mixer gives the same bits in a prefill of any length,
+  in decode and in any batch (jnp's conv, norms and gates came out an ulp apart with the shapes);
+  on the CPU it decodes a hybrid file 1.6x faster than the jnp mixer and prefills at 0.98x
+  (`python -m benchmarks.invariance --hybrid`).
 
   gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
   form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
   a prefix-cache hit, a prefill in pieces and a cold prefill give the same bits (the CPU's: there
   the recurrence is also ~16x faster, 94 against 1555 ms for 512 tokens of 16 heads of
-  128 x 128 on the shared 2-core machine).
+  128 x 128 on the shared 2-core machine; the fused step token by token took 81 against the jnp
+  recurrence's 71 ms in the same comparison).
 
   prefetch_per_expert: from this many routed slots per expert (T*k >= this * E) a call copies
   each host-tier layer of the routed experts' stacks into a device ring ahead of its turn while
@@ -145,7 +152,10 @@ GPU_PRODUCTS = Products(tiled_rows=32, stage_rows=16, stage_max_bytes=512 << 20,
                         predict_after_device=2, predict_inline=True, predict_blocks=8,
                         predict_scale=3)
 
-TUNING: dict[str, Products] = {"cpu": Products(), "cuda": GPU_PRODUCTS, "rocm": GPU_PRODUCTS}
+# The CPU: the matvec kernels (its arithmetic contract) and the fused DeltaNet step.
+CPU_PRODUCTS = Products(gdn_fused=True)
+
+TUNING: dict[str, Products] = {"cpu": CPU_PRODUCTS, "cuda": GPU_PRODUCTS, "rocm": GPU_PRODUCTS}
 
 
 def products_for(platform: str) -> Products:

@@ -206,6 +206,28 @@ def gdn_step_ref(mixed, z, beta_raw, alpha_raw, a, dt_bias, conv_w, norm_w, conv
           ssm_state.at[ls].set(ssm.astype(ssm_state.dtype)))
 
 
+def gdn_steps(mixed, z, beta, alpha, stacks, conv_states, ssm_states, valid, gi,
+              cfg: ModelConfig):
+  """The fused decode step (jaxvt.ffi.gdn.gdn_step) at each of the t tokens in turn, on the
+  whole state stacks: a token's arithmetic is then the same in a prefill of any length, after a
+  prefix hit and in decode, and does not depend on the other rows (each row's sums run in a
+  fixed order). mixed, z, beta, alpha [b, t, ...]; valid [b, t]. Returns (y [b, t, nv dv],
+  conv_states, ssm_states)."""
+  def step(carry, xs):
+    conv, ssm = carry
+    m_t, z_t, b_t, a_t, v_t = xs
+    y_t, conv, ssm = gdn.gdn_step(m_t, z_t, b_t, a_t, *stacks, conv, ssm, v_t, gi,
+                                  eps=cfg.rms_eps, order=cfg.ssm_value_order)
+    return (conv, ssm), y_t
+
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (mixed, z, beta, alpha, valid))
+  if mixed.shape[1] == 1:  # decode: no loop
+    (conv_states, ssm_states), y = step((conv_states, ssm_states), tuple(x[0] for x in xs))
+    return y[:, None], conv_states, ssm_states
+  (conv_states, ssm_states), y = jax.lax.scan(step, (conv_states, ssm_states), xs)
+  return jnp.moveaxis(y, 0, 1), conv_states, ssm_states
+
+
 def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelConfig, ex: Exec):
   """One Gated DeltaNet mixer (the block's residual and norms live in the decoder).
 
@@ -228,17 +250,16 @@ def deltanet_block(h, w: dict, gi, conv_states, ssm_states, valid, cfg: ModelCon
         h, [w["gdn.w_qkv"], w["gdn.w_z"], w["gdn.w_beta"], w["gdn.w_alpha"]], gi, ex)
     # mixed [b, t, conv_dim] = [q | k | v]; z [b, t, nv dv]; beta, alpha [b, t, nv]
   stacks = (w["gdn.a"], w["gdn.dt_bias"], w["gdn.conv"], w["gdn.norm"])
-  if t == 1 and ex.backend.fused("gdn", ex):
+  rows = ex.products.gdn_chunked_rows
+  chunked = bool(rows) and t >= rows
+  if ex.backend.fused("gdn", ex) and not chunked:
     with jax.named_scope("gdn_step"):
-      y, conv_states, ssm_states = gdn.gdn_step(
-          mixed[:, 0], z[:, 0], beta[:, 0], alpha[:, 0], *stacks, conv_states, ssm_states,
-          valid[:, 0], gi, eps=cfg.rms_eps, order=cfg.ssm_value_order)
-      y = y[:, None]
+      y, conv_states, ssm_states = gdn_steps(mixed, z, beta, alpha, stacks, conv_states,
+                                             ssm_states, valid, gi, cfg)
   else:
     vecs = tuple(x[gi] for x in stacks)
-    rows = ex.products.gdn_chunked_rows
     y, conv, ssm = gdn_mix(mixed, z, beta, alpha, *vecs, conv_states[gi], ssm_states[gi], valid,
-                           cfg.rms_eps, cfg.ssm_value_order, chunked=bool(rows) and t >= rows)
+                           cfg.rms_eps, cfg.ssm_value_order, chunked=chunked)
     conv_states = conv_states.at[gi].set(conv.astype(conv_states.dtype))
     ssm_states = ssm_states.at[gi].set(ssm.astype(ssm_states.dtype))
 

@@ -89,6 +89,9 @@ namespace avx2 {
 bool gemv_rows(int fmt, const uint8_t* w, int64_t cols, const Batch& batch, int64_t r0, int64_t r1);
 bool gemv_q8_rows(int fmt, const uint8_t* w, int64_t cols, const QBatch& batch, int64_t r0,
                   int64_t r1);
+// The fused DeltaNet step's heads [t0, t1) (kernels_cpu_gdn_avx2.cc, gdn_heads_impl.h).
+void gdn_heads_rows(const gdn::Dims& d, const gdn::Args& a, const gdn::Layer& l, int64_t t0,
+                    int64_t t1);
 }
 bool use_avx2();  // the CPU has AVX2+FMA+F16C and the portable path is not forced
 
