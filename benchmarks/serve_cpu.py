@@ -29,6 +29,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 
 from benchmarks import report
 from benchmarks.cli import child_env
@@ -37,21 +38,19 @@ STREAMS = (1, 4)
 TOKENS = 64
 PROMPT = 16
 CONTEXT = 256
-ROUNDS = 5
+ROUNDS = 7
 DECODE_GOAL = 0.90  # one stream's decode rate over the API's
 LLAMA_GOAL = 1.0  # four streams over llama-server's
 
-# The API in a child process: loads the default model, then for each line "SEED" on stdin runs
-# one generate and prints its rates as a JSON line.
+# The API in a child process: loads the default model, then for each line on stdin (a JSON list
+# of token ids) runs one generate of that prompt and prints its rates as a JSON line.
 _API = """
 import json, sys, jaxvt
 from jaxvt import SamplingParams
 eng = jaxvt.load(max_context={ctx})
 print("READY", flush=True)
 for line in sys.stdin:
-  seed = int(line)
-  prompt = [100 + (seed * 31 + j) % 5000 for j in range({p})]
-  g = eng.generate(prompt, max_tokens={n}, sampling=SamplingParams(temperature=0.0))
+  g = eng.generate(json.loads(line), max_tokens={n}, sampling=SamplingParams(temperature=0.0))
   st = g.stats
   print(json.dumps({{"decode": st.decode_tok_s, "whole": st.generated_tokens /
                     (st.prefill_seconds + st.decode_seconds), "tokens": st.generated_tokens}}),
@@ -64,7 +63,7 @@ class Api:
 
   def __init__(self):
     self.proc = subprocess.Popen(
-        [sys.executable, "-c", _API.format(ctx=CONTEXT, n=TOKENS, p=PROMPT)],
+        [sys.executable, "-c", _API.format(ctx=CONTEXT, n=TOKENS)],
         env=child_env({"JAX_PLATFORMS": "cpu"}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True)
     self._read("READY")
@@ -77,8 +76,8 @@ class Api:
       if want is None and line.startswith("{") or want and line.startswith(want):
         return line
 
-  def run(self, seed: int) -> dict:
-    self.proc.stdin.write(f"{seed}\n")
+  def run(self, prompt: list[int]) -> dict:
+    self.proc.stdin.write(json.dumps(prompt) + "\n")
     self.proc.stdin.flush()
     return json.loads(self._read())
 
@@ -87,14 +86,16 @@ class Api:
     self.proc.wait(60)
 
 
-def _prompt(seed: int, i: int = 0) -> list[int]:
-  return [100 + (seed * 31 + 7 * i + j) % 5000 for j in range(PROMPT)]
+def _prompt(*key: int) -> list[int]:
+  """The PROMPT random token ids of `key` (round, arm, stream): no prompt repeats another, so
+  neither server's prompt cache shortens a prefill (the two servers get the same prompts)."""
+  return np.random.default_rng(list(key)).integers(100, 5100, PROMPT).tolist()
 
 
-def streamed(s, seed: int, bias: dict) -> dict:
+def streamed(s, prompt: list[int], bias: dict) -> dict:
   """One streamed request: {"decode": tok/s from its first text event to its end, "whole":
   tok/s of the whole request, "tokens"}."""
-  body = {"prompt": _prompt(seed), "max_tokens": TOKENS, "temperature": 0, "logit_bias": bias,
+  body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "logit_bias": bias,
           "stream": True, "stream_options": {"include_usage": True}}
   first, n = None, 0
   t = time.perf_counter()
@@ -116,7 +117,8 @@ def concurrent_load(s, streams: int, seed: int, bias: dict) -> float:
   """Aggregate tok/s of `streams` concurrent greedy requests of TOKENS tokens, not streamed."""
   with concurrent.futures.ThreadPoolExecutor(streams) as ex:
     t = time.perf_counter()
-    done = list(ex.map(lambda i: s.complete(_prompt(seed, i), TOKENS, bias), range(streams)))
+    done = list(ex.map(lambda i: s.complete(_prompt(seed, 2 + streams, i), TOKENS, bias),
+                       range(streams)))
     wall = time.perf_counter() - t
   return sum(n for n, _ in done) / wall
 
@@ -139,15 +141,17 @@ def run(args, logs: str, server_cls, file_facts) -> dict:
            "-np", str(max(STREAMS)), "-t", "2", "-c", str(max(STREAMS) * CONTEXT), "--no-webui"],
           dict(os.environ), f"{logs}/serve_llama_cpu.log")
       out["llama"] = True
-    # warm-up: every program of the measured loads compiles (jaxvt) or pages in (llama.cpp)
-    api.run(1)
+    # warm-up: every program of the measured loads compiles (jaxvt) or pages in (llama.cpp):
+    # 1 to 4 streams, as the requests of a load may arrive in the engine loop a few at a time
+    api.run(_prompt(0, 0))
     for name, s in servers.items():
-      streamed(s, 1, bias)
-      for c in STREAMS:
-        concurrent_load(s, c, 1, bias)
+      streamed(s, _prompt(0, 1), bias)
+      for c in range(1, max(STREAMS) + 1):
+        concurrent_load(s, c, 0, bias)
     for i in range(ROUNDS):
-      seed = 2 + i
-      row = {"api": api.run(seed), "stream": streamed(servers["jaxvt"], seed, bias)}
+      seed = 1 + i
+      row = {"api": api.run(_prompt(seed, 0)),
+             "stream": streamed(servers["jaxvt"], _prompt(seed, 1), bias)}
       for name, s in servers.items():
         for c in STREAMS:
           row[f"{name}_{c}"] = concurrent_load(s, c, seed, bias)
