@@ -39,7 +39,8 @@ class BatchSession:
     # int32 [B, vocab] on the device: each slot's counts of the tokens its request generated
     # (the penalties' input), kept by the decode program; made when a request first needs it
     self.counts: jax.Array | None = None
-    self._last = None  # the last dispatch's (sampled tokens [steps, rows] on the device, steps)
+    # the last dispatch's sampled tokens [steps, rows] on the device, and its steps
+    self._sampled: tuple[jax.Array, int] | None = None
 
   def prefill(self, slot: int, tokens: list[int]) -> tuple[jax.Array, int]:
     """Prefills `tokens` into `slot`. Returns (logits [vocab] after the last token, how many
@@ -109,7 +110,7 @@ class BatchSession:
     e = self.engine
     put = jax.device_put
     if ahead:
-      last, last_steps = self._last
+      last, last_steps = self._sampled
       fed = _last_row(last, last_steps - 1)
     else:
       fed = put(toks)
@@ -121,7 +122,7 @@ class BatchSession:
         None if mask is None else put(mask), cfg=e.cfg, ex=e.ex,
         kv_len=e.kv_len(int(pos.max()) + steps), rows=rows, steps=steps, greedy=not t.any(),
         logprobs=logprobs)
-    self._last = (out, steps)
+    self._sampled = (out, steps)
     if penalized:
       self.counts = counts
     for s in feed:
