@@ -155,6 +155,7 @@ def run(args, logs: str, server_cls, file_facts) -> dict:
       for name, s in servers.items():
         for c in STREAMS:
           row[f"{name}_{c}"] = concurrent_load(s, c, seed, bias)
+      row["load"] = os.getloadavg()[0]  # the machine's 1-minute load average after the round
       out["rounds"].append(row)
       print(f"  round {i + 1}: " + ", ".join(
           f"{k} {v['decode']:.1f}/{v['whole']:.1f}" if isinstance(v, dict) else f"{k} {v:.1f}"
@@ -213,7 +214,11 @@ def section(r: dict, argv: list[str]) -> list[str]:
          "Decode: tokens after the first over the time after the first (the API's "
          "GenerationStats.decode_tok_s; the server's from its first streamed text to the end); "
          "whole: tokens over the whole call or request, prefill included. Concurrent streams: "
-         "not streamed, the aggregate tokens/s.\n",
+         "not streamed, the aggregate tokens/s. The machine's 1-minute load average after each "
+         f"round: {min(x['load'] for x in r['rounds']):.1f}-"
+         f"{max(x['load'] for x in r['rounds']):.1f} (on {os.cpu_count()} cores). llama.cpp's "
+         "threads spin while they wait for each other (its --poll), so other processes on the "
+         "cores slow llama-server more than the others: a busy round shows in its range.\n",
          "| arm | decode tok/s | whole tok/s |", "|---|---|---|",
          f"| the API | {f('api decode')} | {f('api whole')} |",
          f"| jaxvt.serve, one stream, streamed | {f('stream decode')} | {f('stream whole')} |",
