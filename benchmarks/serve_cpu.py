@@ -216,7 +216,8 @@ def section(r: dict, argv: list[str]) -> list[str]:
          "whole: tokens over the whole call or request, prefill included. Concurrent streams: "
          "not streamed, the aggregate tokens/s. The machine's 1-minute load average after each "
          f"round: {min(x['load'] for x in r['rounds']):.1f}-"
-         f"{max(x['load'] for x in r['rounds']):.1f} (on {os.cpu_count()} cores). llama.cpp's "
+         f"{max(x['load'] for x in r['rounds']):.1f} (on {os.cpu_count()} cores)"
+         + (f"; every arm ran at nice {os.nice(0)}" if os.nice(0) else "") + ". llama.cpp's "
          "threads spin while they wait for each other (its --poll), so other processes on the "
          "cores slow llama-server more than the others: a busy round shows in its range.\n",
          "| arm | decode tok/s | whole tok/s |", "|---|---|---|",
