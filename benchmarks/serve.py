@@ -13,8 +13,8 @@ same client load measures, over the OpenAI API:
   - aggregate decode throughput at 1, 2, 4 and 8 concurrent streams (--tokens each, greedy, the
     end-of-generation tokens biased away so every stream makes all its tokens).
 `--budgets cpu` (alone or with others) adds the CPU arm (benchmarks.serve_cpu): the embedded
-default model on the CPU backend, one and four streams, beside the Python API's decode rate,
-written as its own section, `serve-cpu`.
+default model on the CPU backend, one and four streams, side by side with the Python API's decode
+and llama-server `-np 4 -t 2` in alternating rounds, written as its own section, `serve-cpu`.
 `--memory`: two more jaxvt servers at the first offloaded budget, with 1 and 8 sequences and no
 prompt reuse, give the peak device memory each added sequence costs, against the planner's
 figure. `--write` writes the `serve` section of docs/BENCHMARKS.md.

@@ -90,3 +90,33 @@ def test_a_cancelled_request_frees_its_slot(smol):
     loop.close()
   assert long.finish_reason == "cancelled" and len(long.tokens) <= 4
   assert short.finish_reason == "length" and short.tokens == _alone(smol, short.prompt, 4)
+
+
+def test_requests_ended_while_the_next_program_runs(smol):
+  """The loop sends a decode program before reading the one before it (run ahead): a request
+  ended there by a stop string keeps the tokens up to its stop and nothing sampled after it,
+  the other request decoding beside it keeps the solo greedy tokens, and a request that takes
+  the freed slot afterwards gets its own solo greedy tokens."""
+  eng = smol
+  long = _alone(eng, eng.encode_prompt(PROMPTS[0]), 40)
+  text = eng.tokenizer.decode(long)
+  cut = len(eng.tokenizer.decode(long[:12]))  # a stop string that ends the text at token ~12
+  stop = text[cut - 3:cut]
+  assert stop and text.find(stop) == cut - 3
+  loop = EngineLoop(eng, max_batch=2, max_queue=4)
+  ahead = []
+  dispatch = loop.session.dispatch
+  loop.session.dispatch = lambda *a, **k: ahead.append(k.get("ahead", False)) or dispatch(*a, **k)
+  try:
+    stopped, beside = _run(loop, [
+        Request(prompt=eng.encode_prompt(PROMPTS[0]), max_tokens=40, stop=(stop,),
+                decoder=eng.tokenizer.stream_decoder()),
+        Request(prompt=eng.encode_prompt(PROMPTS[1]), max_tokens=30)])
+    after = _run(loop, [Request(prompt=eng.encode_prompt(PROMPTS[2]), max_tokens=N)])[0]
+  finally:
+    loop.close()
+  assert any(ahead)
+  assert stopped.finish_reason == "stop" and stopped.text == text[:cut - 3]
+  assert stopped.tokens == long[:len(stopped.tokens)] and len(stopped.tokens) < 40
+  assert beside.tokens == _alone(eng, beside.prompt, 30)
+  assert after.tokens == _alone(eng, after.prompt, N)

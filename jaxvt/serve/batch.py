@@ -39,6 +39,8 @@ class BatchSession:
     # int32 [B, vocab] on the device: each slot's counts of the tokens its request generated
     # (the penalties' input), kept by the decode program; made when a request first needs it
     self.counts: jax.Array | None = None
+    # the last dispatch's sampled tokens [steps, rows] on the device, and its steps
+    self._sampled: tuple[jax.Array, int] | None = None
 
   def prefill(self, slot: int, tokens: list[int]) -> tuple[jax.Array, int]:
     """Prefills `tokens` into `slot`. Returns (logits [vocab] after the last token, how many
@@ -86,6 +88,15 @@ class BatchSession:
     highest slot fed; rows of slots not in `feed` are meaningless), and with `logprobs` the numpy
     arrays of decode_slots_fn's logprobs, else None). The cache then holds the fed token and the
     first steps - 1 sampled ones of each row."""
+    return self.read(self.dispatch(feed, steps, logprobs, masks))
+
+  def dispatch(self, feed: dict[int, tuple], steps: int = 1, logprobs: bool = False,
+               masks: dict[int, np.ndarray] | None = None, ahead: bool = False):
+    """`decode` without waiting for it: returns its program's outputs on the device (`read`
+    waits for them). With `ahead`, each row is fed the last token the previous dispatch sampled
+    in it (that program may still be running; the same slots, and each row's parameters with
+    its token index past that program's tokens) and `feed`'s tokens are ignored: the host need
+    not have read them."""
     rows = bucket(max(feed) + 1, ROWS, self.batch)
     toks = np.zeros(rows, np.int32)
     # A row not fed still writes K/V rows: at that slot's next positions (masked until the slot
@@ -98,19 +109,34 @@ class BatchSession:
     mask = row_masks(rows, self.engine.cfg.vocab_size, masks)
     e = self.engine
     put = jax.device_put
+    if ahead:
+      last, last_steps = self._sampled
+      fed = _last_row(last, last_steps - 1)
+    else:
+      fed = put(toks)
     penalized = fp.any() or pp.any()  # else the counts are not needed and not kept
     out, self.cache, counts, lps = decode_slots_fn(
-        e.weights, self.cache, put(toks), put(pos), put(seeds), put(counters), put(t), put(k),
+        e.weights, self.cache, fed, put(pos), put(seeds), put(counters), put(t), put(k),
         put(p), None if bias is None else put(bias), self.counts if penalized else None,
         put(fp) if penalized else None, put(pp) if penalized else None,
         None if mask is None else put(mask), cfg=e.cfg, ex=e.ex,
         kv_len=e.kv_len(int(pos.max()) + steps), rows=rows, steps=steps, greedy=not t.any(),
         logprobs=logprobs)
+    self._sampled = (out, steps)
     if penalized:
       self.counts = counts
     for s in feed:
       self.positions[s] += steps
+    return out, lps
+
+  @staticmethod
+  def read(handle):
+    """A dispatch's (tokens, logprobs or None) as numpy arrays (waits for its program)."""
+    out, lps = handle
     return np.asarray(out), None if lps is None else tuple(np.asarray(a) for a in lps)
+
+
+_last_row = jax.jit(lambda out, i: out[i])
 
 
 # In place (the batch's cache donated): an eager update would copy all B slots' cache first.

@@ -165,10 +165,11 @@ class LeaderSession(BatchSession):
       self._send(["start", int(slot), int(token), bool(penalized)])
       super().start(slot, token, penalized)
 
-  def decode(self, feed, steps=1, logprobs=False, masks=None):
+  def dispatch(self, feed, steps=1, logprobs=False, masks=None, ahead=False):
     with self._lock, _or_stop():
-      self._send(["decode", _feed_json(feed), int(steps), bool(logprobs), _masks_json(masks)])
-      return super().decode(feed, steps, logprobs, masks=masks)
+      self._send(["decode", _feed_json(feed), int(steps), bool(logprobs), _masks_json(masks),
+                  bool(ahead)])
+      return super().dispatch(feed, steps, logprobs, masks=masks, ahead=ahead)
 
   def close(self) -> None:
     """Tells the followers to return (once)."""
@@ -200,8 +201,8 @@ def _follow_one(session: BatchSession, channel: Channel) -> bool:
   elif op == "start":
     session.start(*args)
   elif op == "decode":
-    feed, steps, logprobs, masks = args
-    session.decode(_feed_of(feed), steps, logprobs, masks=_masks_of(masks))
+    feed, steps, logprobs, masks, ahead = args
+    session.dispatch(_feed_of(feed), steps, logprobs, masks=_masks_of(masks), ahead=ahead)
   elif op not in ("tick", "stop"):
     raise ValueError(f"process 0 sent an unknown call {op!r}")
   return op == "stop"

@@ -1,7 +1,10 @@
 """The engine loop: one thread owns the device. Before each decode program it admits queued
 requests into free slots (each prefilled alone, b=1, into its slot, from the longest prefix the
 prefix cache holds) and samples their first tokens; then one decode program steps every active
-slot, each row sampled with its request's own parameters (jaxvt.sampling.sample_rows).
+slot, each row sampled with its request's own parameters (jaxvt.sampling.sample_rows). While
+the same requests go on, the next decode program is sent before the current one's tokens are
+read (`_ahead`), so the host's work on them (detokenizing, the listeners, the scheduler) runs
+while the device computes, as Engine.generate keeps a call in flight.
 
 A request learns of its progress through `Request.listener` (called on this thread with the
 request after each new token, and once more when it is done) and through the event `submit`
@@ -168,17 +171,50 @@ class EngineLoop:
       if not active:
         continue
       masks = {r.slot: r.constraint.mask() for r in active if r.constraint}
-      out, lps = self.session.decode({r.slot: (r.tokens[-1], _params(r)) for r in active}, steps,
-                                     logprobs=any(r.logprobs is not None for r in active),
-                                     masks=masks)
-      for i in range(steps):
-        self._record({r.slot: int(out[i, r.slot]) for r in active}, exact=i == steps - 1,
-                     compact=i == steps - 1,
-                     logprobs=None if lps is None else {
-                         r.slot: tuple(a[i, r.slot] for a in lps) for r in active})
+      run = (active, steps, self.session.dispatch(
+          {r.slot: (r.tokens[-1], _params(r)) for r in active}, steps,
+          logprobs=any(r.logprobs is not None for r in active), masks=masks))
+      while run is not None:
+        ahead = self._ahead(*run[:2])  # sent before this one's tokens are read
+        self._read(run, last=ahead is None)
+        run = ahead
+
+  def _ahead(self, active: list[Request], steps: int):
+    """The next decode program of `active`, dispatched while their current program of `steps`
+    steps runs (its tokens not read yet, so the host's reading, detokenizing and answering
+    overlap the device's next steps), where these requests go on whatever that program samples:
+    none is done, none waits for a slot, none is constrained or asks for logprobs (those need
+    each step's token on the host first), and each has tokens left to make after those steps
+    (an end-of-generation token or a stop string may still end one there: its tokens from this
+    program are then dropped). Returns (active, steps, the dispatch) or None."""
+    with self._cv:
+      if self.sched.queue or any(r.done or r.constraint or r.logprobs is not None
+                                 for r in active):
+        return None
+      pos = self.session.positions  # already past the current program
+      room = min(min(r.max_tokens - len(r.tokens) - steps,
+                     self.engine.max_context - int(pos[r.slot])) for r in active)
+      if room < 1:
+        return None
+      n = min(MAX_STEPS, 1 << (room.bit_length() - 1))
+      feed = {r.slot: (0, _params(r, len(r.tokens) + steps)) for r in active}
+    return active, n, self.session.dispatch(feed, n, ahead=True)
+
+  def _read(self, run: tuple, last: bool) -> None:
+    """Records the tokens of a dispatched decode program (`run`: active, steps, the dispatch);
+    `last`: no program was dispatched after it, so the cache holds exactly what it fed at its
+    end and the slots may be compacted."""
+    active, steps, handle = run
+    out, lps = self.session.read(handle)
+    for i in range(steps):
+      end = last and i == steps - 1
+      self._record({r.slot: int(out[i, r.slot]) for r in active}, exact=end, compact=end,
+                   logprobs=None if lps is None else {
+                       r.slot: tuple(a[i, r.slot] for a in lps) for r in active})
 
 
-def _params(r: Request) -> tuple:
-  """sample's row parameters of `r`'s next token (its index: how many it has made)."""
-  return (r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens), r.logit_bias,
-          r.frequency_penalty, r.presence_penalty)
+def _params(r: Request, index: int | None = None) -> tuple:
+  """sample's row parameters of `r`'s next token (its index: how many it has made, unless
+  `index` says which)."""
+  return (r.temperature, r.top_k, r.top_p, r.seed, len(r.tokens) if index is None else index,
+          r.logit_bias, r.frequency_penalty, r.presence_penalty)
