@@ -5,13 +5,14 @@
 //
 // Both products are tinyBLAS's A.B^T: one 8-lane accumulator per output over steps of 8 of the
 // reduced dimension, then ggml's hsum. KQ reduces over the head dim (A = the G q rows of a token,
-// B = K rows); KQV reduces over positions (A = the G probability rows, B = rows of V^T, which
-// the caller transposes once per call): lane l of an output's accumulator then sums the
-// positions s = l (mod 8) in order, the lane attend_one_v gives position s. A tile of MR rows x
-// NR columns loads each B vector (and converts it from f16) once for MR rows. Only the positions
-// up to each token's last are computed; the KQV's last block of 8 masks V^T's lanes past it, so
-// the positions it adds there are exactly 0 * 0 (a zero added to a nonzero sum leaves it as it is,
-// as attend_one_v's stop at the last position).
+// B = K rows, which the caller gathers contiguous once per call); KQV reduces over positions
+// (A = the G probability rows, B = rows of V^T, which the caller transposes once per call):
+// lane l of an output's accumulator then sums the positions s = l (mod 8) in order, the lane
+// attend_one_v gives position s. A tile of MR rows x NR columns loads each B vector (and converts
+// it from f16) once for MR rows. Only the positions up to each token's last are computed; the
+// KQV's last block of 8 masks V^T's lanes past it, so the positions it adds there are exactly
+// 0 * 0 (a zero added to a nonzero sum leaves it as it is, as attend_one_v's stop at the last
+// position).
 namespace {
 
 // hsum8 of four registers at once, ggml's order in each lane: out[j] = hsum8(a_j).
@@ -153,14 +154,13 @@ inline void softmax_row(float* w, int64_t last) {
 }  // namespace
 
 // Query tokens [t0, t1) of row bi, query heads kh * G .. kh * G + G - 1, the prompt recipe with
-// an f16 cache (attn_recipe's tiny_kq and tiny_v); vt: this (row, kv head)'s V^T, Dv rows of
-// vts >= every token's last + 1 positions (rounded up to 8) apart.
+// an f16 cache (attn_recipe's tiny_kq and tiny_v); kb: this (row, kv head)'s K rows, D apart; vt:
+// its V^T, Dv rows of vts >= every token's last + 1 positions (rounded up to 8) apart.
 void attention_block(const AttnArgs& a, int64_t bi, int64_t kh, int64_t t0, int64_t t1,
-                     const uint16_t* vt, int64_t vts) {
+                     const uint16_t* kb, const uint16_t* vt, int64_t vts) {
   thread_local std::vector<float> scratch;
   const int64_t G = a.H / a.K, D = a.D, Dv = a.Dv;
-  const uint16_t* kb = static_cast<const uint16_t*>(a.k) + (bi * a.S * a.K + kh) * D;
-  const int64_t kstride = a.K * D;
+  const int64_t kstride = D;
   for (int64_t ti = t0; ti < t1; ++ti) {
     float* out = a.o + ((bi * a.T + ti) * a.H + kh * G) * Dv;  // G heads, Dv apart
     const int64_t p = a.pos[bi * a.T + ti];
