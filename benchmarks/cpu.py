@@ -120,6 +120,7 @@ def bench_llamacpp(path: str, n_decode: int, repeats: int, threads: int) -> dict
     d, toks = decode_run()
     dec.append(d)
     pre.append(prefill_run())
+  llm.close()  # its threads and memory, before the long-prompt rows run in this process
   return dict(decode=statistics.median(dec), prefill=statistics.median(pre),
               version=llama_cpp.__version__, tokens=toks)
 
