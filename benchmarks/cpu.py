@@ -3,8 +3,9 @@
 Decode: greedy tokens after a short prompt; prefill: a longer prompt. Each engine runs once to
 warm up (jaxvt compiles; llama.cpp maps the file), then `repeats` timed runs; medians reported.
 Long prompts (`--long`, token counts): jaxvt prefills random token ids of each length with
-max_context the longest, warm (each length once to compile first), and reports each rate against
-the first length's, so that a part of prefill growing faster than the prompt shows.
+max_context the longest, warm (each length once to compile first; medians of `repeats` rounds),
+and reports each rate against the first length's, so that a part of prefill growing faster than
+the prompt shows.
 """
 
 from __future__ import annotations
@@ -57,18 +58,25 @@ def bench_jaxvt(n_decode: int, repeats: int) -> dict:
               prompt_long=len(long_ids), kernels=eng.ex.kernels, tokens=g.tokens, path=eng.path)
 
 
-def bench_long(lengths: list[int]) -> list[dict]:
+def bench_long(lengths: list[int], repeats: int) -> list[dict]:
   """jaxvt's warm prefill rate for a prompt of each length (random token ids), one engine with
-  max_context the longest length."""
+  max_context the longest length: the median of `repeats` runs after a compiling run, the
+  lengths taken in turn in each round (so that a slower spell of a shared machine falls on
+  every length alike)."""
   eng = jaxvt.load(max_context=max(lengths))
   rng = np.random.default_rng(0)
-  rows = []
-  for n in lengths:
-    ids = rng.integers(10, eng.cfg.vocab_size - 10, n).tolist()
+  prompts = [rng.integers(10, eng.cfg.vocab_size - 10, n).tolist() for n in lengths]
+  for ids in prompts:
     eng.prefill(ids)[0].block_until_ready()  # compile this length's programs
-    t = time.perf_counter()
-    eng.prefill(ids)[0].block_until_ready()
-    s = time.perf_counter() - t
+  times = [[] for _ in lengths]
+  for _ in range(repeats):
+    for ids, ts in zip(prompts, times):
+      t = time.perf_counter()
+      eng.prefill(ids)[0].block_until_ready()
+      ts.append(time.perf_counter() - t)
+  rows = []
+  for n, ts in zip(lengths, times):
+    s = statistics.median(ts)
     rows.append(dict(tokens=n, seconds=s, rate=n / s,
                      calls=" + ".join(f"{T}" for T, _ in eng.prefill_shapes(n))))
   eng.close()
@@ -112,6 +120,7 @@ def bench_llamacpp(path: str, n_decode: int, repeats: int, threads: int) -> dict
     d, toks = decode_run()
     dec.append(d)
     pre.append(prefill_run())
+  llm.close()  # its threads and memory, before the long-prompt rows run in this process
   return dict(decode=statistics.median(dec), prefill=statistics.median(pre),
               version=llama_cpp.__version__, tokens=toks)
 
@@ -141,11 +150,11 @@ def main(args) -> str:
                  "(pip install llama-cpp-python==0.3.36).")
   lengths = [int(v) for v in args.long.split(",") if v.strip()]
   if lengths:
-    rows = bench_long(lengths)
+    rows = bench_long(lengths, reps)
     base = rows[0]
     lines += [f"\nLong prompts: jaxvt's warm prefill of random token ids, `jaxvt.load(max_context="
-              f"{max(lengths)})`, one run each after a compiling run; the rate against the "
-              f"{base['tokens']}-token prompt's.\n",
+              f"{max(lengths)})`, medians of {reps} rounds (each length once a round) after a "
+              f"compiling run; the rate against the {base['tokens']}-token prompt's.\n",
               "| prompt tokens | prefill calls (program lengths) | seconds | tok/s | vs "
               f"{base['tokens']} |", "|---|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['calls']} | {r['seconds']:.2f} | {r['rate']:.1f} | "

@@ -73,7 +73,66 @@ void rope(const float* x, const int32_t* pos, int64_t ntok, int64_t nh, int64_t 
         });
 }
 
+namespace {
+
+#if defined(JAXVT_HAVE_AVX2_TU)
+// A call of at least kBlockTokens query tokens (a prefill) with an f16 cache takes the tiled
+// kernel: tasks of kTaskTokens tokens x one kv head's query heads, after K and V are gathered
+// once per (row, kv head). Fewer tokens (decode) take one (token, head) at a time, as does a row
+// whose recipe is not the prompt's (llama.cpp's one-token products under "llamacpp").
+constexpr int64_t kBlockTokens = 16;
+constexpr int64_t kTaskTokens = 4;
+
+bool tiled(const AttnArgs& a, bool half_cache) {
+  return fast() && half_cache && a.T >= kBlockTokens && a.D % 8 == 0 && a.Dv % 4 == 0 &&
+         a.kv_len % 8 == 0 && a.H % a.K == 0;
+}
+
+void attention_tiled(const AttnArgs& a) {
+  // The positions some real query sees (up to its last, rounded up to 8), per (row, kv head):
+  // K's rows contiguous (vts rows of D; the cache interleaves the kv heads, which at a long
+  // context's length leaves most of each line read unused) and V^T (Dv rows of vts positions).
+  int64_t seen = 0;
+  for (int64_t bi = 0; bi < a.B; ++bi)
+    for (int64_t ti = 0; ti < std::min<int64_t>(a.nq[bi], a.T); ++ti)
+      seen = std::max<int64_t>(seen, std::min<int64_t>(a.pos[bi * a.T + ti] + 1, a.kv_len));
+  const int64_t vts = std::max<int64_t>(8, (seen + 7) & ~int64_t{7});
+  std::vector<uint16_t> kc(a.B * a.K * a.D * vts), vt(a.B * a.K * a.Dv * vts);
+  auto gather = [&](int64_t u) {
+    const int64_t bi = u / a.K, kh = u % a.K;
+    const uint16_t* k = static_cast<const uint16_t*>(a.k) + (bi * a.S * a.K + kh) * a.D;
+    for (int64_t s = 0; s < vts; ++s)
+      std::memcpy(kc.data() + (u * vts + s) * a.D, k + s * a.K * a.D, a.D * sizeof(uint16_t));
+    const uint16_t* v = static_cast<const uint16_t*>(a.v) + (bi * a.S * a.K + kh) * a.Dv;
+    uint16_t* dst = vt.data() + u * a.Dv * vts;
+    for (int64_t s0 = 0; s0 < vts; s0 += 8)
+      for (int64_t c = 0; c < a.Dv; ++c)
+        for (int64_t s = s0; s < s0 + 8; ++s) dst[c * vts + s] = v[s * a.K * a.Dv + c];
+  };
+  parallel_for(a.B * a.K, gather);
+  const int64_t blocks = (a.T + kTaskTokens - 1) / kTaskTokens, G = a.H / a.K;
+  auto task = [&](int64_t u) {  // the longest (latest) token blocks first
+    const int64_t blk = blocks - 1 - u / (a.B * a.K), bi = u / a.K % a.B, kh = u % a.K;
+    const int64_t t0 = blk * kTaskTokens, t1 = std::min(t0 + kTaskTokens, a.T);
+    if (portable::attn_recipe(a, bi, true).tiny_kq && portable::attn_recipe(a, bi, true).tiny_v)
+      return avx2::attention_block(a, bi, kh, t0, t1, kc.data() + (bi * a.K + kh) * a.D * vts,
+                                   vt.data() + (bi * a.K + kh) * a.Dv * vts, vts);
+    for (int64_t ti = t0; ti < t1; ++ti)
+      for (int64_t h = kh * G; h < kh * G + G; ++h) {
+        const int64_t unit = (bi * a.T + ti) * a.H + h;
+        avx2::attention(a, true, unit, unit + 1);
+      }
+  };
+  parallel_for(blocks * a.B * a.K, task);
+}
+#endif
+
+}  // namespace
+
 void attention(const AttnArgs& a, bool half_cache) {
+#if defined(JAXVT_HAVE_AVX2_TU)
+  if (tiled(a, half_cache)) return attention_tiled(a);
+#endif
   const int64_t units = a.B * a.T * a.H;
   const int64_t work = std::max<int64_t>(1, a.kv_len * (a.D + a.Dv));
   split(units, std::max<int64_t>(1, 65536 / work), [&](int64_t u0, int64_t u1) {

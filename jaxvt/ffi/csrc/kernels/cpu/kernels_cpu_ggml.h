@@ -49,6 +49,12 @@ void swiglu(const float* g, const float* u, int64_t d, float* y, int64_t r0, int
 void rope(const float* x, const int32_t* pos, int64_t nh, int64_t hd, int64_t n_dims, float base,
           bool neox, float* y, int64_t t0, int64_t t1);
 void attention(const AttnArgs& a, bool half_cache, int64_t u0, int64_t u1);
+// The prompt recipe with an f16 cache for query tokens [t0, t1) of row bi and the query heads
+// of kv head kh, in register tiles (ggml_attn_block_avx2.h); kc: K of (bi, kh), vts rows of D
+// f16; vt: V^T of (bi, kh), Dv rows of vts positions (vts: at least every token's last position
+// + 1, rounded up to 8).
+void attention_block(const AttnArgs& a, int64_t bi, int64_t kh, int64_t t0, int64_t t1,
+                     const uint16_t* kc, const uint16_t* vt, int64_t vts);
 }  // namespace avx2
 
 }  // namespace jaxvt::cpu::ggml

@@ -1,6 +1,7 @@
 // ggml_ops_impl.h compiled for AVX2+FMA+F16C (-mavx2 -mfma -mf16c -ffp-contract=off); called
 // only after kernels_cpu.cc checked the CPU. Attention takes the explicitly vectorized copy of
-// attend_one in ggml_attn_avx2.h (same bits).
+// attend_one in ggml_attn_avx2.h, or for a prompt's calls its register tiles in
+// ggml_attn_block_avx2.h (same bits).
 #include <immintrin.h>
 
 #include <cmath>
@@ -18,6 +19,7 @@ namespace {
 #include "kernels/cpu/ggml_ops_impl.h"
 }  // namespace
 #include "kernels/cpu/ggml_attn_avx2.h"
+#include "kernels/cpu/ggml_attn_block_avx2.h"
 
 void rms_norm(const float* x, const float* w, int64_t d, float eps, float* y, int64_t r0,
               int64_t r1) {
