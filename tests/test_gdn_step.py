@@ -219,10 +219,10 @@ def test_fused_decode_in_the_model(qwen35moe):
     spec = jax.eval_shape(lambda: eng.new_cache(1))
     lower = lambda ex: decode_text(eng, spec, ex, tok0, pos0, eng.kv_len(pos0 + 1))
     assert "jaxvt_gdn_step" in lower(fused) and "jaxvt_gdn_step" not in lower(plain)
-    assert "jaxvt_gdn_step" in prefill_text(eng, spec, fused, 16)
-    chunked = dataclasses.replace(fused, products=dataclasses.replace(
-        fused.products, gdn_chunked_rows=GPU_PRODUCTS.gdn_chunked_rows))
-    assert "jaxvt_gdn_step" not in prefill_text(eng, spec, chunked, 16)
+    rows = lambda n: dataclasses.replace(fused, products=dataclasses.replace(
+        fused.products, gdn_chunked_rows=n))
+    assert "jaxvt_gdn_step" in prefill_text(eng, spec, rows(0), 16)  # the CPU's row
+    assert "jaxvt_gdn_step" not in prefill_text(eng, spec, rows(GPU_PRODUCTS.gdn_chunked_rows), 16)
 
 
 def test_fused_decode_updates_the_stacks_in_place(qwen35moe):

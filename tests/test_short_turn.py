@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,6 +111,20 @@ def _prefill(eng, ex, cache, tokens: list[int], start: int, T: int, weights=None
                            last, cfg=eng.cfg, ex=ex, kv_len=eng.kv_len(start + T))
 
 
+def _same(got, want, what: str) -> None:
+  """Bit for bit on the CPU. On a GPU to float32 rounding: the expert products are the same bits
+  (the decode-batch test below holds them to that), but XLA:GPU compiles the jnp parts of each
+  program (norms, the DeltaNet mixer's prefill, attention) for that program, and a program that
+  reads through the cache holds other ops than a streamed one; the first GPU run found ulp-level
+  differences in an attention layer's K rows (3% of them, at most 4.8e-7)."""
+  got, want = np.asarray(got), np.asarray(want)
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(got, want, err_msg=what)
+  else:
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1e-30),
+                               err_msg=what)
+
+
 def _stats(eng):
   return jaxvt.engine.expert_cache_stats(eng.weights)
 
@@ -119,9 +134,10 @@ def test_short_turns_read_through_the_cache_with_the_streamed_bits(moe_file):
   """Every routed expert in the host tier, a cache for all of them. Two turns (12 tokens, then
   5 more after them), each a 16-position program: streamed (whole layers copied into rings),
   routed (the crossover above 16 positions) and routed without the cache (each expert read in
-  place) give the same logits and KV cache bit for bit; the routed calls count exactly the real
-  tokens' routed slots in every cached layer (padding routes nowhere), fill each distinct expert
-  once, and the second turn hits what the first filled."""
+  place) give the same logits and KV cache bit for bit (on a GPU to float32 rounding: _same);
+  the routed calls count exactly the real tokens' routed slots in every cached layer (padding
+  routes nowhere), fill each distinct expert once, and the second turn hits what the first
+  filled."""
   with jaxvt.load(moe_file, max_context=64, offload_gb=64, expert_cache_gb=0.05) as eng:
     cp = eng.plan.expert_cache
     cfg = eng.cfg
@@ -148,10 +164,9 @@ def test_short_turns_read_through_the_cache_with_the_streamed_bits(moe_file):
         if name == "routed":
           d = _stats(eng) - before
       for name in ("routed", "uncached"):
-        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(got["streamed"]))
+        _same(got[name], got["streamed"], "logits")
         for key in caches[name]:
-          np.testing.assert_array_equal(np.asarray(caches[name][key]),
-                                        np.asarray(caches["streamed"][key]), err_msg=key)
+          _same(caches[name][key], caches["streamed"][key], key)
       assert d.hits + d.misses == len(toks) * k * len(cp.layers)  # padding read nothing
       assert 0 < d.fills <= d.misses and d.fill_bytes > 0
       if i == 0:  # a cold cache: tokens share experts, each filled once

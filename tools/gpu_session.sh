@@ -13,7 +13,10 @@
 #                                          # routed expert in the host tier; the first token; an
 #                                          # 8192-token prompt at auto on the 16 GiB card
 #   bash tools/gpu_session.sh step         # the decode step against its roofline, all in HBM, 1 and
-#                                          # 8 rows: every kernel's bytes and GB/s (step_profile.txt)
+#                                          # 8 rows (step_profile.txt), and again without command
+#                                          # buffers: every kernel's bytes and GB/s (step_profile_ops.txt)
+#   bash tools/gpu_session.sh turns        # python -m benchmarks.turns --write (a short next turn and
+#                                          # 1 vs 8 rows through the expert cache, at 7 GiB)
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
 #   bash tools/gpu_session.sh serve        # python -m benchmarks.serve against llama-server
 #   bash tools/gpu_session.sh cache        # python -m benchmarks.cache (the expert cache) --write
@@ -97,7 +100,7 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|step|mesh|serve|cache) setup ;;
+  build|tests|determinism|sweep|tier|profile|step|turns|mesh|serve|cache) setup ;;
   *) sed -n '2,38p' "$0"; exit 2 ;;
 esac
 case "$what" in
@@ -132,7 +135,16 @@ case "$what" in
     model
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 300 python3 -m benchmarks.profile --model $M \
       --offload-gb 0 --rows 1,8 --steps 16 --top ${STEP_TOP:-40} > "$OUT/step_profile.txt" 2>&1
-    grep -E "^(model|rows|device|roofline)" "$OUT/step_profile.txt" ;;
+    grep -E "^(model|rows|device|roofline)" "$OUT/step_profile.txt"
+    # Kernels inside XLA's command buffers carry no hlo_op in the trace, so their bytes are
+    # unknown there: the same profile without command buffers names every kernel's op.
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 \
+      timeout 300 python3 -m benchmarks.profile --model $M --offload-gb 0 --rows 1,8 --steps 16 \
+      --top ${STEP_TOP:-40} > "$OUT/step_profile_ops.txt" 2>&1
+    grep -E "^(rows|device|roofline)" "$OUT/step_profile_ops.txt" ;;
+  turns)
+    python3 -m benchmarks.turns --budget ${TURNS_BUDGET:-7} --write 2>&1 | tee "$OUT/turns.txt" |
+      tail -30 ;;
   serve)
     start_llama
     while [ -e $LLAMA/.building ]; do sleep 5; done  # a build in progress from an earlier call
