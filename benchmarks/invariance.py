@@ -136,13 +136,7 @@ def main(args) -> str:
            "A prefill of >= 2 tokens takes the same kernels in both arms (llama.cpp's prompt "
            "recipe), so its ratio shows the machine's noise.\n",
            "| case | llamacpp tok/s | ggml (default) tok/s | ggml / llamacpp (range) |",
-           "|---|---|---|---|"]
-  for kind, n in cases:
-    a, b = med[("llamacpp", (kind, n))], med[("ggml", (kind, n))]
-    r = ratios[(kind, n)]
-    what = f"decode, {n} row{'s' if n > 1 else ''}" if kind == "decode" else f"prefill, {n} tokens"
-    lines.append(f"| {what} | {a:.1f} | {b:.1f} | {statistics.median(r):.3f} "
-                 f"({min(r):.2f}-{max(r):.2f}) |")
+           "|---|---|---|---|"] + _table(ARMS, cases, med, ratios)
   for e in engines.values():
     e.close()
   return report.publish("invariance", lines, write=not args.no_write)
@@ -163,13 +157,19 @@ def _hybrid_lines(args, cmd: str, cases, med, ratios) -> list[str]:
            "the ratio is the median of each repeat's adjacent pair (its range beside it).\n",
            "| case | jnp tok/s | fused (default) tok/s | fused / jnp (range) |",
            "|---|---|---|---|"]
+  return lines + _table(HYBRID_ARMS, cases, med, ratios)
+
+
+def _table(arms, cases, med, ratios) -> list[str]:
+  """A row per case: both arms' median rates, and the median of the after / before ratios."""
+  rows = []
   for kind, n in cases:
-    a, b = med[("jnp", (kind, n))], med[("fused", (kind, n))]
+    a, b = med[(arms[0], (kind, n))], med[(arms[1], (kind, n))]
     r = ratios[(kind, n)]
     what = f"decode, {n} row{'s' if n > 1 else ''}" if kind == "decode" else f"prefill, {n} tokens"
-    lines.append(f"| {what} | {a:.1f} | {b:.1f} | {statistics.median(r):.3f} "
-                 f"({min(r):.2f}-{max(r):.2f}) |")
-  return lines
+    rows.append(f"| {what} | {a:.1f} | {b:.1f} | {statistics.median(r):.3f} "
+                f"({min(r):.2f}-{max(r):.2f}) |")
+  return rows
 
 
 def cli(argv: list[str] | None = None) -> int:
