@@ -27,6 +27,20 @@ def _run(q, kc, vc, pos, nq, kv_len, scale):
   return np.asarray(f(q, kc, vc, np.int32(1), pos, nq))
 
 
+def _fast_and_portable(ext, args):
+  """The AVX2 path's output at 2 threads (checked equal to 1 thread's) and the portable path's."""
+  n0 = ext.cpu_threads()
+  try:
+    ext.set_cpu_threads(2)
+    fast = _run(*args)
+    ext.set_cpu_threads(1)
+    np.testing.assert_array_equal(_run(*args), fast)
+    ext.set_cpu_isa("generic")
+    return fast, _run(*args)
+  finally:
+    ext.set_cpu_isa("auto")
+    ext.set_cpu_threads(n0)
+
 @pytest.mark.parametrize("cache", ["float16", "float32"])
 @pytest.mark.parametrize("t", [1, 2, 37])
 @pytest.mark.parametrize("D,Dv", [(64, 64), (48, 36)])
@@ -46,17 +60,7 @@ def test_avx2_attention_is_the_portable_bits(cache, t, D, Dv, spread):
                   np.arange(5, 5 + 7 * t, 7)]).astype(np.int32)
   nq = np.array([t, max(t - 1, 1)], np.int32)
   args = (q, kc, vc, pos, nq, kv_len, 0.125)
-  n0 = ext.cpu_threads()
-  try:
-    ext.set_cpu_threads(2)
-    fast = _run(*args)
-    ext.set_cpu_threads(1)
-    np.testing.assert_array_equal(_run(*args), fast)
-    ext.set_cpu_isa("generic")
-    portable = _run(*args)
-  finally:
-    ext.set_cpu_isa("auto")
-    ext.set_cpu_threads(n0)
+  fast, portable = _fast_and_portable(ext, args)
   assert np.isfinite(fast).all()
   np.testing.assert_array_equal(fast.view(np.uint32), portable.view(np.uint32))
 
@@ -80,17 +84,7 @@ def test_tiled_prompt_attention_is_the_portable_bits(H, K):
                   np.sort(rng.choice(kv_len, t, replace=False))]).astype(np.int32)
   nq = np.array([1, t, t - 5], np.int32)
   args = (q, kc, vc, pos, nq, kv_len, 0.125)
-  n0 = ext.cpu_threads()
-  try:
-    ext.set_cpu_threads(2)
-    fast = _run(*args)
-    ext.set_cpu_threads(1)
-    np.testing.assert_array_equal(_run(*args), fast)
-    ext.set_cpu_isa("generic")
-    portable = _run(*args)
-  finally:
-    ext.set_cpu_isa("auto")
-    ext.set_cpu_threads(n0)
+  fast, portable = _fast_and_portable(ext, args)
   assert np.isfinite(fast).all() and np.abs(fast[1, 1:]).max() > 0
   np.testing.assert_array_equal(fast[1, 0], 0.0)  # position -1 sees nothing
   np.testing.assert_array_equal(fast[2, t - 5:], 0.0)  # padding

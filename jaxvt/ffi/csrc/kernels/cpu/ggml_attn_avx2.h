@@ -223,6 +223,24 @@ void pv_vecdot(const uint8_t* vb, int64_t vstride, const float* w, int64_t last,
   }
 }
 
+// soft_max's middle: w[s] = exp(w[s] - mx) for s <= last, in blocks of 8 (masked lanes give
+// exactly 0), the block sums added in double; returns the sum. kWhole: each block is stored
+// whole (zeros past last, up to the block's end), else only its lanes up to last.
+template <bool kWhole>
+double exp_sum(float* w, int64_t last, float mx) {
+  double sum = 0.0;
+  const __m256 mxv = _mm256_set1_ps(mx);
+  for (int64_t s0 = 0; s0 <= last; s0 += 8) {
+    const __m256i keep = first_lanes(last + 1 - s0);
+    const __m256 e = _mm256_and_ps(v_expf8(_mm256_sub_ps(_mm256_loadu_ps(w + s0), mxv)),
+                                   _mm256_castsi256_ps(keep));
+    if constexpr (kWhole) _mm256_storeu_ps(w + s0, e);
+    else _mm256_maskstore_ps(w + s0, keep, e);
+    sum += static_cast<double>(hsum8(e));
+  }
+  return sum;
+}
+
 // attend_one with the loops above; scratch holds kv_len + D + 8 floats.
 template <bool kHalf>
 void attend_one_v(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h, float* scratch) {
@@ -241,16 +259,7 @@ void attend_one_v(const AttnArgs& a, int64_t bi, int64_t ti, int64_t h, float* s
   const size_t es = kHalf ? 2 : 4;
   const uint8_t* kb = static_cast<const uint8_t*>(a.k) + (bi * a.S * a.K + kvh) * a.D * es;
   const float mx = scores<kHalf>(kb, a.K * a.D, qh, a.D, last, rc.tiny_kq, a.scale, w);
-  // soft_max: exp in blocks of 8 (masked lanes give exactly 0), block sums added in double.
-  double sum = 0.0;
-  const __m256 mxv = _mm256_set1_ps(mx);
-  for (int64_t s0 = 0; s0 <= last; s0 += 8) {
-    const __m256i keep = first_lanes(last + 1 - s0);
-    const __m256 e = _mm256_and_ps(v_expf8(_mm256_sub_ps(_mm256_loadu_ps(w + s0), mxv)),
-                                   _mm256_castsi256_ps(keep));
-    _mm256_maskstore_ps(w + s0, keep, e);
-    sum += static_cast<double>(hsum8(e));
-  }
+  const double sum = exp_sum<false>(w, last, mx);
   const float inv = static_cast<float>(1.0 / sum);
   const __m256 invv = _mm256_set1_ps(inv);
   for (int64_t s0 = 0; s0 <= last; s0 += 8) {

@@ -137,15 +137,7 @@ inline void softmax_row(float* w, int64_t last) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   const float mx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  double sum = 0.0;
-  const __m256 mxv = _mm256_set1_ps(mx);
-  for (int64_t s0 = 0; s0 <= last; s0 += 8) {
-    const __m256i keep = first_lanes(last + 1 - s0);
-    const __m256 e = _mm256_and_ps(v_expf8(_mm256_sub_ps(_mm256_loadu_ps(w + s0), mxv)),
-                                   _mm256_castsi256_ps(keep));
-    _mm256_storeu_ps(w + s0, e);
-    sum += static_cast<double>(hsum8(e));
-  }
+  const double sum = exp_sum<true>(w, last, mx);
   const __m256 invv = _mm256_set1_ps(static_cast<float>(1.0 / sum));
   for (int64_t s0 = 0; s0 <= last; s0 += 8)
     _mm256_storeu_ps(w + s0, round_half8(_mm256_mul_ps(_mm256_loadu_ps(w + s0), invv)));
