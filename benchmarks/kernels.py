@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--total-mib", type=int, default=256, help="bytes of layers per case")
   ap.add_argument("--coherent", action="store_true", help="HIP fine-grained host memory")
   ap.add_argument("--cpu-gemv", action="store_true", help="only time the CPU GEMV kernel alone")
+  ap.add_argument("--matvec", action="store_true",
+                  help="only the GPU matvec kernel alone under ggml's arithmetic: whole rows "
+                       "through the bulk-copy engine against the per-warp windows")
   return ap
 
 
@@ -132,11 +135,46 @@ def cpu_gemv(threads: tuple[int, ...] = (1, 2)) -> None:
     ext.set_cpu_threads(n0)
 
 
+# A decode step's matrices on the Qwen3.6-35B-A3B shape (format, rows, cols): an expert's gate /
+# up and down, the shared expert's down, the attention output, the DeltaNet in-projections, the
+# output head.
+STEP_SHAPES = [(Q4_K, 512, 2048), (Q4_K, 2048, 512), (Q6_K, 2048, 512), (Q6_K, 2048, 4096),
+               (Q6_K, 12352, 2048), (Q6_K, 248320, 2048)]
+
+
+def matvec_paths() -> None:
+  """The GPU matvec kernel alone (CUDA events around back-to-back launches over distinct copies,
+  so no launch finds its matrix in L2), ggml's arithmetic, device and host tier: the bulk-copy
+  path (the default where the device has the engine) against the per-warp windows (bulk=0)."""
+  dbg = ffi.debug_extension()
+  print("| matrix | MiB | tier | rows | windows GB/s (us) | bulk GB/s (us) | bulk / windows |")
+  print("|---|---|---|---|---|---|---|")
+  for fmt, rows, cols in STEP_SHAPES:
+    name, be, bb = FORMATS[fmt].name, FORMATS[fmt].block_elems, FORMATS[fmt].block_bytes
+    nbytes = rows * cols // be * bb
+    copies = max(2, min(64, int((1 << 30) // nbytes)))
+    for tier, device_tier in (("device", True), ("host", False)):
+      if not device_tier and nbytes > 64 * MIB:
+        continue
+      for batch in (1, 8) if device_tier else (1,):
+        def rate(bulk):
+          return max(dbg.measure_host_gemv(fmt, rows, cols, batch, copies=copies,
+                                           iters=2 * copies, device_tier=device_tier, ggml=True,
+                                           bulk=bulk) for _ in range(3))
+        w, b = rate(0), rate(-1)
+        us = lambda g: nbytes / g / 1e3
+        print(f"| {name} {rows}x{cols} | {nbytes / MIB:.2f} | {tier} | {batch} | {w:.0f} "
+              f"({us(w):.1f}) | {b:.0f} ({us(b):.1f}) | {b / w:.2f} |", flush=True)
+
+
 def main(args) -> None:
   """Prints one line per format, shape and tier (nothing is written to docs/BENCHMARKS.md)."""
   dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
   if args.cpu_gemv:
     cpu_gemv()
+    return
+  if args.matvec:
+    matvec_paths()
     return
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0

@@ -358,6 +358,7 @@ JV_HD void unit_weights<kQ6_K>(const uint8_t* kb, int u, float* w) {
 struct LayerRef {
   const uint8_t* base;  // first byte of the layer's matrix (expert 0, row 0)
   int fmt;              // ggml type id
+  bool host;            // base is in the pinned host tier
 };
 
 // Entry l of a layer table (uint32 [L, 2]: lo, hi): a host address, or a device-tier row index.
@@ -374,6 +375,7 @@ JV_HD LayerRef resolve_layer(const uint8_t* data, int64_t stride, const uint32_t
   const uint64_t v = table_entry(table, l);
   LayerRef r;
   r.fmt = f & kFmtMask;
+  r.host = (f & kHostBit) != 0;
   r.base = (f & kHostBit) ? reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(v))
                           : data + static_cast<int64_t>(v) * stride;
   return r;

@@ -127,7 +127,8 @@ std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
 
 // GPU-only probe of the matvec kernel (probes.h); GB/s of weight bytes read.
 double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int copies, int iters,
-                       int64_t grid_cap, bool device_tier, int kind, int64_t waves) {
+                       int64_t grid_cap, bool device_tier, int kind, int64_t waves, bool ggml,
+                       int64_t bulk) {
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
     if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
@@ -135,14 +136,35 @@ double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int c
     std::string err;
     const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
     double v = jaxvt::gpu_mem::measure_host_gemv(fmt, rows, cols, rb, batch, copies, iters,
-                                                 grid_cap, waves, device_tier, kind, &err);
+                                                 grid_cap, waves, device_tier, kind, ggml, bulk,
+                                                 &err);
     if (v < 0) throw std::runtime_error(err);
     return v;
   }
 #endif
   (void)fmt, (void)rows, (void)cols, (void)batch, (void)copies, (void)iters, (void)grid_cap;
-  (void)device_tier, (void)kind, (void)waves;
+  (void)device_tier, (void)kind, (void)waves, (void)ggml, (void)bulk;
   throw std::runtime_error("measure_host_gemv needs a GPU build and a GPU");
+}
+
+// GPU-only: the matvec kernel's output for weights and x in numpy arrays (probes.h).
+void MatvecOutputs(int fmt, int64_t rows, int64_t cols, int64_t batch, uintptr_t w, uintptr_t x,
+                   uintptr_t y, bool device_tier, bool ggml, int64_t bulk, int64_t grid_cap) {
+#if defined(JAXVT_WITH_GPU)
+  if (UseGpu()) {
+    if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
+      throw std::invalid_argument("unsupported format or shape");
+    std::string err;
+    const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
+    if (!jaxvt::gpu_mem::matvec_outputs(fmt, rows, cols, rb, batch, w, x, y, device_tier, ggml,
+                                        bulk, grid_cap, &err))
+      throw std::runtime_error(err);
+    return;
+  }
+#endif
+  (void)fmt, (void)rows, (void)cols, (void)batch, (void)w, (void)x, (void)y, (void)device_tier;
+  (void)ggml, (void)bulk, (void)grid_cap;
+  throw std::runtime_error("matvec_outputs needs a GPU build and a GPU");
 }
 
 // Times the CPU GEMV kernel alone (no XLA): weights at `addr` (rows x cols of format fmt), batch
@@ -192,8 +214,17 @@ NB_MODULE(_jaxvt_debug, m) {
   m.def("measure_host_gemv", &MeasureHostGemv, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
         nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
         nb::arg("device_tier") = false, nb::arg("kind") = 0, nb::arg("waves") = 1,
+        nb::arg("ggml") = false, nb::arg("bulk") = -1,
         "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid: at "
-        "most grid_cap blocks (0: the kernel's own), or `waves` waves of resident blocks.");
+        "most grid_cap blocks (0: the kernel's own), or `waves` waves of resident blocks; ggml: "
+        "ggml's arithmetic (else float32); bulk: bulk-copy stage bytes (-1 the default, 0 the "
+        "per-warp windows).");
+  m.def("matvec_outputs", &MatvecOutputs, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
+        nb::arg("batch"), nb::arg("w"), nb::arg("x"), nb::arg("y"), nb::arg("device_tier") = true,
+        nb::arg("ggml") = true, nb::arg("bulk") = -1, nb::arg("grid_cap") = 0,
+        "GPU probe: the matvec kernel's output y (address of float32 [batch, rows]) for weights "
+        "w (address of the rows' blocks) and x (address of float32 [batch, cols]); bulk: "
+        "bulk-copy stage bytes (-1 the default, 0 the per-warp windows).");
   m.def("measure_managed", &MeasureManaged, nb::arg("nbytes"),
         "(first, repeat) device-read GB/s of host-written managed memory, or None.");
   m.def("bench_cpu_gemv", &BenchCpuGemv, nb::arg("fmt"), nb::arg("addr"), nb::arg("rows"),

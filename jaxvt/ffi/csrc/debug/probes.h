@@ -19,10 +19,18 @@ double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t b
 // The matvec kernel alone, by grid (kernels_gpu.h Tuning: at most grid_cap blocks where > 0,
 // else `waves` waves of resident blocks): `copies` matrices (pinned host tier, or device tier)
 // read in turn (so no launch finds its matrix in the GPU's L2), timed with events around `iters`
-// launches.
+// launches. ggml: ggml's arithmetic (integer dots), else float32; bulk: Tuning::bulk.
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
                          int copies, int iters, int64_t grid_cap, int64_t waves, bool device_tier,
-                         int kind, std::string* err);
+                         int kind, bool ggml, int64_t bulk, std::string* err);
+// The matvec kernel's output for given weights (rows x cols of format fmt at host address w,
+// row_bytes a row) and x (batch x cols float32 at host address x), into y (batch x rows): the
+// weights in the device tier (or the pinned host tier), ggml's arithmetic or float32, launched
+// with Tuning::bulk = bulk and at most grid_cap blocks (0: the kernel's own grid). For tests
+// that compare the kernel's paths bit for bit.
+bool matvec_outputs(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
+                    uintptr_t w, uintptr_t x, uintptr_t y, bool device_tier, bool ggml,
+                    int64_t bulk, int64_t grid_cap, std::string* err);
 // First and repeated device read of host-written managed memory; false if unsupported.
 bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err);
 

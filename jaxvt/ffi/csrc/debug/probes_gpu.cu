@@ -83,9 +83,10 @@ double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t b
 
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
                          int copies, int iters, int64_t grid_cap, int64_t waves, bool device_tier,
-                         int kind, std::string* err) {
+                         int kind, bool ggml, int64_t bulk, std::string* err) {
   gpu::Tuning tuning;
   tuning.grid_cap = grid_cap;
+  tuning.bulk = bulk;
   tuning.waves = waves < 1 ? 1 : waves;
   Timer t(err);
   if (!t.ready || copies < 1) return -1;
@@ -126,7 +127,7 @@ double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes,
                       static_cast<const uint32_t*>(dt), static_cast<const int32_t*>(df), copies,
                       static_cast<const int32_t*>(dl) + (i % copies)};
     return gpu::launch_qmatmul(t.s, w, static_cast<const float*>(dx), batch,
-                               static_cast<float*>(dy), rows, cols, false, tuning);
+                               static_cast<float*>(dy), rows, cols, ggml, tuning);
   };
   for (int i = 0; good && i < copies; ++i) good = ok(launch(i), "qmatmul", err);
   good = good && ok(gpuEventRecord(t.a, t.s), "event", err);
@@ -137,6 +138,49 @@ double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes,
     if (p) (void)gpuFree(p);
   host_free(h);
   return gbs;
+}
+
+bool matvec_outputs(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
+                    uintptr_t w, uintptr_t x, uintptr_t y, bool device_tier, bool ggml,
+                    int64_t bulk, int64_t grid_cap, std::string* err) {
+  gpu::Tuning tuning;
+  tuning.grid_cap = grid_cap;
+  tuning.bulk = bulk;
+  Timer t(err);
+  if (!t.ready) return false;
+  const size_t mat = static_cast<size_t>(rows * row_bytes);
+  uintptr_t h = 0, hd = 0;
+  if (!host_alloc(mat + 64, false, 0, &h, &hd, err)) return false;
+  std::memcpy(reinterpret_cast<void*>(h), reinterpret_cast<const void*>(w), mat);
+  void *dd = nullptr, *dt = nullptr, *df = nullptr, *dl = nullptr, *dx = nullptr, *dy = nullptr;
+  const uint64_t a = device_tier ? 0 : hd;  // slot 0 | the host address
+  const uint32_t table[2] = {static_cast<uint32_t>(a), static_cast<uint32_t>(a >> 32)};
+  const int32_t fm = fmt | (device_tier ? 0 : (1 << 16)), layer = 0;
+  bool good = ok(gpuMalloc(&dd, mat + 64), "malloc", err) &&
+              ok(gpuMalloc(&dt, sizeof table), "malloc", err) &&
+              ok(gpuMalloc(&df, 4), "malloc", err) && ok(gpuMalloc(&dl, 4), "malloc", err) &&
+              ok(gpuMalloc(&dx, batch * cols * 4), "malloc", err) &&
+              ok(gpuMalloc(&dy, batch * rows * 4), "malloc", err) &&
+              ok(gpuMemcpyAsync(dd, reinterpret_cast<void*>(h), mat, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemcpyAsync(dt, table, sizeof table, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemcpyAsync(df, &fm, 4, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemcpyAsync(dl, &layer, 4, gpuMemcpyHostToDevice, t.s), "copy", err) &&
+              ok(gpuMemcpyAsync(dx, reinterpret_cast<const void*>(x), batch * cols * 4,
+                                gpuMemcpyHostToDevice, t.s), "copy", err);
+  if (good) {
+    gpu::WeightArgs wa{static_cast<const uint8_t*>(dd), static_cast<int64_t>(mat + 64),
+                       static_cast<const uint32_t*>(dt), static_cast<const int32_t*>(df), 1,
+                       static_cast<const int32_t*>(dl)};
+    good = ok(gpu::launch_qmatmul(t.s, wa, static_cast<const float*>(dx), batch,
+                                  static_cast<float*>(dy), rows, cols, ggml, tuning), "qmatmul", err) &&
+           ok(gpuMemcpyAsync(reinterpret_cast<void*>(y), dy, batch * rows * 4,
+                             gpuMemcpyDefault, t.s), "copy", err) &&
+           ok(gpuStreamSynchronize(t.s), "sync", err);
+  }
+  for (void* p : {dd, dt, df, dl, dx, dy})
+    if (p) (void)gpuFree(p);
+  host_free(h);
+  return good;
 }
 
 bool measure_managed(size_t nbytes, double* first, double* repeat, std::string* err) {

@@ -2,12 +2,14 @@
 // rows (qembed), bf16 staging (qdequant) and the streaming-read probe. The matvec core is in
 // matvec.cuh, shared with kernels_gpu_experts.cu (routed experts), in float32 or in ggml's integer
 // products (docs/NUMERICS.md, "q8").
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
 #include "common/formats.h"
 #include "kernels/gpu/bf16.cuh"
 #include "kernels/gpu/kernels_gpu.h"
+#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -26,12 +28,16 @@ __device__ __forceinline__ Rows<BT> batch_group(const float* x, int64_t batch, f
 
 template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks : 2)) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
-                                                           float* y, int64_t rows, int64_t cols) {
+                                                           float* y, int64_t rows, int64_t cols,
+                                                           int64_t bulk) {
+  pdl_enter();
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
+  use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4);
   LayerRef L;
   const auto hold = resolve_and_hold<BT, XM>(w, R, smem_slots + wpb * kSlotU4, &L);
+  if (L.host) R.bulk = 0;  // over the bus the per-warp windows read faster
   matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                      static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb,
                      hold);
@@ -51,14 +57,17 @@ struct MultiArgs {
 
 template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks : 2)) qmatmul_multi_kernel(
-    MultiArgs m, const float* x, int64_t batch, int64_t cols) {
+    MultiArgs m, const float* x, int64_t batch, int64_t cols, int64_t bulk) {
+  pdl_enter();
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
   Rows<BT> R = batch_group<BT>(x, batch, m.y[i], m.rows[i], cols);
+  use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4);
   LayerRef L;
   const auto hold = resolve_and_hold<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4, &L);
+  if (L.host) R.bulk = 0;
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
   matvec_fmt<BT, XM>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
                      (m.block0[i + 1] - m.block0[i]) * wpb, hold);
@@ -156,39 +165,25 @@ __global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t n, unsig
 // folds each chunk once it lands. A probe: does the copy engine of the SM read host memory over
 // the bus faster than SM loads do?
 constexpr int kBulk = 8192, kBufs = 4;
-#if defined(JAXVT_GPU_CUDA)
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-#endif
 
 __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p, int64_t nchunks,
                                                                unsigned* sink) {
-#if defined(JAXVT_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if JAXVT_BULK_DEVICE
   __shared__ alignas(128) uint4 buf[kBufs][kBulk / 16];
   __shared__ alignas(8) uint64_t bar[kBufs];
-  if (threadIdx.x == 0)
-    for (int i = 0; i < kBufs; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[i])) : "memory");
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kBufs; ++i) mbar_init(&bar[i]);
+    mbar_init_fence();
+  }
   __syncthreads();
-  auto fetch = [&](int st, int64_t c) {
-    asm volatile("{ .reg .b64 s; mbarrier.arrive.expect_tx.shared::cta.b64 s, [%0], %1; }"
-                 ::"r"(smem_addr(&bar[st])), "r"(kBulk) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(buf[st])), "l"(p + c * kBulk), "r"(kBulk), "r"(smem_addr(&bar[st]))
-                 : "memory");
-  };
+  auto fetch = [&](int st, int64_t c) { bulk_g2s(buf[st], p + c * kBulk, kBulk, &bar[st]); };
   const int64_t mine = nchunks > blockIdx.x ? (nchunks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   if (threadIdx.x == 0)
     for (int i = 0; i < kBufs && i < mine; ++i) fetch(i, blockIdx.x + i * static_cast<int64_t>(gridDim.x));
   unsigned acc = 0;
   for (int64_t j = 0; j < mine; ++j) {
     const int st = static_cast<int>(j % kBufs);
-    const uint32_t parity = static_cast<uint32_t>((j / kBufs) & 1), a = smem_addr(&bar[st]);
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; "
-                   "selp.u32 %0, 1, 0, q; }" : "=r"(done) : "r"(a), "r"(parity) : "memory");
+    mbar_wait(&bar[st], static_cast<uint32_t>((j / kBufs) & 1));
     for (int i = threadIdx.x; i < kBulk / 16; i += blockDim.x) {
       const uint4 v = buf[st][i];
       acc ^= v.x ^ v.y ^ v.z ^ v.w;
@@ -204,6 +199,13 @@ __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p,
 }
 
 }  // namespace
+
+namespace {
+std::atomic<bool> g_pdl{true};
+}  // namespace
+
+bool pdl_enabled() { return g_pdl.load(std::memory_order_relaxed); }
+void set_pdl(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
 
 int sm_count() {
   static int cached[64] = {0};
@@ -228,6 +230,7 @@ constexpr int64_t kSlotBytes = kSlotU4 * sizeof(uint4);  // shared memory per wa
 struct Launch {
   int bt, wpb, xm;
   int64_t smem;
+  int64_t bulk = 0;  // matvec_bulk's stage bytes (0: the per-warp windows)
   Tuning tuning;  // the grid's size (kernels_gpu.h)
 };
 
@@ -258,6 +261,11 @@ Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small, 
     if (slots + l.bt * row > allowed) l.bt = 1;
     l.xm = slots + l.bt * row <= allowed ? 2 : -1;  // -1: activations too large
     l.smem = slots + l.bt * row;
+    const int64_t stage = bulk_stage(t);
+    if (l.xm == 2 && stage > 0 && l.smem + bulk_smem(stage) <= allowed) {
+      l.bulk = stage;
+      l.smem += bulk_smem(stage);
+    }
     return l;
   }
   const int64_t held = slots + l.bt * xs_stride(cols) * 16;
@@ -273,9 +281,8 @@ gpuError_t run_qmatmul(gpuStream_t s, const Launch& l, const WeightArgs& w, cons
   const Tuning& t = l.tuning;
   int64_t cap = t.grid_cap > 0 ? t.grid_cap
                                : t.waves * resident_blocks(qmatmul_kernel<BT, XM>, 32 * l.wpb, l.smem) / groups;
-  qmatmul_kernel<BT, XM><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups), 32 * l.wpb,
-                           l.smem, s>>>(w, x, batch, y, rows, cols);
-  return gpuGetLastError();
+  return launch_pdl(qmatmul_kernel<BT, XM>, dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups),
+                    dim3(32 * l.wpb), l.smem, s, w, x, batch, y, rows, cols, l.bulk);
 }
 
 // f(rows per pass, activation mode) as compile-time constants (std::integral_constant) for the
@@ -321,8 +328,8 @@ gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t
     m.block0[i + 1] = m.block0[i] + nb;
   }
   const dim3 grid(static_cast<unsigned>(m.block0[m.n]), static_cast<unsigned>(groups));
-  qmatmul_multi_kernel<BT, XM><<<grid, kThreads, l.smem, s>>>(m, x, batch, cols);
-  return gpuGetLastError();
+  return launch_pdl(qmatmul_multi_kernel<BT, XM>, grid, dim3(kThreads), l.smem, s, m, x, batch,
+                    cols, l.bulk);
 }
 
 }  // namespace

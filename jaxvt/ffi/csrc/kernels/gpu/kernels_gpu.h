@@ -46,6 +46,9 @@ struct Tuning {
   int64_t grid_cap = 0;  // > 0: qmatmul launches take at most this many blocks
   int64_t waves = 1;     // matvec and per-slot experts grids: this many waves of resident blocks
   int64_t slot_max = kExpertsSlotMax;
+  // ggml-arithmetic matvecs on CUDA sm_90+: bytes of each of a block's two bulk-copy stages
+  // (matvec_bulk.cuh); -1 the default, 0 the per-warp windows instead (same bits either way)
+  int64_t bulk = -1;
 };
 
 // y[b, r] = sum_k W[r, k] x[b, k]; x [B, cols], y [B, rows]; float32 (docs/NUMERICS.md "f32"),
@@ -112,6 +115,11 @@ gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigne
                               int64_t blocks = 0, bool bulk = false);
 
 int sm_count();  // multiprocessors of the current device (cached)
+
+// Whether the decode step's kernels are launched with programmatic dependent launch (pdl.cuh;
+// on by default): a process-wide switch for measurement, set before a program's first run (XLA
+// captures the launches into its command buffers then).
+void set_pdl(bool on);
 
 }  // namespace jaxvt::gpu
 

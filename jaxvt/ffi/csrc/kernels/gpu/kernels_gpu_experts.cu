@@ -8,6 +8,7 @@
 #include "common/formats.h"
 #include "common/prefetch.h"
 #include "kernels/gpu/kernels_gpu.h"
+#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -155,7 +156,8 @@ template <int XM>
 __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kernel(
     WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids,
     int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts,
-    int phase) {
+    int phase, int64_t bulk) {
+  pdl_enter();
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t m = blockIdx.y / slots, s = blockIdx.y % slots;
@@ -188,14 +190,14 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
     if (phase == 1) wj = -wj - 2;  // filled by the first launch: read as a hit
   }
   Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
+  use_bulk<1, XM>(R, bulk, smem_slots + kWarps * kSlotU4);
   LayerRef L;
   const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
   if (phase < 0) cached();  // (one token: after the activation row's load is under way)
-  const uint8_t* base =
-      wj >= 0 ? part + wj * w.cslot
-              : ring_expert(w.ring, *w.layer, e,
-                            L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols));
+  const uint8_t* home = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
+  const uint8_t* base = wj >= 0 ? part + wj * w.cslot : ring_expert(w.ring, *w.layer, e, home);
+  if (L.host && base == home) R.bulk = 0;  // over the bus the per-warp windows read faster
   const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
   if (wj <= -2) {
@@ -213,41 +215,48 @@ template <int XM>
 gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,
                        const float* x, bool x_per_slot, const int32_t* ids, int64_t slots,
                        int64_t k, float* y0, float* y1, int64_t rows, int64_t cols,
-                       int64_t experts, int64_t smem, int64_t waves, int phase) {
+                       int64_t experts, int64_t smem, int64_t waves, int phase, int64_t bulk) {
   // One wave of resident blocks shared by the (matrix, slot) pairs.
   const int64_t resident = resident_blocks(qmatmul_experts_slot_kernel<XM>, kThreads,
                                            static_cast<size_t>(smem));
   int64_t cap = waves * resident / (nmat * slots);
   if (cap < 1) cap = 1;
   const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
-  qmatmul_experts_slot_kernel<XM><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k,
-                                                           y0, y1, rows, cols, experts, phase);
-  return gpuGetLastError();
+  return launch_pdl(qmatmul_experts_slot_kernel<XM>, grid, block, static_cast<size_t>(smem), s, w0,
+                    w1, x, static_cast<int>(x_per_slot), ids, slots, k, y0, y1, rows, cols,
+                    experts, phase, bulk);
 }
+
+// The per-slot kernel's static shared memory (ring_expert's pointer), left out of the dynamic
+// limit it opts in to (a kernel cannot opt in to more than the device's limit less its static).
+constexpr int64_t kSlotStatic = 64;
 
 // The per-slot kernel, with the activation row held as for the general kernel.
 gpuError_t launch_per_slot(gpuStream_t s, int nmat, const WeightArgs& w0,
                            const WeightArgs& w1, const float* x, bool x_per_slot,
                            const int32_t* ids, int64_t slots, int64_t k, float* y0, float* y1,
-                           int64_t rows, int64_t cols, int64_t experts, bool ggml, int64_t waves,
-                           int phase) {
+                           int64_t rows, int64_t cols, int64_t experts, bool ggml,
+                           const Tuning& t, int phase) {
+  const int64_t waves = t.waves;
   constexpr int64_t kSlots = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4;
-  static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_slot_kernel<1>, 0);
-  static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_slot_kernel<2>, 0);
-  static const int64_t allowed_0 = allow_dyn_smem(qmatmul_experts_slot_kernel<0>, 0);
+  static const int64_t allowed_f = allow_dyn_smem(qmatmul_experts_slot_kernel<1>, kSlotStatic);
+  static const int64_t allowed_q = allow_dyn_smem(qmatmul_experts_slot_kernel<2>, kSlotStatic);
+  static const int64_t allowed_0 = allow_dyn_smem(qmatmul_experts_slot_kernel<0>, kSlotStatic);
   if (ggml) {
     const int64_t row = ggml_held_row_bytes(cols);
     if (kSlots + row > allowed_q) return gpuErrorInvalidValue;  // activations too large
+    int64_t stage = bulk_stage(t);
+    if (kSlots + row + bulk_smem(stage) > allowed_q) stage = 0;
     return launch_slot<2>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                          experts, kSlots + row, waves, phase);
+                          experts, kSlots + row + bulk_smem(stage), waves, phase, stage);
   }
   const int64_t need = kSlots + xs_stride(cols) * 16;
   if (need <= allowed_f)
     return launch_slot<1>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                          experts, need, waves, phase);
+                          experts, need, waves, phase, 0);
   if (kSlots > allowed_0) return gpuErrorInvalidValue;
   return launch_slot<0>(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                        experts, kSlots, waves, phase);
+                        experts, kSlots, waves, phase, 0);
 }
 
 constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64;
@@ -316,10 +325,10 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
   if (slots <= t.slot_max) {
     if (w0.where == nullptr || slots <= k)
       return launch_per_slot(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1, rows, cols,
-                             experts, ggml, t.waves, -1);
+                             experts, ggml, t, -1);
     for (int phase = 0; phase < 2; ++phase) {
       const gpuError_t e = launch_per_slot(s, nmat, w0, w1, x, x_per_slot, ids, slots, k, y0, y1,
-                                           rows, cols, experts, ggml, t.waves, phase);
+                                           rows, cols, experts, ggml, t, phase);
       if (e != gpuSuccess) return e;
     }
     return gpuSuccess;

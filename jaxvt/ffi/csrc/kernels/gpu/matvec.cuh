@@ -140,6 +140,9 @@ struct Rows {
   const uint8_t* xq;    // ggml arithmetic: quantized held rows (hold_xq), xq_stride bytes each
   int64_t xq_stride, xq_upad;
   uintptr_t mirror;     // matvec<..., MR>: the fill's destination minus the weights' address
+  // matvec_bulk (matvec_bulk.cuh): stage bytes (0: matvec()'s windows) and the block's two stages
+  int64_t bulk = 0;
+  uint8_t* bulk_smem = nullptr;
   __device__ __forceinline__ const float* xrow(int b) const {
     const int64_t r = dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
     return x + r * cols;
@@ -216,6 +219,7 @@ __device__ __forceinline__ void hold_x_store(float4* xs, const XLoad& first, con
 
 #include "kernels/gpu/matvec_q8.cuh"  // ggml's arithmetic: hold_xq, unit_dot_q8, accumulate_q8
 
+
 template <int BT>
 __device__ __forceinline__ void write_rows(float (&acc)[BT], const Rows<BT>& R, int64_t r, int lane) {
 #pragma unroll
@@ -236,6 +240,8 @@ __device__ __forceinline__ void write_pair(float (&acc)[1], const Rows<1>& R, in
   if ((lane & 15) == 0) R.yrow(0)[r + (lane >> 4)] = v;
   acc[0] = 0.f;
 }
+
+#include "kernels/gpu/matvec_bulk.cuh"  // matvec_bulk: whole rows through the bulk-copy engine
 
 // acc[b] += dot(w, x_b[32g ... 32g + 31]) for the unit g whose weights w holds: the one float32
 // expression every float path of the matvec core uses, so they give the same bits.
@@ -348,6 +354,16 @@ template <int F, int BT, int XM, class Pro, bool A16 = false, bool MR = false>
 __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t rows, int64_t cols,
                        uint4* slot, int lane, int64_t gwarp, int64_t nwarps, const Pro& pro) {
   using T = Traits<F>;
+#if JAXVT_BULK_DEVICE
+  // Block-uniform: the stage size is the launch's, the shape and the format the matrix's.
+  if constexpr (XM == 2 && !MR) {
+    if (bulk_fits(R.bulk, cols / T::kKbe * T::kKbb)) {
+      const int64_t wpb = blockDim.x >> 5;
+      matvec_bulk<F, BT, A16>(base, R, rows, cols, gwarp / wpb, nwarps / wpb, pro);
+      return;
+    }
+  }
+#endif
   if constexpr (F == kF32) {
     if (cols * 4 > kWin) {
       if constexpr (MR) {  // these rows are not windowed: the warp copies its rows first
@@ -604,6 +620,16 @@ __device__ __forceinline__ HoldRows<BT, XM> resolve_and_hold(const WeightArgs& w
   h.fmt = L->fmt;
   h.after = after_slots;
   return h;
+}
+
+// The bulk stages (matvec_bulk) follow the block's held activation rows under ggml's arithmetic
+// (`held`: where those rows start); bulk: the launch's stage bytes (0: none allocated).
+template <int BT, int XM>
+__device__ __forceinline__ void use_bulk(Rows<BT>& R, int64_t bulk, uint4* held) {
+  if (XM == 2 && bulk > 0) {
+    R.bulk = bulk;
+    R.bulk_smem = reinterpret_cast<uint8_t*>(held) + BT * ggml_held_row_bytes(R.cols);
+  }
 }
 
 __device__ __forceinline__ int clamp_id(int32_t v, int64_t n) {

@@ -47,6 +47,31 @@ int64_t allow_dyn_smem(K kernel, int64_t static_bytes) {
   return n;
 }
 
+// The bulk-copy stage bytes a ggml-arithmetic matvec launch allocates (matvec_bulk.cuh): the
+// Tuning's (-1: kBulkStage) on a CUDA device of compute capability 9.0 or later, else 0 (the
+// per-warp windows). Two stages of this plus kBulkSpare bytes, and their barriers (bulk_smem),
+// follow the held activation rows.
+inline int64_t bulk_stage(const Tuning& t) {
+#if defined(JAXVT_GPU_CUDA)
+  static const bool engine = [] {
+    int dev = 0, major = 0;
+    if (gpuGetDevice(&dev) != gpuSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)gpuGetLastError();
+      return false;
+    }
+    return major >= 9;
+  }();
+  if (!engine || t.bulk == 0) return 0;
+  return t.bulk > 0 ? (t.bulk + 15) / 16 * 16 : kBulkStage;
+#else
+  (void)t;
+  return 0;
+#endif
+}
+// Dynamic shared memory for the stages and their two mbarriers.
+inline int64_t bulk_smem(int64_t stage) { return stage > 0 ? 2 * (stage + kBulkSpare) + 16 : 0; }
+
 inline int64_t blocks_for(int64_t warps_wanted, int64_t cap_blocks, int warps_per_block = kWarps) {
   int64_t b = (warps_wanted + warps_per_block - 1) / warps_per_block;
   if (b > cap_blocks) b = cap_blocks;
