@@ -417,7 +417,7 @@ def test_the_sweeps_auto_is_the_budget_jaxvt_load_picks(monkeypatch):
   extra = bd.workspace - real + int(0.03 * GiB)  # XLA's figure: the estimate + 0.03 GiB
   cap = bd.kv_cache + bd.state + bd.workspace + M.SLACK_MIN_BYTES + int(0.6 * weights)
   orig = engine_mod.plan_workspace_bytes
-  monkeypatch.setattr(engine_mod, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
+  monkeypatch.setattr(engine_mod.steps, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
   s.device_gb = cap / GiB
   sweep = s.plan("auto").plan.host_bytes
   with jaxvt.load(path, max_context=s.max_context, offload_gb="auto", device_gb=cap / GiB) as eng:
