@@ -212,7 +212,7 @@ def _decode_profile(eng, args, rows: int, copy: float) -> list[str]:
   fn = eng_mod.decode_sample_fn.lower(eng.weights, cache, toks, jnp.full((rows, 1), pos, jnp.int32),
                                       key, kv_len=kv_len, **kw).compile()
   try:
-    reads = step_bytes.hlo_read_bytes(fn.as_text())
+    reads = step_bytes.hlo_read_bytes(fn.as_text(), eng.weights)
   except (ValueError, IndexError) as e:  # the table then has no bytes; the rest still says something
     print(f"no bytes from the HLO: {type(e).__name__}: {e}", file=sys.stderr)
     reads = {}

@@ -1,17 +1,23 @@
 """The bytes of a decode step, for benchmarks.profile's roofline table.
 
-* `hlo_read_bytes(hlo_text)`: for every instruction of a compiled program (its HLO text), the
-  bytes the kernel it becomes reads from device memory: the operands' bytes, except where the
-  program reads only part of an operand: a fusion parameter that is only dynamic-sliced or
+* `hlo_read_bytes(hlo_text, weights=None)`: for every instruction of a compiled program (its HLO
+  text), the bytes the kernel it becomes reads from memory: the operands' bytes, except where
+  the program reads only part of an operand: a fusion parameter that is only dynamic-sliced or
   gathered counts the slice; one that is only dynamic-update-sliced in place counts nothing; a
   jaxvt weight stack (data uint8 [n, stride] followed by its table uint32 [L, 2]) counts one
-  layer's row (stride), and for expert stacks the routed slots' share of it (slots / experts);
-  the attention step's KV stacks count one layer's first kv_len positions, the DeltaNet step's
-  state stacks one layer. Writes are not counted.
-* `token_bytes(eng, rows, position)`: the bytes a decode step of `rows` rows must read: every
-  weight once (routed expert stacks: the expected number of distinct experts the rows route to,
-  under uniform routing), the embedding rows of the tokens, and the rows' KV cache up to
-  `position` and DeltaNet state. Split into the device tier and the host tier.
+  layer's matrix, an experts call's stack the distinct experts its ids route to (k for one row;
+  for T rows of k the expected number under uniform routing, never more than T * k or the
+  experts) times one expert's matrix, the embedding's stack one row per id; a decode expert
+  ring counts nothing (its experts are the stack's, counted once); the attention step's KV
+  stacks count one layer's first kv_len positions, the DeltaNet step's state stacks one layer.
+  A layer's matrix, an expert's or a row's bytes are those of the stack's widest layer (its
+  stride), or with `weights` (the engine's QWeights) the mean over the matching stack's layers of
+  each layer's own format: one instruction of a scanned body serves every layer, so a step's
+  calls then add up to the stack's bytes exactly. Writes are not counted.
+* `token_bytes(weights, cache, cfg, rows, position)`: the bytes a decode step of `rows` rows
+  must read: every weight once (routed expert stacks: the expected number of distinct experts
+  the rows route to, under uniform routing), the embedding rows of the tokens, and the rows' KV
+  cache up to `position` and DeltaNet state. Split into the device tier and the host tier.
 * `copy_gbps()`: the device memory bandwidth a plain copy measures (bytes read plus written over
   its time), the roofline's denominator.
 """
@@ -33,6 +39,7 @@ _ITEM = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8\w*)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def _dims(d: str) -> list[int]:
@@ -46,10 +53,11 @@ def shape_bytes(shape: str) -> int:
 
 
 def _balanced(s: str, i: int) -> int:
-  """Index just past the parenthesis group opening at s[i]."""
+  """Index just past the bracket group opening at s[i] ('(' or '{')."""
+  close = {"(": ")", "{": "}"}[s[i]]
   depth = 0
   for j in range(i, len(s)):
-    depth += {"(": 1, ")": -1}.get(s[j], 0)
+    depth += {s[i]: 1, close: -1}.get(s[j], 0)
     if depth == 0:
       return j + 1
   return len(s)
@@ -88,7 +96,7 @@ def parse_instruction(line: str):
     return None
   end = _balanced(rest, op.end() - 1)
   operands = []
-  for o in _split_top(rest[op.end():end - 1]):
+  for o in _split_top(_COMMENT.sub("", rest[op.end():end - 1])):  # XLA writes /*index=5*/ ...
     parts = o.rsplit(" ", 1)
     operands.append((parts[0], parts[-1].lstrip("%")) if len(parts) == 2 else ("", o.lstrip("%")))
   return name, shape, op.group(1), operands, rest[end:]
@@ -159,40 +167,105 @@ def _fusion_reads(operands, body) -> int:
   return total
 
 
-def _custom_reads(operands, attrs: str) -> int:
+def _layout_shapes(attrs: str, n: int) -> list[str] | None:
+  """A custom call's operand shapes as its operand_layout_constraints list them (None without
+  them): what the operands are, whatever the call's operand list prints."""
+  m = re.search(r"operand_layout_constraints=\{", attrs)
+  if not m:
+    return None
+  inner = attrs[m.end():_balanced(attrs, m.end() - 1) - 1]
+  shapes = _split_top(inner)
+  return shapes if len(shapes) == n else None
+
+
+def _unit_bytes(weights: dict | None, n: int, stride: int, attrs: str, kind: str) -> float:
+  """Bytes of one unit a jaxvt call reads of a stack of `n` device layers of `stride` bytes: a
+  layer's matrix ("layer"), one expert's matrix ("expert") or one row ("row"). From the QWeights
+  of `weights` whose data and metadata match the call (the mean over their layers, each layer in
+  its own format), else from the stride (the widest layer)."""
+  rows, cols = _attr_int(attrs, "rows"), _attr_int(attrs, "cols")
+  experts = _attr_int(attrs, "experts") or 0
+  units = []
+  stacks = jax.tree_util.tree_leaves(weights or {}, is_leaf=lambda x: isinstance(x, QWeight))
+  for w in stacks:
+    if not isinstance(w, QWeight):
+      continue
+    m = w.meta
+    if (tuple(w.data.shape[-2:]) != (n, stride) or (cols is not None and m.cols != cols) or
+        (rows is not None and m.rows != rows) or m.experts != experts):
+      continue
+    per_row = np.mean([formats.row_bytes(int(f) & FMT_MASK, m.cols)
+                       for f in np.asarray(w.fmts).reshape(-1)])
+    units.append(float(per_row) if kind == "row" else float(per_row) * m.rows)
+  if units:
+    return float(np.mean(units))
+  if kind == "expert":
+    return stride / max(experts, 1)
+  if kind == "row":
+    return stride / max(rows or 1, 1)
+  return float(stride)
+
+
+def _routed(ids: tuple[str, str] | None, experts: int) -> float:
+  """The distinct experts a call's ids route to: k for one row [1, k], the expected number for
+  T rows [T, k] (distinct_experts), at most the slots and the experts for other ids."""
+  if ids is None:
+    return float(experts)  # no ids: every expert (qdequant of a stack)
+  dims = _dims(ids[1])
+  slots = int(np.prod(dims, dtype=np.int64))
+  if len(dims) == 2 and 0 < dims[1] <= experts:
+    return min(distinct_experts(experts, dims[1], dims[0]), slots, experts)
+  return float(min(slots, experts))
+
+
+def _custom_reads(operands, attrs: str, weights: dict | None = None) -> int:
   target = re.search(r'custom_call_target="([^"]+)"', attrs)
   target = target.group(1) if target else ""
+  shapes = _layout_shapes(attrs, len(operands)) or [s for s, _ in operands]
   if not target.startswith("jaxvt_"):
-    return sum(shape_bytes(s) for s, _ in operands)
+    return sum(shape_bytes(s) for s in shapes)
   experts = _attr_int(attrs, "experts") or 0
   kv_len = _attr_int(attrs, "kv_len")
-  arrays = [(_ARRAY.findall(s) or [("", "")])[0] for s, _ in operands]
-  slots = None
-  seen_scalar = False
-  for t, d in arrays:  # ids: the first s32 array after the layer index (a scalar)
-    if t == "s32" and d == "":
-      seen_scalar = True
-    elif t == "s32" and seen_scalar and slots is None:
-      slots = int(np.prod(_dims(d), dtype=np.int64))
-  total = 0
-  for i, ((t, d), (s, _)) in enumerate(zip(arrays, operands)):
+  arrays = [(_ARRAY.findall(s) or [("", "")])[0] for s in shapes]
+  ids = None
+  if "qembed" in target:
+    ids = arrays[0]  # ids first, then the stack
+  else:  # ids: the first s32 array after the layer index (a scalar)
+    seen_scalar = False
+    for t, d in arrays:
+      if t == "s32" and d == "":
+        seen_scalar = True
+      elif t == "s32" and seen_scalar:
+        ids = (t, d)
+        break
+  total = 0.0
+  for i, ((t, d), s) in enumerate(zip(arrays, shapes)):
     dims = _dims(d)
     nxt = arrays[i + 1] if i + 1 < len(arrays) else ("", "")
-    if t == "u8" and len(dims) == 2 and nxt[0] == "u32" and _dims(nxt[1])[-1:] == [2]:
-      row = dims[1]
-      total += row * slots // experts if experts and slots else row
+    if t == "u8" and len(dims) >= 2 and nxt[0] == "u32" and _dims(nxt[1])[-1:] == [2]:
+      n, stride = dims[-2:]
+      if experts:
+        total += _routed(ids, experts) * _unit_bytes(weights, n, stride, attrs, "expert")
+      elif "qembed" in target:
+        count = int(np.prod(_dims(ids[1]), dtype=np.int64)) if ids else 0
+        total += count * _unit_bytes(weights, n, stride, attrs, "row")
+      else:
+        total += _unit_bytes(weights, n, stride, attrs, "layer")
+    elif experts and t == "u8" and len(dims) == 1 and i > 0:
+      pass  # a decode expert ring: the routed experts it holds are counted with the stack
     elif "attn_step" in target and i in (6, 7) and len(dims) == 5 and kv_len:
       total += shape_bytes(s) // dims[0] * min(kv_len, dims[2]) // dims[2]
     elif "gdn_step" in target and i in (8, 9) and dims:
       total += shape_bytes(s) // dims[0]
     else:
       total += shape_bytes(s)
-  return total
+  return int(round(total))
 
 
-def hlo_read_bytes(hlo: str) -> dict[str, int]:
+def hlo_read_bytes(hlo: str, weights: dict | None = None) -> dict[str, int]:
   """Instruction name -> bytes its kernel reads (see the module's docstring), for every
-  instruction of every non-fused computation of the compiled module's text."""
+  instruction of every non-fused computation of the compiled module's text; `weights` (the
+  engine's weights, optional): the QWeights whose layers' formats give the jaxvt calls' bytes."""
   comps = _computations(hlo)
   called = set()
   for body in comps.values():
@@ -210,7 +283,7 @@ def hlo_read_bytes(hlo: str) -> dict[str, int]:
         fb = comps.get(c.group(1)) if c else None
         out[name] = _fusion_reads(operands, fb) if fb else sum(shape_bytes(s) for s, _ in operands)
       elif op == "custom-call":
-        out[name] = _custom_reads(operands, attrs)
+        out[name] = _custom_reads(operands, attrs, weights)
       elif op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                   "conditional", "call"):
         continue

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import contextlib
 import functools
-import os
 import re
 import threading
 import time
@@ -37,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxvt import ffi
+from jaxvt import transfer
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf import names as gguf_names
 from jaxvt.gguf import quants
@@ -48,6 +46,8 @@ from jaxvt.model.config import ModelConfig, from_gguf_metadata
 from jaxvt.model.declare import UnitBytes, WeightDecl, declare
 from jaxvt.model.sharding import Par
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight, split_u64
+from jaxvt.transfer import (COPY_CHUNK, UPLOAD_PIECE, LoadTimes, Row,  # noqa: F401 (public)
+                            array_row, copy_bytes, file_row, pack_rows)
 
 Placement = Callable[[str, "int | None"], str]  # (canonical name, layer) -> "device" | "host"
 Progress = Callable[[int], None]  # called with the bytes of each tensor placed
@@ -136,19 +136,9 @@ def unit_bytes(gf: GGUFFile, arch: str, decls: list[WeightDecl]) -> list[UnitByt
 
 
 # ---------------------------------------------------------------------------------------------
-# Copies: rows read from the file on threads, packed into stacks, uploaded while later stacks pack
+# Placing: every weight by its declaration's rule over the mesh (replicated on one device), a
+# few stacks in flight at once; their bytes move by jaxvt.transfer
 
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _set_rows(buf, i, rows, axis: int = 0):
-  return jax.lax.dynamic_update_slice_in_dim(buf, rows, i, axis)
-
-
-COPY_CHUNK = 64 << 20  # bytes per thread task when reading or copying a row
-# Bytes of a device stack uploaded per transfer on an accelerator. A GPU client copies a host
-# array into pinned staging memory of the array's size while device_put runs; pinning
-# multi-GiB buffers is slow and they stay pinned, so stacks go up in pieces that reuse it.
-UPLOAD_PIECE = 512 << 20
 # Weights placed at once on an accelerator: later stacks pack while earlier ones upload. The CPU
 # backend places one at a time on the calling thread: its device arrays are host memory that
 # the uploading thread allocates, and allocated on other threads they stay in those threads'
@@ -160,226 +150,11 @@ STACKS_IN_FLIGHT = 3
 STAGE_PIECE = 512 << 20
 
 
-def _upload_max() -> int:
-  """Host bytes of packed stacks held at once: a quarter of free RAM, >= 1 GiB."""
-  try:
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  except (ValueError, OSError):
-    free = 0
-  return max(1 << 30, free // 4)
-
-
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1),
-                                               thread_name_prefix="jaxvt-copy")
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  """One row of a stack: `size` bytes that `write(dst, start)` puts into dst (flat uint8):
-  the row's bytes [start, start + dst.size). Writers run on threads and release the GIL.
-  `file`: (GGUFFile, TensorInfo) when the row is a whole tensor of an open file (file_row),
-  which the staged path reads on native threads (GGUFFile.read_ranges)."""
-  size: int
-  write: Callable[[np.ndarray, int], None]
-  file: tuple | None = None
-
-
-def array_row(a: np.ndarray) -> Row:
-  """A row copied from an array (a view into the file's memory map, or a shard of one)."""
-  a = np.asarray(a).reshape(-1)
-  return Row(a.size, lambda dst, start: np.copyto(dst, a[start:start + dst.size]))
-
-
-def file_row(gf: GGUFFile, t: TensorInfo) -> Row:
-  """A whole tensor's bytes, read from the open file (GGUFFile.read_into)."""
-  return Row(t.n_bytes, lambda dst, start: gf.read_into(dst, t, start), (gf, t))
-
-
-def _as_row(r) -> Row:
-  return r if isinstance(r, Row) else array_row(r())
-
-
-def _write_rows(dsts: list[np.ndarray], rows: list[Row], starts: list[int] | None = None) -> None:
-  """dsts[i][:] = rows[i]'s bytes from starts[i] on (default 0), in COPY_CHUNK pieces on the copy
-  threads."""
-  starts = starts or [0] * len(rows)
-  jobs = [(dst[i:i + COPY_CHUNK], r, s + i) for dst, r, s in zip(dsts, rows, starts)
-          for i in range(0, dst.size, COPY_CHUNK)]
-  if len(jobs) <= 1:
-    for d, r, i in jobs:
-      r.write(d, i)
-    return
-  for f in [_pool().submit(r.write, d, i) for d, r, i in jobs]:
-    f.result()
-
-
-def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-  """dst[:] = src for flat uint8 arrays, in COPY_CHUNK pieces on threads (numpy drops the GIL
-  while copying)."""
-  _write_rows([dst], [array_row(src)])
-
-
 def need_host_tier(host) -> None:
   """Raises the one-line error for a host-tier placement without a host tier."""
   if host is None:
     raise JaxvtError("a host-tier placement needs the jaxvt extension's host tier; "
                      "reinstall jaxvt (pip install .) so its FFI extension is built")
-
-
-def pack_rows(tensors: list[TensorInfo], stride: int) -> np.ndarray:
-  """uint8 [len(tensors), stride]: each tensor's raw bytes in one row, zero-padded."""
-  return _pack([array_row(t.raw()) for t in tensors], stride)
-
-
-def _pack(rows: list, stride: int) -> np.ndarray:
-  rows = [_as_row(r) for r in rows]
-  out = np.empty((len(rows), stride), np.uint8)
-  for dst, r in zip(out, rows):
-    dst[r.size:] = 0
-  _write_rows([dst[:r.size] for dst, r in zip(out, rows)], rows)
-  return out
-
-
-class _Budget:
-  """Host bytes of packed pieces alive at once, across the threads that place stacks: a piece
-  waits until it fits under `limit` (or nothing else is held)."""
-
-  def __init__(self, limit: int):
-    self.limit, self.held = limit, 0
-    self._cv = threading.Condition()
-
-  @contextlib.contextmanager
-  def hold(self, n: int):
-    with self._cv:
-      self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.limit)
-      self.held += n
-    try:
-      yield
-    finally:
-      with self._cv:
-        self.held -= n
-        self._cv.notify_all()
-
-
-@dataclasses.dataclass
-class LoadTimes:
-  """Where placing spent its time, summed over the threads that did it (they overlap, so the
-  parts add up to more than the wall time): `read` packing rows from the file, `upload`
-  handing packed stacks to the device, `host` filling host-tier buffers, `arrays` making the
-  device stacks' arrays (the staged path, once), `wait` waiting for a staging buffer; bytes
-  of each."""
-  read: float = 0.0
-  upload: float = 0.0
-  host: float = 0.0
-  arrays: float = 0.0
-  wait: float = 0.0
-  read_bytes: int = 0
-  upload_bytes: int = 0
-  host_bytes: int = 0
-  arrays_bytes: int = 0
-  wait_bytes: int = 0
-  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-  def add(self, part: str, seconds: float, nbytes: int) -> None:
-    with self._lock:
-      setattr(self, part, getattr(self, part) + seconds)
-      setattr(self, part + "_bytes", getattr(self, part + "_bytes") + nbytes)
-
-
-def _fill_range(dst: np.ndarray, rows: list[Row], stride: int, lo: int,
-                address: int | None = None) -> None:
-  """dst (flat uint8) = bytes [lo, lo + dst.size) of the stack whose row i is rows[i] at
-  i * stride, zero-padded to stride. With dst's `address` (memory that stays put: a staging
-  buffer), file rows are read by the extension on native threads in one call per file."""
-  hi = lo + dst.size
-  ext = ffi.extension() if address is not None else None  # read(fd, ranges): native threads
-  read = (None if ext is None or not hasattr(ext, "read_ranges") else lambda fd, ranges:
-          ext.read_ranges(fd, ranges, _pool()._max_workers, COPY_CHUNK))  # pylint: disable=protected-access
-  dsts, parts, starts, native = [], [], [], {}
-  for i in range(lo // stride, -(-hi // stride)):
-    a, b = max(lo, i * stride), min(hi, (i + 1) * stride)  # this row's slice of [lo, hi)
-    end = min(b, i * stride + rows[i].size)  # where its bytes end and padding starts
-    if end > a and read and rows[i].file:
-      gf, t = rows[i].file
-      native.setdefault(id(gf), (gf, []))[1].append((t, a - i * stride, address + a - lo, end - a))
-    elif end > a:
-      dsts.append(dst[a - lo:end - lo])
-      parts.append(rows[i])
-      starts.append(a - i * stride)
-    dst[max(a, end) - lo:b - lo] = 0
-  _write_rows(dsts, parts, starts)
-  for gf, items in native.values():
-    gf.read_ranges(items, read)
-
-
-def _staged_stack(rows: list[Row], stride: int, device, lead: int, staging,
-                  times: LoadTimes, data: jax.Array | None = None) -> jax.Array:
-  """_device_stack through pinned buffers (host_tier.Staging): each piece of the stack read into
-  one, then copied by the extension straight into the device array's memory: `data` (made by
-  _device_arrays) or a new one. Nothing else reads or writes that array until it is returned
-  (it is ready before the first copy)."""
-  shape = (1,) * lead + (len(rows), stride)
-  data = jnp.zeros(shape, jnp.uint8, device=device) if data is None else data
-  if data.shape != shape:
-    raise ValueError(f"the stack's device array is {data.shape}, not {shape}")
-  data.block_until_ready()
-  dst = data.unsafe_buffer_pointer()
-  total = len(rows) * stride
-  for lo in range(0, total, staging.piece):
-    n = min(staging.piece, total - lo)
-    tw = time.perf_counter()
-    with staging.buffer() as buf:
-      t0 = time.perf_counter()
-      times.add("wait", t0 - tw, 0)
-      _fill_range(buf.array[:n], rows, stride, lo, buf.host_address)
-      t1 = time.perf_counter()
-      staging.upload(dst + lo, buf, n, device)
-      times.add("read", t1 - t0, n)
-      times.add("upload", time.perf_counter() - t1, n)
-  return data
-
-
-def _device_stack(rows: list, stride: int, device, lead: int = 0,
-                  budget: _Budget | None = None, times: LoadTimes | None = None,
-                  staging=None, data: jax.Array | None = None) -> jax.Array:
-  """uint8 [(1,) * lead, len(rows), stride] on `device` (row i: rows[i] zero-padded). With
-  `staging` (host_tier.Staging), through its pinned buffers (_staged_stack). Otherwise packed
-  on the host and uploaded in one transfer, or in pieces (UPLOAD_PIECE on an accelerator, at
-  most _upload_max() bytes) written into one donated device array (device memory stays 1x)."""
-  times = times or LoadTimes()
-  if staging is not None:
-    return _staged_stack([_as_row(r) for r in rows], stride, device, lead, staging, times, data)
-  budget = budget or _Budget(_upload_max())
-  piece = _upload_max() if device.platform == "cpu" else min(UPLOAD_PIECE, _upload_max())
-  per = max(1, piece // stride)
-  lead_shape = (1,) * lead
-
-  def packed(part: list) -> np.ndarray:
-    t0 = time.perf_counter()
-    arr = _pack(part, stride).reshape(lead_shape + (len(part), stride))
-    times.add("read", time.perf_counter() - t0, arr.nbytes)
-    return arr
-
-  def put(arr: np.ndarray) -> jax.Array:
-    t0 = time.perf_counter()
-    out = jax.device_put(arr, device)  # returns once the host array has been taken
-    times.add("upload", time.perf_counter() - t0, arr.nbytes)
-    return out
-
-  if len(rows) <= per:
-    with budget.hold(len(rows) * stride):
-      return put(packed(rows))
-  data = jnp.zeros(lead_shape + (len(rows), stride), jnp.uint8, device=device)
-  for i in range(0, len(rows), per):
-    with budget.hold(min(per, len(rows) - i) * stride):
-      data = _set_rows(data, jnp.int32(i), put(packed(rows[i:i + per])), lead)
-  return data
-
-
-# ---------------------------------------------------------------------------------------------
-# Placing: every weight by its declaration's rule over the mesh (replicated on one device)
 
 
 def _vector(model: Model, d: WeightDecl, r: sharding.Rule, par: Par) -> jax.Array:
@@ -392,7 +167,7 @@ def _vector(model: Model, d: WeightDecl, r: sharding.Rule, par: Par) -> jax.Arra
 
 
 def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Placement,
-            host, budget: _Budget | None = None, times: LoadTimes | None = None,
+            host, budget: transfer.Budget | None = None, times: LoadTimes | None = None,
             staging=None, stack: jax.Array | None = None) -> QWeight:
   """A QWeight of every layer of matrix `d`; with a sharded rule, of S shards (leading axis)."""
   times = times or LoadTimes()
@@ -407,7 +182,7 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
 
   def fill(a: np.ndarray, t: TensorInfo, s: int) -> None:
     t0 = time.perf_counter()
-    _write_rows([a], [row(t, s)])
+    transfer.write_rows([a], [row(t, s)])
     times.add("host", time.perf_counter() - t0, a.size)
 
   fmts = np.array([t.type_id for t in tensors], np.int32)
@@ -438,8 +213,8 @@ def _matrix(model: Model, d: WeightDecl, r: sharding.Rule, par: Par, where: Plac
   for device, index in sh.addressable_devices_indices_map(gshape).items():
     s = (index[0].start or 0) if lead else 0
     rows = [row(tensors[i], s) for i in dev_pos]
-    arrays.append(_device_stack(rows, stride, device, lead, budget, times, staging, stack) if rows else
-                  jnp.zeros((1,) * lead + (1, 1), jnp.uint8, device=device))
+    arrays.append(transfer.device_stack(rows, stride, device, lead, budget, times, staging, stack)
+                  if rows else jnp.zeros((1,) * lead + (1, 1), jnp.uint8, device=device))
   data = jax.make_array_from_single_device_arrays(gshape, sh, arrays)
   meta = QMeta(rows=lshape[-2], cols=lshape[-1], experts=lshape[0] if len(lshape) == 3 else 0,
                formats=tuple(sorted(set(int(f) & FMT_MASK for f in fmts))), n_layers=len(tensors),
@@ -458,7 +233,7 @@ def _local_put(a: np.ndarray, sh: NamedSharding) -> jax.Array:
 
 def place_weight(model: Model, d: WeightDecl, where: Placement = all_device, *, par: Par | None = None,
                  host=None, progress: Progress | None = None, times: LoadTimes | None = None,
-                 _budget: _Budget | None = None, _staging=None, _stack=None):
+                 _budget: transfer.Budget | None = None, _staging=None, _stack=None):
   """Declaration `d` placed over `par` (default: the 1 x 1 mesh on JAX's first device) as
   `where` says, by its rule (jaxvt.model.sharding): a QWeight (matrices) or a float32 array.
   `times` collects where the time went (LoadTimes)."""
@@ -489,14 +264,14 @@ def place(model: Model, where: Placement = all_device, *, par: Par | None = None
 
   On an accelerator STACKS_IN_FLIGHT weights at once, on threads (the CPU backend: one at a
   time, on this thread): while one stack uploads, the next ones are read from the file (host
-  memory for packed stacks bounded by _upload_max() in all). Each weight is placed as
+  memory for packed stacks bounded by transfer.upload_max() in all). Each weight is placed as
   place_weight places it alone, so the arrays hold the same bytes. `progress` is called on
   this thread, in declaration order; the first error is raised once every weight in flight
   has stopped. `staging(platform, n, piece)`: pinned staging buffers for n weights in flight
   (host_tier.staging_for, which gives None where the device cannot take them), through which
-  device stacks go up (_staged_stack) instead of device_put; closed when placing ends."""
+  device stacks go up (transfer.device_stack) instead of device_put; closed when placing ends."""
   par = par or sharding.one_device()
-  budget = _Budget(_upload_max())
+  budget = transfer.Budget(transfer.upload_max())
   n = _stacks_in_flight(par.devices[0].platform)
   staging = staging(par.devices[0].platform, n, STAGE_PIECE) if staging else None
   times = times or LoadTimes()
@@ -536,8 +311,9 @@ def place(model: Model, where: Placement = all_device, *, par: Par | None = None
 def _device_arrays(model: Model, where: Placement, par: Par) -> dict:
   """{name: uint8 device array} of every matrix's device stack (one device), made by one program:
   one compile (or load from the compilation cache) where a zeros per stack would compile one per
-  shape, seconds of a cached first token on a GPU. Their bytes are arbitrary
-  (_staged_stack writes them all); the arrays are distinct buffers (checked; {} otherwise)."""
+  shape, seconds of a cached first token on a GPU. Their bytes are arbitrary (the staged
+  transfer.device_stack writes them all); the arrays are distinct buffers (checked; {}
+  otherwise)."""
   shapes = {n: w.data.shape for n, w in abstract_weights(model, where, par).items()
             if isinstance(w, QWeight) and len(w.meta.host_layers) < w.meta.n_layers}
   names = sorted(shapes)

@@ -165,7 +165,7 @@ def test_auto_with_xla_above_the_estimate_end_to_end(monkeypatch):
   extra = bd.workspace - real + int(0.03 * GiB)  # XLA's figure: the estimate + 0.03 GiB
   cap = bd.kv_cache + bd.state + bd.workspace + M.SLACK_MIN_BYTES + int(0.6 * weights)
   orig = engine_mod.plan_workspace_bytes
-  monkeypatch.setattr(engine_mod, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
+  monkeypatch.setattr(engine_mod.steps, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
   with jaxvt.load(max_context=2048, offload_gb="auto", device_gb=cap / GiB) as eng:
     assert eng.memory.workspace_source == "XLA memory analysis" and eng.memory.fits
     chosen = eng.plan.plan

@@ -249,29 +249,29 @@ def test_parse_failures_and_configs():
   assert offload_llama.find("/nonexistent/bin/llama-bench") is None
 
 
-# ---- the loader's uploads and copies -------------------------------------------------------------
+# ---- the loader's uploads and copies (jaxvt.transfer) --------------------------------------------
 
 def test_device_stack_uploaded_in_pieces_matches_one_transfer(monkeypatch):
   import jax
 
-  from jaxvt import loader
+  from jaxvt import transfer
   rng = np.random.default_rng(0)
   raws = [rng.integers(0, 255, (n, 7), dtype=np.uint8) for n in (5, 3, 5, 4, 5)]
   rows = [lambda r=r: r.reshape(-1) for r in raws]
   stride = max(r.size for r in raws)
-  whole = np.asarray(loader._device_stack(rows, stride, jax.devices()[0]))
-  monkeypatch.setattr(loader, "_upload_max", lambda: 2 * stride)  # 2 rows per piece
-  pieces = np.asarray(loader._device_stack(rows, stride, jax.devices()[0]))
-  np.testing.assert_array_equal(np.asarray(loader._device_stack(rows, stride, jax.devices()[0],
-                                                                lead=1))[0], whole)
+  whole = np.asarray(transfer.device_stack(rows, stride, jax.devices()[0]))
+  monkeypatch.setattr(transfer, "upload_max", lambda: 2 * stride)  # 2 rows per piece
+  pieces = np.asarray(transfer.device_stack(rows, stride, jax.devices()[0]))
+  np.testing.assert_array_equal(np.asarray(transfer.device_stack(rows, stride, jax.devices()[0],
+                                                                  lead=1))[0], whole)
   np.testing.assert_array_equal(whole, pieces)
   for row, r in zip(whole, raws):
     np.testing.assert_array_equal(row[:r.size], r.reshape(-1))
     assert not row[r.size:].any()
-  monkeypatch.setattr(loader, "COPY_CHUNK", 1000)  # threaded copy in many pieces
+  monkeypatch.setattr(transfer, "COPY_CHUNK", 1000)  # threaded copy in many pieces
   src = rng.integers(0, 255, 10_007, dtype=np.uint8)
   dst = np.zeros_like(src)
-  loader.copy_bytes(dst, src)
+  transfer.copy_bytes(dst, src)
   np.testing.assert_array_equal(dst, src)
 
 
@@ -417,7 +417,7 @@ def test_the_sweeps_auto_is_the_budget_jaxvt_load_picks(monkeypatch):
   extra = bd.workspace - real + int(0.03 * GiB)  # XLA's figure: the estimate + 0.03 GiB
   cap = bd.kv_cache + bd.state + bd.workspace + M.SLACK_MIN_BYTES + int(0.6 * weights)
   orig = engine_mod.plan_workspace_bytes
-  monkeypatch.setattr(engine_mod, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
+  monkeypatch.setattr(engine_mod.steps, "plan_workspace_bytes", lambda *a: orig(*a) + extra)
   s.device_gb = cap / GiB
   sweep = s.plan("auto").plan.host_bytes
   with jaxvt.load(path, max_context=s.max_context, offload_gb="auto", device_gb=cap / GiB) as eng:

@@ -166,7 +166,7 @@ def test_generate_sends_the_next_decode_call_before_reading_tokens(monkeypatch):
   from jaxvt import engine
   from benchmarks.arms import no_stops
   events = []
-  real_fn, real_np = engine.decode_loop_fn, engine.np
+  real_fn, real_np = engine.runtime.decode_loop_fn, engine.runtime.np
 
   class Fn:
     def __call__(self, *a, **k):
@@ -189,8 +189,8 @@ def test_generate_sends_the_next_decode_call_before_reading_tokens(monkeypatch):
     eng.decode_chunk = 1
     one = eng.generate([1, 2, 3], max_tokens=12).tokens
     eng.decode_chunk = 4
-    monkeypatch.setattr(engine, "decode_loop_fn", Fn())
-    monkeypatch.setattr(engine, "np", Np())
+    monkeypatch.setattr(engine.runtime, "decode_loop_fn", Fn())
+    monkeypatch.setattr(engine.runtime, "np", Np())
     g = eng.generate([1, 2, 3], max_tokens=12)
   assert g.tokens == one and len(one) == 12
   # 11 decode tokens in calls of 4 (decode_steps): each read comes after the next call is sent

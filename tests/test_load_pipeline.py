@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxvt
-from jaxvt import engine, ffi, loader, programs, synth
+from jaxvt import engine, ffi, loader, programs, synth, transfer
 from jaxvt.model import sharding
 from jaxvt.errors import JaxvtError
 from jaxvt.gguf.reader import open_gguf
@@ -59,8 +59,8 @@ def test_every_tier_holds_the_files_bytes(moe_file, monkeypatch, where, backend,
   row stride, and fewer buffers than weights in flight; the buffers are freed when placing
   ends. gpu: the real GPU path (run with -m gpu on a GPU host)."""
   monkeypatch.setattr(loader, "_stacks_in_flight", lambda platform: stacks)
-  monkeypatch.setattr(loader, "COPY_CHUNK", 4096 + 17)
-  monkeypatch.setattr(loader, "_upload_max", lambda: 3 * 4096)
+  monkeypatch.setattr(transfer, "COPY_CHUNK", 4096 + 17)
+  monkeypatch.setattr(transfer, "upload_max", lambda: 3 * 4096)
   monkeypatch.setattr(loader, "STAGE_PIECE", 3 * 4096 + 5)
   made, arrays = [], []
   real_arrays = loader._device_arrays  # pylint: disable=protected-access
@@ -125,15 +125,14 @@ def test_staged_stack_is_the_packed_stack(piece, backend):
   -m gpu on a GPU host)."""
   rng = np.random.default_rng(piece)
   sizes = [5003, 17, 4999, 1, 5003, 2500]
-  rows = [loader.array_row(rng.integers(0, 256, s, dtype=np.uint8)) for s in sizes]
+  rows = [transfer.array_row(rng.integers(0, 256, s, dtype=np.uint8)) for s in sizes]
   stride = max(sizes)
   with Staging(2, piece, backend=backend) as staging:
     with staging.buffer() as buf:
       buf.array[:] = 0xff
-    got = loader._device_stack(rows, stride, jax.devices(backend)[0], lead=1,  # pylint: disable=protected-access
-                               staging=staging)
+    got = transfer.device_stack(rows, stride, jax.devices(backend)[0], lead=1, staging=staging)
     assert got.shape == (1, len(rows), stride)
-    np.testing.assert_array_equal(np.asarray(got)[0], loader._pack(rows, stride))  # pylint: disable=protected-access
+    np.testing.assert_array_equal(np.asarray(got)[0], transfer._pack(rows, stride))  # pylint: disable=protected-access
 
 
 def test_read_into_refuses_a_file_that_shrank(moe_file, tmp_path):

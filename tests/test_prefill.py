@@ -84,7 +84,7 @@ def _compare_chunked(eng, prompt: list[int], chunk: int, spy: _Spy, gen: int = 0
 
 def test_chunked_prefill_on_the_default_model(monkeypatch):
   spy = _Spy(engine.prefill_fn)
-  monkeypatch.setattr(engine, "prefill_fn", spy)  # what Engine runs
+  monkeypatch.setattr(engine.runtime, "prefill_fn", spy)  # what Engine runs
   monkeypatch.setattr(model_fns, "prefill_fn", spy)  # what xla_workspace_bytes lowers
   # device_gb makes load re-check the plan with XLA's analysis of the largest prefill program.
   with jaxvt.load(max_context=128, prefill_chunk=16, device_gb=8) as eng:
@@ -120,7 +120,7 @@ def test_chunked_prefill_carries_deltanet_state(qwen35moe, monkeypatch):
   """Chunks of 16 (DeltaNet's chunked form runs 64-token chunks: a 16-token call is one partial
   chunk whose state the next call continues) against one pass of 45 tokens."""
   spy = _Spy(engine.prefill_fn)
-  monkeypatch.setattr(engine, "prefill_fn", spy)
+  monkeypatch.setattr(engine.runtime, "prefill_fn", spy)
   prompt = [int(t) for t in np.random.default_rng(1).integers(3, 300, 45)]
   with jaxvt.load(qwen35moe, max_context=128) as eng:
     _compare_chunked(eng, prompt, 16, spy)

@@ -1,25 +1,12 @@
-"""open → plan → place → Engine: jitted prefill / decode and generate (the notebook API).
-
-    engine = jaxvt.load()                       # the embedded default model
-    out = engine.generate("The capital of France is", max_tokens=16)
-    logits, cache = prefill_fn(engine.weights, cache, tokens, positions, valid, last, ...)
-
-`load` is the public steps with defaults, which a benchmark or a notebook may also compose:
-
-    model = open_model(path)                    # jaxvt.loader: config, declarations, bytes
-    par = layout(model.cfg)                     # the 1 x 1 mesh on one device, or a mesh
-    placed = plan(model, offload_gb=4, mesh=par)   # jaxvt.offload: where each weight goes
-    weights = place(model, placed, par, host=HostTier())   # jaxvt.loader: the weights pytree
-    engine = Engine(model.cfg, exec_for(platform, kernels, par), weights, tokenizer, max_context)
-
-`prefill_fn` and `decode_fn` (jaxvt.model_fns) are pure jitted functions of (weights, cache,
-tokens, ...); the Engine holds what they need and keeps the books (buckets, positions, keys).
+"""The Engine a load returns: a loaded model's programs run with the books kept (prompt and
+KV buckets, prefill chunks, positions, sampling keys): prefill, decode_step and generate, the
+programs compiled ahead (warm_up, warm_up_buckets), and close, which frees the weights
+(ClosedWeights stands in for them afterwards). jaxvt.engine builds it (load) and re-exports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from typing import Callable
@@ -28,33 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvt import ffi, inputs, loader, programs
+from jaxvt import inputs
 from jaxvt.errors import JaxvtError, escape
-from jaxvt.ffi import numerics
-from jaxvt.ffi import numerics as numerics_mod
-from jaxvt.ffi.tuning import Products
-from jaxvt.gguf.tokenizer import Tokenizer
-from jaxvt.loader import Model, open_model
 from jaxvt.model import sharding
 from jaxvt.model.config import ModelConfig
-from jaxvt.model.layers import NUMERICS, Exec
-from jaxvt.model.sharding import Par
+from jaxvt.model.layers import Exec
 from jaxvt.model_fns import (DECODE_CHUNK, KV_BUCKETS, PREFILL_BUCKETS, PREFILL_CHUNK, bucket,
-                             decode_fn, decode_loop_fn, decode_sample_fn,  # noqa: F401 (public)
-                             first_token_fn, prefill_chunks, prefill_fn,
-                             xla_workspace_bytes)
-from jaxvt.offload import placement as placement_mod
-from jaxvt.offload import cost, expert_cache, host_tier
-from jaxvt.offload.expert_cache import stats as expert_cache_stats  # noqa: F401 (public)
-from jaxvt.offload.host_tier import HostTier
-from jaxvt.offload.placement import Placed
-from jaxvt.offload.plan import Policy, parse_overrides
-from jaxvt.offload.schedule import ExpertSchedule
-from jaxvt.parallel import mesh as mesh_mod
-from jaxvt.parallel.mesh import layout
-from jaxvt.sampling import row_key
-from jaxvt.sampling import (Generation, GenerationStats,  # noqa: F401 (engine.Generation*)
-                            SamplingParams)
+                             decode_fn, decode_loop_fn, first_token_fn, prefill_chunks, prefill_fn)
+from jaxvt.sampling import Generation, GenerationStats, SamplingParams, row_key
 
 
 class ClosedWeights:
@@ -409,249 +377,3 @@ class Engine:
 
   def __exit__(self, *exc):
     self.close()
-
-
-def plan_workspace_bytes(model: Model, placement, ex: Exec, max_context: int,
-                         prefill_chunk: int, cache=None) -> int | None:
-  """xla_workspace_bytes of the engine that placing `model`'s weights as `placement` says
-  would give, from the weights' shapes alone (loader.abstract_weights): nothing is placed. One
-  device (the 1 x 1 mesh of `ex.par`). `cache` (expert_cache.CachePlan): the weights carry an
-  expert cache's tables (its size does not change the programs)."""
-  weights = loader.abstract_weights(model, placement, ex.par)
-  if cache is not None:
-    weights[expert_cache.CACHE] = expert_cache.abstract_tables(cache, model.cfg.n_layers, ex.par)
-  return xla_workspace_bytes(Engine(cfg=model.cfg, ex=ex, weights=weights, tokenizer=None,
-                                    max_context=max_context,
-                                    prefill_chunk=min(prefill_chunk, max_context)))
-
-
-def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: int = PREFILL_CHUNK,
-                     seconds: list | None = None,
-                     cached: bool = True) -> Callable[[object], int | None]:
-  """plan()'s `workspace_of` (one device): plan_workspace_bytes of each candidate, timed; with
-  `cached`, of the program with the expert cache the candidate's host-tier experts would get."""
-  def workspace_of(p):
-    t = time.perf_counter()
-    cp = (expert_cache.cache_plan(p, model.cfg.n_experts, 1 << 62, "lru", 1)
-          if cached and ex.kernels else None)
-    ws = plan_workspace_bytes(model, lambda n, l: p.placement.get((n, l), "device"), ex,
-                              max_context, prefill_chunk, cp)
-    (seconds if seconds is not None else []).append(time.perf_counter() - t)  # load's check
-    return ws
-  return workspace_of
-
-
-def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
-             numerics_mode: str | None = None) -> Exec:
-  """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU (where
-  jaxvt agrees with llama.cpp), ggml's integer products and float32 elsewhere on GPUs ("q8",
-  numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
-  host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
-  (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling.
-  `numerics_mode` (Exec.numerics) replaces the platform's default contract."""
-  gpu = platform != "cpu" and kernels
-  return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
-              products=cost.products_for(platform) if kernels else Products(),
-              deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
-              schedule=ExpertSchedule() if kernels else None)
-
-
-def plan(model: Model, *, offload_gb: float | str = 0.0, device_gb: float | None = None,
-         force: bool = False, device=None, max_context: int = 2048, kernels: bool | None = None,
-         offload_pattern: tuple[str, ...] = (), mesh: sharding.Sizes | None = None,
-         prefill_chunk: int = PREFILL_CHUNK,
-         workspace_of: Callable[[object], int | None] | None = None,
-         expert_cache_gb: float | str | None = "auto", expert_cache_policy: str = "lru") -> Placed:
-  """Where each of `model`'s weights goes, checked against the device's memory (JaxvtError for
-  a plan that does not fit, unless `force`). `offload_gb`: GiB of weights for the host tier, or
-  "auto"; `device_gb`: behave as if the device had this many GiB; `offload_pattern`: regexes
-  (`REGEX[=host|device]`) forcing matching weights' tier, counted against the budget; `kernels`:
-  whether the FFI kernels run (default: whether they exist for `device`). With `mesh` the plan
-  is one device's (its shards of every weight, its KV heads), the budgets are per device, and
-  the same plan holds for every device of the mesh (a MeshSpec, or the Par of a layout).
-  `prefill_chunk`: tokens per prefill call (capped at max_context): the workspace planned for is
-  a chunk this long's. `workspace_of(plan)` (plan_workspace_bytes): XLA's workspace of a
-  candidate plan's program, which replaces the estimate where memory is planned tight
-  (Placed.settle). `expert_cache_gb`: device memory for the expert cache, which keeps recently
-  used host-tier routed experts on the device ("auto" or None: what the plan leaves free; 0:
-  none; jaxvt.offload.expert_cache); `expert_cache_policy`: "lru" or "lfru"."""
-  if prefill_chunk < 1:
-    raise JaxvtError(f"the prefill chunk {prefill_chunk} must be at least 1 token")
-  expert_cache_gb = inputs.expert_cache_gb(expert_cache_gb)
-  device = device or jax.devices()[0]
-  kernels = ffi.available(device.platform) if kernels is None else kernels
-  cfg, units, copies, n = model.cfg, model.units, None, 1
-  if mesh is not None:
-    sharding.check(model.cfg, mesh)
-    units, copies = sharding.device_units(units, model.decls, model.cfg, mesh)
-    cfg, n = sharding.local_config(model.cfg, mesh), mesh.tp * mesh.ep
-  return placement_mod.plan_for_engine(
-      cfg, model.decls, units, offload_gb=offload_gb, device_gb=device_gb, force=force,
-      device=device, max_context=max_context, kernels=kernels,
-      policy=Policy(overrides=parse_overrides(offload_pattern)), host_copies=copies, devices=n,
-      prefill_chunk=prefill_chunk, workspace_of=workspace_of, expert_cache_gb=expert_cache_gb,
-      expert_cache_policy=expert_cache_policy)
-
-
-def place(model: Model, placed: Placed, par: Par, *, host=None,
-          progress: Callable[[int], None] | None = None, times=None) -> dict:
-  """`model`'s weights where `placed` puts them, over the mesh of `par` and in the host tier
-  `host` (needed when the plan offloads; its tables told to the extension for prefill's copies,
-  ffi.prefetch), with the plan's expert cache beside them (where `model` declares the routed
-  stacks the cache is for); `times` (loader.LoadTimes) collects where placing spent its time.
-  On a GPU the stacks go up through pinned staging buffers (host_tier.staging_for)."""
-  weights = loader.place(model, placed.placement, par=par, host=host, progress=progress,
-                         times=times, staging=host_tier.staging_for)
-  if host is not None:
-    host.register_tables(weights)
-  if placed.expert_cache is not None and expert_cache.attachable(weights, placed.expert_cache):
-    weights = expert_cache.attach(weights, placed.expert_cache, par)
-  return weights
-
-
-
-def _file_tokenizer(m: Model, given: Tokenizer | None = None) -> Tokenizer:
-  """`given` where it was built from m's file as it is now (JaxvtError otherwise), else m's
-  tokenizer built from its metadata."""
-  if given is None:
-    return Tokenizer.from_gguf_metadata(m.gguf.metadata, source=m.path, identity=m.gguf.identity)
-  if given.identity is None or given.identity != m.gguf.identity:
-    raise JaxvtError(f"load(tokenizer=...): that tokenizer was not built from {escape(m.path)} "
-                     "as it is now; build it from this file's GGUFFile, or pass none")
-  return given
-
-
-def load(model: str | None = None, *, max_context: int | None = None,
-         offload_gb: float | str = 0.0,
-         device_gb: float | None = None, force: bool = False, kernels: bool | None = None,
-         progress: Callable[[int], None] | None = None, device=None,
-         on_plan: Callable[[Placed], None] | None = None, offload_pattern: tuple[str, ...] = (),
-         mesh: str | None = None, prefill_chunk: int = PREFILL_CHUNK, deterministic: bool = True,
-         compile_cache: bool | str | None = None,
-         while_loading: Callable[[Engine], object] | None = None,
-         tokenizer: Tokenizer | None = None, expert_cache_gb: float | str | None = "auto",
-         expert_cache_policy: str = "lru", numerics: str | None = None) -> Engine:
-  """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
-  places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
-  `max_context`: tokens of context to allocate, at most the model's trained context (None: 2048,
-  or the trained context where that is shorter, said in a JaxvtWarning).
-  `offload_gb`, `device_gb`, `offload_pattern`, `kernels` and `prefill_chunk` as for `plan`;
-  `mesh`: "tp=N", "ep=N" or "tp=N,ep=M" shards the model over that many local devices
-  (jaxvt.parallel), and then `offload_gb` and `device_gb` are per device; `on_plan` sees the plan
-  before anything is placed. `deterministic`: the same bits in every process and at every
-  budget (jaxvt.programs; False lets XLA:GPU time its GEMM algorithms). `compile_cache`: JAX's
-  persistent compilation cache under this directory; None: $JAXVT_COMPILE_CACHE (0 turns it
-  off) or ~/.cache/jaxvt ($XDG_CACHE_HOME/jaxvt); False: off. A cache configured in JAX
-  already is left as it is; beside it the export store keeps the programs traced (jaxvt.exports;
-  JAXVT_EXPORT_STORE=0: off). `while_loading(engine)`: runs on this thread while loader threads
-  place the weights, given an Engine whose tokenizer is built and whose weights are only their
-  shapes and shardings (loader.abstract_weights): compile there what the first call will run
-  (`engine.warm_up(n)`), and the loaded Engine runs those very programs (it inherits what was
-  warmed); running the model there fails. On a mesh of several devices it runs after the
-  weights are placed. `tokenizer`: one built from this very file (its GGUFFile.identity; the
-  CLI builds it before JAX starts), taken instead of building another; JaxvtError if it is
-  another file's, or the file changed since. `expert_cache_gb`, `expert_cache_policy`: as for
-  `plan` (on_plan may resize the cache: Placed.with_expert_cache). `numerics`: the arithmetic
-  contract (Exec.numerics, docs/NUMERICS.md); None: the platform's ("ggml" on the CPU, whose
-  tokens do not depend on scheduling; "llamacpp" is llama.cpp's CPU arithmetic exactly, prompt
-  and decode)."""
-  t0 = time.perf_counter()
-  if numerics is not None and numerics not in NUMERICS:
-    raise JaxvtError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
-  max_context = None if max_context is None else inputs.max_context(max_context)
-  offload_gb = inputs.offload_gb(offload_gb)
-  device_gb = inputs.device_gb(device_gb)
-  expert_cache_gb = inputs.expert_cache_gb(expert_cache_gb)
-  programs.use_compile_cache(programs.cache_root(compile_cache, os.environ),
-                             programs.env_flag(os.environ, "JAXVT_EXPORT_STORE"))
-  m = open_model(model)
-  cfg = m.cfg
-  max_context = inputs.context_for(max_context, cfg.context_length)
-  if max_context < 1 or max_context > cfg.context_length:
-    raise JaxvtError(f"--max-context {max_context} is outside 1..{cfg.context_length} (the "
-                     "model's trained context); pick a value in that range")
-  par = layout(cfg, mesh_mod.parse(mesh), device)
-  device = par.devices[0]
-  with programs.BackendStart(device):  # XLA's lazy start, beside the plan (programs.py)
-    if kernels is None:
-      kernels = ffi.available(device.platform)
-    if numerics in ("ggml", "llamacpp") and kernels and device.platform != "cpu":
-      raise JaxvtError(f"numerics {numerics!r} has CPU kernels only; on {device.platform} use "
-                       f"{numerics_mod.default_mode(device.platform)!r} or f32")
-    overlap = while_loading is not None and par.size == 1
-    if tokenizer is not None or overlap:  # the early Engine needs it before anything is placed
-      tokenizer = _file_tokenizer(m, tokenizer)
-    else:  # built last (below), checked before anything is placed
-      Tokenizer.check_metadata(m.gguf.metadata)
-    ex = exec_for(device.platform, kernels, par, deterministic, numerics)
-    # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
-    # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
-    seconds = []
-    workspace_of = xla_workspace_of(
-        m, ex, max_context, prefill_chunk, seconds,
-        cached=expert_cache.expected(expert_cache_gb, device.platform, device_gb))
-    placed = plan(m, offload_gb=offload_gb, device_gb=device_gb, force=force, device=device,
-                  max_context=max_context, kernels=kernels, offload_pattern=offload_pattern,
-                  mesh=par, prefill_chunk=prefill_chunk,
-                  workspace_of=workspace_of if par.size == 1 else None,
-                  expert_cache_gb=expert_cache_gb, expert_cache_policy=expert_cache_policy)
-    if on_plan:
-      on_plan(placed)
-    host_tier = HostTier() if placed.host_bytes else None
-    times = loader.LoadTimes()
-    early, warm_seconds = None, 0.0
-    tp = time.perf_counter()
-    placing = lambda: place(m, placed, par, host=host_tier, progress=progress, times=times)
-    try:
-      if overlap:  # compile on this thread while loader threads place the weights
-        job = loader.Placing(placing)
-        try:
-          shapes = loader.abstract_weights(m, placed.placement, par)
-          if placed.expert_cache is not None:
-            shapes[expert_cache.CACHE] = expert_cache.abstract_tables(placed.expert_cache,
-                                                                      cfg.n_layers, par)
-          early = Engine(cfg=cfg, ex=ex, weights=shapes,
-                         tokenizer=tokenizer, max_context=max_context, path=m.path,
-                         prefill_chunk=placed.shape.prefill_chunk)
-          while_loading(early)
-        finally:
-          warm_seconds = time.perf_counter() - tp
-          job.result()  # the weights are written before anything is freed; placing's error first
-        weights, place_seconds = job.result(), job.seconds
-      else:
-        weights = placing()
-        place_seconds = time.perf_counter() - tp
-    except BaseException:
-      if host_tier is not None:
-        host_tier.close()
-      raise
-  eng = Engine(cfg=cfg, ex=ex, weights=weights, tokenizer=tokenizer,
-               max_context=max_context, path=m.path,
-               load_seconds=time.perf_counter() - t0 - sum(seconds), plan=placed,
-               host_tier=host_tier, prefill_chunk=placed.shape.prefill_chunk,
-               check_seconds=sum(seconds), warm_seconds=warm_seconds,
-               place_seconds=place_seconds, load_times=times)
-  if early is not None:
-    eng.warmed = early.warmed  # compiled against the weights' shapes: the same programs
-  # A mesh planned tight (offloaded, or --device-gb) checks its plan again with XLA's analysis of
-  # the largest prefill per device (one device did so before placing). The tokenizer, unless
-  # given or needed early, is built last: its vocabulary's many small objects, alive while the
-  # weights were placed, shared heap arenas with objects JAX keeps (RSS grew ~1 MiB a load).
-  try:
-    if par.size > 1 and (placed.host_bytes or device_gb is not None):
-      ws = xla_workspace_bytes(eng)
-      if ws is not None:
-        placed.recheck(ws, force=force)
-    if eng.tokenizer is None:
-      t1 = time.perf_counter()
-      eng.tokenizer = _file_tokenizer(m)
-      eng.load_seconds += time.perf_counter() - t1
-    if while_loading is not None and not overlap:
-      t1 = time.perf_counter()
-      while_loading(eng)
-      eng.warm_seconds = time.perf_counter() - t1
-  except BaseException:
-    eng.close()
-    raise
-  eng.memory = placed.breakdown
-  return eng
