@@ -442,16 +442,18 @@ def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: in
 
 
 def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
-             numerics_mode: str | None = None) -> Exec:
+             numerics_mode: str | None = None, batch_invariant: bool = False) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU (where
   jaxvt agrees with llama.cpp), ggml's integer products and float32 elsewhere on GPUs ("q8",
   numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
   host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
   (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling.
-  `numerics_mode` (Exec.numerics) replaces the platform's default contract."""
+  `numerics_mode` (Exec.numerics) replaces the platform's default contract. `batch_invariant`:
+  the platform's batch-invariant tuning row (jaxvt.ffi.tuning.INVARIANT: a row's arithmetic
+  never depends on the other rows of its program; the CPU's row already is)."""
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
-              products=cost.products_for(platform) if kernels else Products(),
+              products=cost.products_for(platform, batch_invariant) if kernels else Products(),
               deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
               schedule=ExpertSchedule() if kernels else None)
 
@@ -530,7 +532,8 @@ def load(model: str | None = None, *, max_context: int | None = None,
          compile_cache: bool | str | None = None,
          while_loading: Callable[[Engine], object] | None = None,
          tokenizer: Tokenizer | None = None, expert_cache_gb: float | str | None = "auto",
-         expert_cache_policy: str = "lru", numerics: str | None = None) -> Engine:
+         expert_cache_policy: str = "lru", numerics: str | None = None,
+         batch_invariant: bool = False) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `max_context`: tokens of context to allocate, at most the model's trained context (None: 2048,
@@ -554,7 +557,11 @@ def load(model: str | None = None, *, max_context: int | None = None,
   `plan` (on_plan may resize the cache: Placed.with_expert_cache). `numerics`: the arithmetic
   contract (Exec.numerics, docs/NUMERICS.md); None: the platform's ("ggml" on the CPU, whose
   tokens do not depend on scheduling; "llamacpp" is llama.cpp's CPU arithmetic exactly, prompt
-  and decode)."""
+  and decode). `batch_invariant`: on a GPU, kernels whose per-row arithmetic never depends on
+  the other rows of a program (the matvec and per-slot kernels at any size, the fused DeltaNet
+  and attention steps token by token: jaxvt.ffi.tuning.GPU_INVARIANT_PRODUCTS), so greedy and
+  seeded tokens are the same alone, batched, after a prefix-cache hit or cold, at a speed cost
+  (docs/BENCHMARKS.md); the CPU's default arithmetic already is, and there it changes nothing."""
   t0 = time.perf_counter()
   if numerics is not None and numerics not in NUMERICS:
     raise JaxvtError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
@@ -583,7 +590,7 @@ def load(model: str | None = None, *, max_context: int | None = None,
       tokenizer = _file_tokenizer(m, tokenizer)
     else:  # built last (below), checked before anything is placed
       Tokenizer.check_metadata(m.gguf.metadata)
-    ex = exec_for(device.platform, kernels, par, deterministic, numerics)
+    ex = exec_for(device.platform, kernels, par, deterministic, numerics, bool(batch_invariant))
     # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
     # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []

@@ -8,7 +8,12 @@ model (jaxvt.model) calls only these ops and never names a kernel or a tuning kn
   embed(ids, w, ex)                rows of an embedding table -> f32 [..., cols]
   route(logits, k, renormalise, ex)  router logits [T, E] -> (ids [T, k], weights [T, k])
   experts(ex, n_tokens, k, E)      fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
-  fused(step, ex)                  whether a decode step ("attn", "gdn") is one custom call
+  fused(step, ex, tokens=1)        whether a decode step ("attn", "gdn") is one custom call;
+                                   for attention, whether `tokens` query tokens take it, token
+                                   by token
+  attn_split(ex)                   positions of one split of the fused attention step (None:
+                                   by the program's kv_len)
+  rowdot(x, v, ex)                 x f32 [T, d] times a vector v [d] -> f32 [T]
   fusion_barrier(x)                x, kept out of the fusion that forms it where the backend's
                                    compiler would otherwise fuse the next product into it
 
@@ -88,8 +93,14 @@ class Reference(_GgmlSteps):
     fn = ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
     return functools.partial(fn, mode=ex.mode)
 
-  def fused(self, step: str, ex) -> bool:
+  def fused(self, step: str, ex, tokens: int = 1) -> bool:
     return False
+
+  def attn_split(self, ex) -> int | None:
+    return None
+
+  def rowdot(self, x, v, ex):
+    return jnp.dot(x, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
   def fusion_barrier(self, x):
     return x
@@ -132,13 +143,30 @@ class Kernels(_GgmlSteps):
 
   def experts(self, ex, n_tokens: int, k: int, n_experts: int):
     """The grouped kernel from the tuning row's slot count, else the per-slot kernels (both
-    read only the routed experts' bytes, from either tier)."""
+    read only the routed experts' bytes, from either tier); their k slots added in slot order
+    where the row says so (Products.ordered_sums)."""
     if ex.products.experts(n_tokens * k, n_experts) == "grouped":
       return grouped.moe_grouped
-    return functools.partial(ops.moe_experts, mode=ex.mode)
+    return functools.partial(ops.moe_experts, mode=ex.mode, ordered=ex.products.ordered_sums)
 
-  def fused(self, step: str, ex) -> bool:
-    return bool(getattr(ex.products, _FUSED[step]))
+  def fused(self, step: str, ex, tokens: int = 1) -> bool:
+    """Whether the tuning row fuses the step; several query tokens take the fused attention
+    step (token by token) only where it says so (Products.attn_steps)."""
+    on = bool(getattr(ex.products, _FUSED[step]))
+    return on and (tokens == 1 or step != "attn" or ex.products.attn_steps)
+
+  def attn_split(self, ex) -> int | None:
+    """The tuning row's fixed split (Products.attn_chunk), else None (by kv_len)."""
+    return ex.products.attn_chunk or None
+
+  def rowdot(self, x, v, ex):
+    """A row reduction of x * v where the row asks for sums whose order does not depend on
+    the rows (Products.ordered_sums; XLA picks a dot's algorithm by its shapes), else a
+    float32 dot."""
+    v = v.astype(jnp.float32)
+    if ex.products.ordered_sums:
+      return jnp.sum(x * v, axis=-1)
+    return jnp.dot(x, v, precision=jax.lax.Precision.HIGHEST)
 
   def fusion_barrier(self, x):
     """x through an optimization barrier: XLA:GPU would otherwise fuse a dot reading x into the
