@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxvt import engine as engine_mod, ffi, model_fns, run, synth
+from jaxvt import SamplingParams, engine as engine_mod, ffi, model_fns, run, synth
 from jaxvt.ffi import attn, ops
 from jaxvt.ffi.backend import KERNELS
 from jaxvt.ffi.tuning import (CPU_PRODUCTS, GPU_INVARIANT_PRODUCTS, GPU_PRODUCTS,
@@ -316,3 +316,26 @@ def test_eight_concurrent_requests_get_their_solo_tokens(which, request):
     solo = [_serve(eng, [[p]], max_tokens=16, prefix=False, **kw)[0][0][0] for p in prompts]
     (together,) = _serve(eng, [prompts], max_tokens=16, **kw)
     assert [t for t, _ in together] == solo, kw
+
+
+@pytest.mark.parametrize("which", ["dense_inv", "hybrid_inv"])
+def test_generate_and_server_give_the_same_tokens(which, request):
+  """Engine.generate (jaxvt.run's and the Python API's path) and the server's slots: the same
+  greedy tokens and, for a seeded sampled request, the same draws."""
+  eng = request.getfixturevalue(which)
+  ids = _ids(eng, 4, 40)
+  for kw in ({}, SEEDED):
+    kw = dict(kw)
+    seed = kw.pop("seed", 0)
+    gen = eng.generate(ids, max_tokens=20, sampling=SamplingParams(**kw), seed=seed)
+    ((served, _),), = _serve(eng, [[ids]], max_tokens=20, seed=seed, **kw)
+    assert gen.tokens == served[:len(gen.tokens)] and len(gen.tokens) == len(served), kw
+
+
+def test_the_benchmarks_gpu_arm_refuses_the_cpu_in_one_line(capsys):
+  """python -m benchmarks.invariance --gpu on a machine without a GPU: one line, exit 2,
+  nothing loaded or written."""
+  from benchmarks import invariance
+  assert invariance.cli(["--gpu", "--write"]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and err.startswith("jaxvt: error: --gpu") and err.count("\n") == 1
