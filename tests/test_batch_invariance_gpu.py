@@ -7,8 +7,8 @@ alone. Each row's float32 order must be the same on every path, whatever the row
 The batch-invariant row (--batch-invariant; jaxvt.ffi.tuning.GPU_INVARIANT_PRODUCTS) takes those
 kernels at any size: a dense row and a routed token among 512 keep their bits, the whole MoE
 block's too (its k slots added in slot order), the fused attention step with a fixed split gives
-a row the same bits at any kv_len beside any rows, and XLA's row reductions (RMSNorm) keep a
-row's bits at any rows. Then the engine with the switch on, on a tiny dense file and a tiny
+a row the same bits at any kv_len beside any rows, and RMSNorm's and the shared expert gate's
+sums, which the row takes from the matvec kernel, keep a row's bits at any rows. Then the engine with the switch on, on a tiny dense file and a tiny
 hybrid (DeltaNet + MoE, routed experts in the host tier) file: a prompt's logits prefilled cold,
 in pieces and token by token are the same bits, a prefix-cache hit and 8 concurrent requests
 get their solo tokens, a short request beside a 2100-token one (the program's kv bucket 4096)
@@ -134,39 +134,27 @@ def test_multi_row_alone_equals_the_row_among_64(rng, device):
       np.testing.assert_array_equal(np.asarray(got[j])[i], np.asarray(one[j])[0])
 
 
-def test_moe_block_token_alone_equals_the_token_among_64(rng, device):
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_moe_block_token_alone_equals_the_token_among_many(tokens, rng, device):
   """The invariant row's routed experts: ops.moe_experts (gate and up in one launch, SwiGLU,
   down, the 8 slots added in slot order) gives a token its bits alone and among 64 tokens (512
-  slots: the default row's grouped kernel)."""
+  slots: the per-slot kernel, where the default row takes the grouped one) and 256 (2048 slots:
+  past kExpertsSlotMax the kernel reads each routed expert once per 4 slots)."""
   from jaxvt.ffi import ops
   E, d, f_ = 32, 1024, 256
   wg, wu = (put(make_stack(rng, [Q4_K], f_, d, experts=E).w, device) for _ in range(2))
   wd = put(make_stack(rng, [Q4_K], d, f_, experts=E).w, device)
-  ids = np.stack([rng.choice(E, 8, replace=False) for _ in range(64)]).astype(np.int32)
-  wts = rng.random((64, 8)).astype(np.float32)
-  x = rng.standard_normal((64, d)).astype(np.float32)
+  ids = np.stack([rng.choice(E, 8, replace=False) for _ in range(tokens)]).astype(np.int32)
+  wts = rng.random((tokens, 8)).astype(np.float32)
+  x = rng.standard_normal((tokens, d)).astype(np.float32)
   f = jax.jit(lambda x, i, c, wg, wu, wd: ops.moe_experts(x, wg, wu, wd, 0, i, c, mode="q8",
                                                          ordered=True))
   got = np.asarray(f(put(x, device), put(ids, device), put(wts, device), wg, wu, wd))
   assert np.isfinite(got).all() and np.abs(got).max() > 0
-  for t in (0, 9, 63):
+  for t in (0, 9, tokens - 1):
     one = f(put(x[t:t + 1], device), put(ids[t:t + 1], device), put(wts[t:t + 1], device), wg,
             wu, wd)
     np.testing.assert_array_equal(np.asarray(one)[0], got[t], err_msg=f"token {t}")
-
-
-def test_rms_norm_row_alone_equals_the_row_among_512(rng, device):
-  """XLA's row reduction (the jnp RMSNorm between the kernels under "q8") gives a row its bits
-  at 1, 8 and 512 rows; if this holds and an engine test below fails, look at what XLA fuses
-  around the norms in the two programs."""
-  from jaxvt.model.layers import rms_norm
-  x = rng.standard_normal((512, 2048)).astype(np.float32)
-  w = rng.standard_normal(2048).astype(np.float32)
-  f = jax.jit(lambda x, w: rms_norm(x, w, 1e-6))
-  alone = np.asarray(f(put(x[None, :1], device), put(w, device)))[0, 0]
-  np.testing.assert_array_equal(np.asarray(f(put(x[None], device), put(w, device)))[0, 0], alone)
-  np.testing.assert_array_equal(np.asarray(f(put(x[:8, None], device), put(w, device)))[0, 0],
-                                alone)
 
 
 # ---- the engine with --batch-invariant (the same tests as on the CPU's kernels) --------------
@@ -175,6 +163,7 @@ from jaxvt import engine as engine_mod  # noqa: E402
 from test_batch_invariant import (  # noqa: E402,F401  (the same tests on the GPU)
     CONTEXT, _ids, dense_file, hybrid_file,
     test_attention_step_with_a_fixed_split_ignores_kv_len_and_other_rows,
+    test_invariant_norm_and_gate_are_right_and_a_rows_bits_do_not_depend_on_T,
     test_cold_prefill_pieces_and_token_by_token_give_the_same_bits,
     test_eight_concurrent_requests_get_their_solo_tokens,
     test_exact_repeat_and_next_turn_through_the_prefix_cache,

@@ -123,6 +123,12 @@ def _targets(text: str) -> set[str]:
   return set(re.findall(r"custom_call @(\w+)", text))
 
 
+def _float_reductions(text: str) -> list[str]:
+  """The program's reductions over floating-point values (XLA orders their sums by the
+  shapes)."""
+  return [l for l in text.splitlines() if "stablehlo.reduce(" in l and re.search(r"x[bf]\d+>", l)]
+
+
 def _splits(text: str) -> set[int]:
   """The `chunk` attribute of every jaxvt_attn_step call in the program."""
   calls = [l for l in text.splitlines() if "custom_call @jaxvt_attn_step" in l]
@@ -132,9 +138,10 @@ def _splits(text: str) -> set[int]:
 @pytest.mark.parametrize("T", ROWS)
 def test_the_invariant_program_has_no_dot_and_takes_the_decode_kernels(hybrid_inv, T):
   """A prefill of T tokens under the invariant row holds no XLA dot (whose algorithm XLA picks
-  by the shapes), no staged (qdequant) or grouped kernel, and takes the matvec, per-slot
-  experts, fused DeltaNet and attention step kernels, the attention's split 64 at kv_len 256 and
-  1024 alike. The default GPU row's program at 64 tokens holds dots and stages (the control)."""
+  by the shapes) and no floating-point reduction, no staged (qdequant) or grouped kernel, and
+  takes the matvec, per-slot experts, fused DeltaNet and attention step kernels, the
+  attention's split 64 at kv_len 256 and 1024 alike. The default GPU row's program at 64 tokens
+  holds dots, reductions and stages (the control)."""
   eng = hybrid_inv
   kv = max(256, T)
   text = _program_text(eng, eng.ex, T, kv)
@@ -143,6 +150,7 @@ def test_the_invariant_program_has_no_dot_and_takes_the_decode_kernels(hybrid_in
   assert {"jaxvt_qmatmul_q8", "jaxvt_attn_step", "jaxvt_gdn_step"} <= got, got
   assert any(t.startswith("jaxvt_qmatmul_experts") for t in got), got
   assert not {"jaxvt_qdequant", "jaxvt_qmatmul_grouped"} & got, got
+  assert not _float_reductions(text)  # RMSNorm's and the gate's sums are the kernels'
   assert _splits(text) == {INVARIANT_ATTN_CHUNK}
   if T == 1:  # the split does not follow the kv bucket
     assert _splits(_program_text(eng, eng.ex, 1, 1024)) == {INVARIANT_ATTN_CHUNK}
@@ -150,6 +158,7 @@ def test_the_invariant_program_has_no_dot_and_takes_the_decode_kernels(hybrid_in
     default = dataclasses.replace(eng.ex, products=cost.products_for("cuda"))
     text = _program_text(eng, default, T, kv)
     assert "dot_general" in text and "jaxvt_qdequant" in _targets(text)
+    assert _float_reductions(text)
     assert "jaxvt_attn_step" not in _targets(text)
 
 
@@ -189,6 +198,28 @@ def test_attention_step_with_a_fixed_split_ignores_kv_len_and_other_rows(device)
   by_kv = [step([0], [200], n, None) for n in (256, 4096)]
   assert not np.array_equal(by_kv[0], by_kv[1])
   np.testing.assert_allclose(by_kv[1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_invariant_norm_and_gate_are_right_and_a_rows_bits_do_not_depend_on_T(device):
+  """The invariant row's RMSNorm (its sum of squares by the matvec kernel, 1 / sqrt in
+  correctly rounded steps) and the shared expert's gate (rowdot) against numpy float64, and a
+  row's bits alone, among 8 and among 512 rows."""
+  from jaxvt.model.layers import rms_norm
+  ex = Exec(kernels=True, numerics="q8", products=GPU_INVARIANT_PRODUCTS)
+  rng = np.random.default_rng(9)
+  x = rng.standard_normal((512, 2048)).astype(np.float32)
+  w = rng.standard_normal(2048).astype(np.float32)
+  put = lambda a: jax.device_put(a, device)
+  norm = jax.jit(lambda x, w: rms_norm(x, w, 1e-6, ex))
+  gate = jax.jit(lambda x, w: KERNELS.rowdot(x, w, ex))
+  x64 = x.astype(np.float64)
+  want = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6) * w
+  for fn, ref in ((norm, want), (gate, x64 @ w.astype(np.float64))):
+    full = np.asarray(fn(put(x[None]), put(w)))[0]
+    np.testing.assert_allclose(full, ref, rtol=2e-5, atol=2e-5)
+    for i in (0, 7, 300, 511):
+      np.testing.assert_array_equal(np.asarray(fn(put(x[None, i:i + 1]), put(w)))[0, 0], full[i])
+      np.testing.assert_array_equal(np.asarray(fn(put(x[i:i + 8, None]), put(w)))[0, 0], full[i])
 
 
 def test_ordered_combine_is_the_weighted_sum_and_a_tokens_bits_do_not_depend_on_T():
@@ -241,7 +272,9 @@ def hybrid_inv(tmp_path_factory):
   e.close()
 
 
-LENGTHS = (9, 23, 70)  # below 16 rows, between the default row's staged and tiled, past 64
+# below 16 rows, between the default row's staged and tiled, past 64; past 1023 routed slots
+# (the GPU's experts kernel then reads each routed expert once per 4 slots)
+LENGTHS = (9, 23, 70, 600)
 
 
 def _ids(eng, i: int, n: int | None = None) -> list[int]:
@@ -265,8 +298,8 @@ def cold_pieces_and_steps(eng, ids: list[int]):
 
 @pytest.mark.parametrize("which", ["dense_inv", "hybrid_inv"])
 def test_cold_prefill_pieces_and_token_by_token_give_the_same_bits(which, request):
-  """A prompt of 9, 23 or 70 tokens: its logits prefilled cold, from a prefix of 1, half or
-  all but one of its tokens, and decoded token by token after its first, bit for bit."""
+  """A prompt of 9, 23, 70 or 600 tokens: its logits prefilled cold, from a prefix of 1, half
+  or all but one of its tokens, and decoded token by token after its first, bit for bit."""
   eng = request.getfixturevalue(which)
   for n in LENGTHS:
     cold, pieces, steps = cold_pieces_and_steps(eng, _ids(eng, 0, n))

@@ -87,10 +87,13 @@ class Products:
   which grows with the program's kv bucket (longer splits past 2048 positions: its sums then
   depend on the longest row of the program); > 0 fixes it, so a row's sums depend on its own
   positions only (the combine reads only the splits that hold them).
-  ordered_sums: the two sums over a row's own values that XLA computes between the kernels take
-  a form whose order does not depend on the rows of the program: the MoE's weighted sum of its
-  k slots as k - 1 elementwise adds in slot order (not XLA's contraction, whose algorithm it
-  picks by the shapes) and the shared expert's gate as a row reduction (not a dot).
+  ordered_sums: the sums over a row's own values that XLA would compute between the kernels
+  take forms whose order does not depend on the rows of the program (XLA picks a dot's
+  algorithm, and vectorises a reduction, by the shapes: on the CPU about half of a row
+  reduction's rows round otherwise alone than among 4096): RMSNorm's sum of squares and the
+  shared expert's gate as matvec products with a one-row float32 matrix (the kernels' fixed
+  order; RMSNorm's factor then 1 / sqrt in correctly rounded steps), the MoE's weighted sum of
+  its k slots as k - 1 elementwise adds in slot order.
   """
 
   tiled_rows: int = 0

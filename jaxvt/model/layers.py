@@ -129,11 +129,15 @@ def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = None) -> jax.Array:
   """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
-  With a ggml-numerics `ex`, ggml's rounding (the backend's rms_norm)."""
+  With a ggml-numerics `ex`, ggml's rounding (the backend's rms_norm); with another `ex`, the
+  backend's factor (rms_scale)."""
   if ex is not None and ex.ggml:
     return ex.backend.rms_norm(x, w, eps, ex)
   x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if ex is not None:
+    y = x32 * ex.backend.rms_scale(x32, eps, ex)
+  else:
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y if w is None else y * w
 
 
@@ -176,8 +180,8 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
 
   Decode (t == 1) under a rule with `attn_fused` (jaxvt.ffi.tuning.Products; the GPUs' row) outside ggml
   numerics runs everything between the projections as one custom call on the stacks
-  (jaxvt.ffi.attn.attn_step), and so does each token of a prefill where the rule says so
-  (`attn_steps`: attn_steps, token by token); otherwise `attend`'s jnp (or ggml) steps.
+  (jaxvt.ffi.attn.attn_step), and so does each token of a prefill in turn where the rule says
+  so (Products.attn_steps; `attn_steps`); otherwise `attend`'s jnp (or ggml) steps.
   """
   b, t, _ = x.shape
   q, k, v = linear_many(x, [w["attn.wq"], w["attn.wk"], w["attn.wv"]], ai, ex)
