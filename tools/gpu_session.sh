@@ -104,7 +104,7 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 
 case "$what" in
   build|tests|determinism|sweep|tier|profile|step|turns|mesh|serve|cache|invariance) setup ;;
-  *) sed -n '2,47p' "$0"; exit 2 ;;
+  *) sed -n '2,46p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
