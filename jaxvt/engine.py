@@ -448,9 +448,8 @@ def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
   numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
   host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
   (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling.
-  `numerics_mode` (Exec.numerics) replaces the platform's default contract. `batch_invariant`:
-  the platform's batch-invariant tuning row (jaxvt.ffi.tuning.INVARIANT: a row's arithmetic
-  never depends on the other rows of its program; the CPU's row already is)."""
+  `numerics_mode` (Exec.numerics) replaces the platform's default contract; `batch_invariant`
+  takes the platform's row of jaxvt.ffi.tuning.INVARIANT."""
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
               products=cost.products_for(platform, batch_invariant) if kernels else Products(),
@@ -557,11 +556,8 @@ def load(model: str | None = None, *, max_context: int | None = None,
   `plan` (on_plan may resize the cache: Placed.with_expert_cache). `numerics`: the arithmetic
   contract (Exec.numerics, docs/NUMERICS.md); None: the platform's ("ggml" on the CPU, whose
   tokens do not depend on scheduling; "llamacpp" is llama.cpp's CPU arithmetic exactly, prompt
-  and decode). `batch_invariant`: on a GPU, kernels whose per-row arithmetic never depends on
-  the other rows of a program (the matvec and per-slot kernels at any size, the fused DeltaNet
-  and attention steps token by token: jaxvt.ffi.tuning.GPU_INVARIANT_PRODUCTS), so greedy and
-  seeded tokens are the same alone, batched, after a prefix-cache hit or cold, at a speed cost
-  (docs/BENCHMARKS.md); the CPU's default arithmetic already is, and there it changes nothing."""
+  and decode). `batch_invariant`: a GPU's tokens the same however a request was scheduled, at a
+  speed cost (jaxvt.ffi.tuning.GPU_INVARIANT_PRODUCTS; the CPU's default already is)."""
   t0 = time.perf_counter()
   if numerics is not None and numerics not in NUMERICS:
     raise JaxvtError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
