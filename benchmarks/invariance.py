@@ -1,4 +1,4 @@
-"""python -m benchmarks.invariance: the cost of scheduling-invariant arithmetic (CPU).
+"""python -m benchmarks.invariance: the cost of scheduling-invariant arithmetic (CPU; --gpu).
 
 Two engines of the default model in one process, side by side: the default "ggml" numerics
 (every attention query row takes one recipe, so a request's tokens do not depend on how it was
@@ -12,6 +12,11 @@ disturbs both alike; medians and their ratio are reported.
 d_model 1024, DeltaNet layers of 16 value heads of 128 x 128, written once to --hybrid-file)
 with the DeltaNet mixer as jnp ("jnp": the recurrence, XLA's code for the conv, norms and
 gates) and as the fused step token by token ("fused": the CPU's default, bitwise invariant).
+
+`--gpu`: on a GPU, the default tuning row against --batch-invariant's
+(jaxvt.ffi.tuning.GPU_INVARIANT_PRODUCTS) on one set of weights (--model, default the
+Qwen3.6-35B-A3B-shaped file of benchmarks.offload, written once): decode steps of 1 and 8 rows
+and a 512-token prefill. It writes its section of docs/BENCHMARKS.md only with --write.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jaxvt
 from benchmarks import report
 from benchmarks.cli import parser_of, run
 from benchmarks.cpu import LONG
-from jaxvt import engine, synth
+from jaxvt import JaxvtError, engine, synth
 
 ARMS = ("llamacpp", "ggml")  # before (llama.cpp's recipe choice), after (the invariant default)
 PROMPTS = (151, 512)
@@ -49,6 +54,12 @@ def parser():
                   help="the DeltaNet mixer's arms on a synthetic hybrid file instead")
   ap.add_argument("--hybrid-file", default="/tmp/jaxvt-bench-invariance-q35.gguf")
   ap.add_argument("--no-write", action="store_true", help="print, do not write BENCHMARKS.md")
+  ap.add_argument("--gpu", action="store_true",
+                  help="on a GPU: the default tuning row against --batch-invariant's")
+  ap.add_argument("--model", default=None,
+                  help="--gpu's file (default: benchmarks.offload.MODEL, written if missing)")
+  ap.add_argument("--write", action="store_true",
+                  help="--gpu: write its section of BENCHMARKS.md (else print only)")
   return ap
 
 
@@ -94,13 +105,38 @@ def _hybrid_engines(path: str) -> dict:
 HYBRID_ARMS = ("jnp", "fused")
 
 
+GPU_ARMS = ("default", "invariant")
+GPU_PROMPTS = (512,)
+
+
+def _gpu_engines(model: str | None) -> dict:
+  """The GPU's two arms on one set of weights: the engine jaxvt.load gives, and the same
+  weights computed as jaxvt.load(batch_invariant=True) computes (engine.exec_for's row)."""
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    raise JaxvtError("--gpu measures the GPU's tuning rows, and JAX sees no GPU here (the CPU's "
+                     "default arithmetic is already batch-invariant: run without --gpu)")
+  if model is None:
+    from benchmarks.offload import MODEL, ensure_model
+    ensure_model(MODEL, print)
+    model = MODEL
+  eng = jaxvt.load(model, max_context=2048)
+  ex = eng.ex
+  inv = engine.exec_for(dev.platform, ex.kernels, ex.par, ex.deterministic, ex.numerics,
+                        batch_invariant=True)
+  return {"default": eng, "invariant": dataclasses.replace(eng, ex=inv)}
+
+
 def main(args) -> str:
-  arms = HYBRID_ARMS if args.hybrid else ARMS
-  engines = (_hybrid_engines(args.hybrid_file) if args.hybrid else
-             {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS})
+  if args.gpu:
+    arms, engines, prompt_lengths = GPU_ARMS, _gpu_engines(args.model), GPU_PROMPTS
+  else:
+    arms, prompt_lengths = (HYBRID_ARMS if args.hybrid else ARMS), PROMPTS
+    engines = (_hybrid_engines(args.hybrid_file) if args.hybrid else
+               {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS})
   caches = {(arm, r): e.new_cache(r) for arm, e in engines.items() for r in ROWS}
-  prompts = {n: _prompt(engines[arms[0]], n) for n in PROMPTS}
-  cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
+  prompts = {n: _prompt(engines[arms[0]], n) for n in prompt_lengths}
+  cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in prompt_lengths]
   rates = {(arm, c): [] for arm in arms for c in cases}
   ratios = {c: [] for c in cases}  # after / before of adjacent runs: drift of the load cancels
   for rep in range(args.repeats + 1):  # the first round compiles: not counted
@@ -118,6 +154,11 @@ def main(args) -> str:
         ratios[c].append(got[arms[1]] / got[arms[0]])
   med = {k: statistics.median(v) for k, v in rates.items()}
   cmd = f"python -m benchmarks.invariance --steps {args.steps} --repeats {args.repeats}"
+  if args.gpu:
+    lines = _gpu_lines(args, cmd + " --gpu" + (f" --model {args.model}" if args.model else ""),
+                       engines["default"], cases, med, ratios)
+    engines["default"].close()  # the other arm shares its weights
+    return report.publish("invariance-gpu", lines, write=args.write)
   if args.hybrid:
     lines = _hybrid_lines(args, cmd + " --hybrid", cases, med, ratios)
     for e in engines.values():
@@ -158,6 +199,26 @@ def _hybrid_lines(args, cmd: str, cases, med, ratios) -> list[str]:
            "| case | jnp tok/s | fused (default) tok/s | fused / jnp (range) |",
            "|---|---|---|---|"]
   return lines + _table(HYBRID_ARMS, cases, med, ratios)
+
+
+def _gpu_lines(args, cmd: str, eng, cases, med, ratios) -> list[str]:
+  dev = jax.devices()[0]
+  lines = ["## Cost of --batch-invariant on a GPU\n",
+           f"Command: `{cmd} --write`  ", f"Machine: {report.machine()}, "
+           f"{getattr(dev, 'device_kind', dev.platform)}  ", f"Date: {report.stamp()}\n",
+           f"`{os.path.basename(eng.path)}`, every weight on the device; one set of weights, "
+           "two tuning rows in one process, the arms alternating within each repeat. "
+           "\"default\": the GPU's row (prefill products staged in bf16 from 16 rows, grouped "
+           "experts from 256 slots, the chunked DeltaNet form and XLA's attention for a "
+           "prompt); \"invariant\": --batch-invariant's (the decode kernels at every length: "
+           "matvec and per-slot experts, the fused DeltaNet and attention steps token by "
+           "token, the attention's splits fixed). Decode: "
+           f"{args.steps} steps of 1 and 8 rows (Engine's decode_fn); prefill: Engine.prefill "
+           f"of a prompt. Medians of {args.repeats} repeats after a compiling one; the ratio is "
+           "the median of each repeat's adjacent pair (its range beside it).\n",
+           "| case | default tok/s | invariant tok/s | invariant / default (range) |",
+           "|---|---|---|---|"]
+  return lines + _table(GPU_ARMS, cases, med, ratios)
 
 
 def _table(arms, cases, med, ratios) -> list[str]:

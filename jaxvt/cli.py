@@ -20,8 +20,8 @@ from jaxvt.errors import JaxvtError, JaxvtWarning, escape
 
 def define_model_flags(fv: flags.FlagValues) -> None:
   """--model, the placement flags (--max-context, --offload-gb, --offload-pattern, --device-gb,
-  --mesh, the several-host flags, --force), --numerics, --deterministic, --compile-cache and
-  --verbose."""
+  --mesh, the several-host flags, --force), --numerics, --deterministic, --batch-invariant,
+  --compile-cache and --verbose."""
   flags.DEFINE_string("model", None, "GGUF file to run (default: the embedded SmolLM2-135M-Instruct "
                       "Q4_1).", flag_values=fv)
   flags.DEFINE_integer("max_context", inputs.DEFAULT_CONTEXT, "Context length to allocate "
@@ -67,6 +67,12 @@ def define_model_flags(fv: flags.FlagValues) -> None:
                     "hit; no measurable cost); q8 on GPUs. llamacpp: llama.cpp's CPU logits "
                     "bit for bit, prompt and decode, but a prefix-cache hit or a batch may then "
                     "change a near-tie token.", flag_values=fv)
+  flags.DEFINE_boolean("batch_invariant", False, "On GPUs, kernels whose arithmetic for a "
+                       "request never depends on what else its device program holds, so greedy "
+                       "and seeded tokens are the same alone, batched with other requests, "
+                       "after a prefix-cache hit or cold (as vLLM's batch-invariant mode), at a "
+                       "speed cost measured in docs/BENCHMARKS.md. On the CPU the default "
+                       "arithmetic already is, and the flag changes nothing.", flag_values=fv)
   flags.DEFINE_boolean("compile_cache", None, "Keep compiled programs in JAX's persistent cache "
                        "under $XDG_CACHE_HOME/jaxvt or ~/.cache/jaxvt (default: on; "
                        "JAXVT_COMPILE_CACHE=0 turns it off, =DIR moves it).", flag_values=fv)
@@ -130,7 +136,7 @@ def join_processes(F, module: str, model_path: str | None, program_flags: dict) 
   from jaxvt.parallel import processes
   shared = {k: F[k].value for k in ("max_context", "offload_gb", "offload_pattern", "device_gb",
                                     "mesh", "expert_cache_gb", "expert_cache_policy", "force",
-                                    "deterministic", "model")}
+                                    "deterministic", "batch_invariant", "model")}
   shared["model"] = os.path.basename(shared["model"] or "")
   processes.start(F.coordinator, F.num_processes, F.process_id, timeout=F.join_timeout,
                   verbose=F.verbose, model_path=model_path, flags={**shared, **program_flags})
@@ -149,7 +155,8 @@ def load_options(F) -> dict:
               device_gb=F.device_gb, force=F.force, mesh=F.mesh,
               offload_pattern=tuple(F.offload_pattern), deterministic=deterministic,
               compile_cache=cache, expert_cache_gb=inputs.expert_cache_gb(F.expert_cache_gb),
-              expert_cache_policy=F.expert_cache_policy, numerics=F.numerics)
+              expert_cache_policy=F.expert_cache_policy, numerics=F.numerics,
+              batch_invariant=F.batch_invariant)
 
 
 class Bar:

@@ -45,8 +45,8 @@ GROUPS = (
                              "num_processes", "process_id", "join_timeout")),
     ("generation", ("prompt", "chat", "interactive", "max_tokens")),
     ("sampling", ("temperature", "top_k", "top_p", "seed")),
-    ("runtime", ("numerics", "deterministic", "compile_cache", "verbose", "help", "helpfull",
-                 "version")),
+    ("runtime", ("numerics", "batch_invariant", "deterministic", "compile_cache", "verbose",
+                 "help", "helpfull", "version")),
 )
 # --helpfull adds the environment the CLI reads.
 ENVIRONMENT = (

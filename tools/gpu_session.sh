@@ -20,6 +20,8 @@
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
 #   bash tools/gpu_session.sh serve        # python -m benchmarks.serve against llama-server
 #   bash tools/gpu_session.sh cache        # python -m benchmarks.cache (the expert cache) --write
+#   bash tools/gpu_session.sh invariance   # python -m benchmarks.invariance --gpu --write: the
+#                                          # default tuning row against --batch-invariant's
 #
 # What to carry to the machine (ignored by git):
 #   .whl/          the gguf, starlette and uvicorn wheels (the machine has no PyPI): installed
@@ -40,7 +42,8 @@
 # this call's rows and an earlier call's). Everything takes two calls: CACHE_MODELS=realistic
 # CACHE_ARMS=cache,predict, then CACHE_MODELS=high-locality,uniform CACHE_ARMS=cache,llama
 # CACHE_MERGE=1. (realistic: routing calibrated to real LRU curves; high-locality: the earlier
-# few-topic file, an upper bound for a cache; jaxvt.synth_routing.PRESETS.)
+# few-topic file, an upper bound for a cache; jaxvt.synth_routing.PRESETS.) `invariance`:
+# INVARIANCE_S (its time limit, default 540).
 set -uo pipefail
 what=${1:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -100,8 +103,8 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|step|turns|mesh|serve|cache) setup ;;
-  *) sed -n '2,38p' "$0"; exit 2 ;;
+  build|tests|determinism|sweep|tier|profile|step|turns|mesh|serve|cache|invariance) setup ;;
+  *) sed -n '2,46p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
@@ -160,6 +163,10 @@ case "$what" in
       --rows ${CACHE_ROWS:-/tmp/jaxvt-bench-cache-rows.json} \
       $([ -n "${CACHE_MERGE:-}" ] && echo --merge) --write 2>&1 | tee "$OUT/cache.txt" | tail -40
     cp /tmp/llama_build.log "$OUT/" 2>/dev/null ;;
+  invariance)
+    model
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout ${INVARIANCE_S:-540} python3 -m benchmarks.invariance \
+      --gpu --model $M --write 2>&1 | tee "$OUT/invariance.txt" | tail -14 ;;
   mesh)
     python3 -m benchmarks.mesh --time-limit ${MESH_S:-480} 2>&1 | tee "$OUT/mesh.txt" | tail -40 ;;
 esac

@@ -67,7 +67,8 @@ def load(model: str | None = None, *, max_context: int | None = None,
          compile_cache: bool | str | None = None,
          while_loading: Callable[[Engine], object] | None = None,
          tokenizer: Tokenizer | None = None, expert_cache_gb: float | str | None = "auto",
-         expert_cache_policy: str = "lru", numerics: str | None = None) -> Engine:
+         expert_cache_policy: str = "lru", numerics: str | None = None,
+         batch_invariant: bool = False) -> Engine:
   """Opens a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1), plans placement,
   places the weights and returns an Engine: `open_model`, `plan`, `place` with defaults.
   `max_context`: tokens of context to allocate, at most the model's trained context (None: 2048,
@@ -91,7 +92,8 @@ def load(model: str | None = None, *, max_context: int | None = None,
   `plan` (on_plan may resize the cache: Placed.with_expert_cache). `numerics`: the arithmetic
   contract (Exec.numerics, docs/NUMERICS.md); None: the platform's ("ggml" on the CPU, whose
   tokens do not depend on scheduling; "llamacpp" is llama.cpp's CPU arithmetic exactly, prompt
-  and decode)."""
+  and decode). `batch_invariant`: a GPU's tokens the same however a request was scheduled, at a
+  speed cost (jaxvt.ffi.tuning.GPU_INVARIANT_PRODUCTS; the CPU's default already is)."""
   t0 = time.perf_counter()
   if numerics is not None and numerics not in NUMERICS:
     raise JaxvtError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
@@ -120,7 +122,7 @@ def load(model: str | None = None, *, max_context: int | None = None,
       tokenizer = _file_tokenizer(m, tokenizer)
     else:  # built last (below), checked before anything is placed
       Tokenizer.check_metadata(m.gguf.metadata)
-    ex = exec_for(device.platform, kernels, par, deterministic, numerics)
+    ex = exec_for(device.platform, kernels, par, deterministic, numerics, bool(batch_invariant))
     # Planned tight, the workspace estimate gives way to XLA's analysis of each candidate plan's
     # largest prefill, compiled from the weights' shapes before placing (Placed.settle; 1 device).
     seconds = []

@@ -59,16 +59,17 @@ def xla_workspace_of(model: Model, ex: Exec, max_context: int, prefill_chunk: in
 
 
 def exec_for(platform: str, kernels: bool, par: Par, deterministic: bool = True,
-             numerics_mode: str | None = None) -> Exec:
+             numerics_mode: str | None = None, batch_invariant: bool = False) -> Exec:
   """How jaxvt executes on `platform` over the mesh of `par`: ggml's arithmetic on the CPU (where
   jaxvt agrees with llama.cpp), ggml's integer products and float32 elsewhere on GPUs ("q8",
   numerics.default_mode); the kernel rule is the device's row of jaxvt.ffi.tuning.TUNING, and
   host-tier experts move by the offload schedule. `deterministic` fixes XLA's algorithm choices
   (jaxvt.programs); one GPU compiles decode with XLA's concurrent command-buffer scheduling.
-  `numerics_mode` (Exec.numerics) replaces the platform's default contract."""
+  `numerics_mode` (Exec.numerics) replaces the platform's default contract; `batch_invariant`
+  takes the platform's row of jaxvt.ffi.tuning.INVARIANT."""
   gpu = platform != "cpu" and kernels
   return Exec(kernels=kernels, numerics=numerics_mode or numerics.default_mode(platform), par=par,
-              products=cost.products_for(platform) if kernels else Products(),
+              products=cost.products_for(platform, batch_invariant) if kernels else Products(),
               deterministic=deterministic, concurrent=gpu and getattr(par, "size", 1) == 1,
               schedule=ExpertSchedule() if kernels else None)
 

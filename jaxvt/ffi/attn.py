@@ -7,17 +7,20 @@ no slice or update-slice around it).
   attn_step(q [b, H*2D] (gated: per head [q | gate]) or [b, H*D], k [b, K*D], v [b, K*Dv],
             q_norm [An, D], k_norm [An, D] (or None without qk_norm), k_cache [A, b, S, K, D],
             v_cache [A, b, S, K, Dv], layer, positions [b], kv_len=, theta=, rope_dim=,
-            interleaved=, eps=, gate=, qk_norm=)
+            interleaved=, eps=, gate=, qk_norm=, split=None)
     -> (o [b, H*Dv] float32, k_cache [A, ...], v_cache [A, ...])
 
 `layer` is an int32 scalar (traced: a scan's layer index), clamped into each stack. Row r writes
 its new key / value at positions[r] (a position >= S is dropped, as the jnp path's scatter drops
 it) and attends to the cached positions s < kv_len with s <= positions[r]; o is already
 multiplied by sigmoid(gate) when gated. H, K, D, Dv come from the operands (a device of a mesh
-passes its own heads). float32 throughout, each sum in a fixed order: deterministic, and within
-float32 rounding of the reference. The caches must be float32 stacks (what the engine makes
-outside ggml numerics) to be updated in place; others are converted, then copied back (the
-documented fallback: correct, not in place).
+passes its own heads). The positions are summed in splits of `split` positions (None:
+chunk(kv_len)); a row's result depends on kv_len only through the split's size, since the combine
+reads only the splits that hold the row's visible positions (csrc/common/attn.h): a fixed `split`
+makes it depend on the row's own positions alone. float32 throughout, each sum in a fixed order:
+deterministic, and within float32 rounding of the reference. The caches must be float32 stacks
+(what the engine makes outside ggml numerics) to be updated in place; others are converted, then
+copied back (the documented fallback: correct, not in place).
 
 The jnp reference is jaxvt.model.layers.attn_step_ref: it is made of the model's own functions
 (rms_norm, rope and the attention of layers.attention), and jaxvt.model sits above this package
@@ -61,9 +64,10 @@ def chunk(kv_len: int) -> int:
 
 def attn_step(q, k, v, q_norm, k_norm, k_cache, v_cache, layer, positions, *, kv_len: int,
               theta: float, rope_dim: int, interleaved: bool, eps: float, gate: bool,
-              qk_norm: bool):
+              qk_norm: bool, split: int | None = None):
   """One attention decode step on layer `layer` of the stacks (the module docstring has the
-  shapes). Returns (o, k_cache stack, v_cache stack)."""
+  shapes); `split`: positions of one split (None: chunk(kv_len); at most MAX_CHUNK). Returns
+  (o, k_cache stack, v_cache stack)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   q, k, v = f32(q), f32(k), f32(v)
   kc_dtype, vc_dtype = jnp.asarray(k_cache).dtype, jnp.asarray(v_cache).dtype
@@ -85,14 +89,15 @@ def attn_step(q, k, v, q_norm, k_norm, k_cache, v_cache, layer, positions, *, kv
       or k.shape != (b, K * D) or v.shape != (b, K * Dv) or v_cache.shape != (A, b, S, K, Dv)
       or q_norm.ndim != 2 or q_norm.shape[1] != D or k_norm.shape != q_norm.shape
       or positions.shape != (b,) or layer.shape != () or (gate and D != Dv)
-      or rope_dim % 2 or not 0 <= rope_dim <= D or not 1 <= kv_len <= S):
+      or rope_dim % 2 or not 0 <= rope_dim <= D or not 1 <= kv_len <= S
+      or (split is not None and not 1 <= split <= MAX_CHUNK)):
     raise JaxvtError(
         f"attn_step: shapes do not fit one another (q {q.shape}, k {k.shape}, v {v.shape}, "
         f"k_cache {k_cache.shape}, v_cache {v_cache.shape}, q_norm {q_norm.shape}, k_norm "
         f"{k_norm.shape}, positions {positions.shape}, layer {layer.shape}, gate {gate}, "
-        f"rope_dim {rope_dim}, kv_len {kv_len}; D, Dv at most {MAX_DIM}, at most {MAX_GROUP} "
-        "query heads per kv head)")
-  c = chunk(kv_len)
+        f"rope_dim {rope_dim}, kv_len {kv_len}, split {split}; D, Dv at most {MAX_DIM}, at most "
+        f"{MAX_GROUP} query heads per kv head, a chunk of 1..{MAX_CHUNK} positions)")
+  c = chunk(kv_len) if split is None else int(split)
   splits = -(-kv_len // c)
   G = H // K
   inv = jnp.asarray(inv_freq(theta, rope_dim) if rope_dim >= 2 else np.ones(1, np.float32))

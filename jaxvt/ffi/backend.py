@@ -8,7 +8,13 @@ model (jaxvt.model) calls only these ops and never names a kernel or a tuning kn
   embed(ids, w, ex)                rows of an embedding table -> f32 [..., cols]
   route(logits, k, renormalise, ex)  router logits [T, E] -> (ids [T, k], weights [T, k])
   experts(ex, n_tokens, k, E)      fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
-  fused(step, ex)                  whether a decode step ("attn", "gdn") is one custom call
+  fused(step, ex, tokens=1)        whether a decode step ("attn", "gdn") is one custom call;
+                                   for attention, whether `tokens` query tokens take it, token
+                                   by token
+  attn_split(ex)                   positions of one split of the fused attention step (None:
+                                   by the program's kv_len)
+  rowdot(x, v, ex)                 x f32 [T, d] times a vector v [d] -> f32 [T]
+  rms_scale(x, eps, ex)            RMSNorm's factor 1 / sqrt(mean(x^2) + eps): f32 [..., 1]
   fusion_barrier(x)                x, kept out of the fusion that forms it where the backend's
                                    compiler would otherwise fuse the next product into it
 
@@ -36,7 +42,8 @@ import jax.numpy as jnp
 
 from jaxvt.ffi import grouped, numerics, ops, steps
 from jaxvt.gguf import quants
-from jaxvt.qweight import FMT_MASK, HOST_BIT, QWeight
+from jaxvt.gguf.formats import F32, FORMATS
+from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight
 
 
 class _GgmlSteps:
@@ -88,8 +95,17 @@ class Reference(_GgmlSteps):
     fn = ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
     return functools.partial(fn, mode=ex.mode)
 
-  def fused(self, step: str, ex) -> bool:
+  def fused(self, step: str, ex, tokens: int = 1) -> bool:
     return False
+
+  def attn_split(self, ex) -> int | None:
+    return None
+
+  def rowdot(self, x, v, ex):
+    return jnp.dot(x, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+  def rms_scale(self, x, eps: float, ex):
+    return _rms_scale(x, eps)
 
   def fusion_barrier(self, x):
     return x
@@ -132,13 +148,42 @@ class Kernels(_GgmlSteps):
 
   def experts(self, ex, n_tokens: int, k: int, n_experts: int):
     """The grouped kernel from the tuning row's slot count, else the per-slot kernels (both
-    read only the routed experts' bytes, from either tier)."""
+    read only the routed experts' bytes, from either tier); their k slots added in slot order
+    where the row says so (Products.ordered_sums)."""
     if ex.products.experts(n_tokens * k, n_experts) == "grouped":
       return grouped.moe_grouped
-    return functools.partial(ops.moe_experts, mode=ex.mode)
+    return functools.partial(ops.moe_experts, mode=ex.mode, ordered=ex.products.ordered_sums)
 
-  def fused(self, step: str, ex) -> bool:
-    return bool(getattr(ex.products, _FUSED[step]))
+  def fused(self, step: str, ex, tokens: int = 1) -> bool:
+    """Whether the tuning row fuses the step; several query tokens take the fused attention
+    step (token by token) only where it says so (Products.attn_steps)."""
+    on = bool(getattr(ex.products, _FUSED[step]))
+    return on and (tokens == 1 or step != "attn" or ex.products.attn_steps)
+
+  def attn_split(self, ex) -> int | None:
+    """The tuning row's fixed split (Products.attn_chunk), else None (by kv_len)."""
+    return ex.products.attn_chunk or None
+
+  def rowdot(self, x, v, ex):
+    """Where the row asks for sums whose order does not depend on the rows
+    (Products.ordered_sums), the matvec kernel with v as a one-row float32 matrix (its fixed
+    order; XLA picks a dot's algorithm, and its reductions' vectorisation, by the shapes); else a
+    float32 dot."""
+    v = v.astype(jnp.float32)
+    if ex.products.ordered_sums and _vector_ok(v.shape[-1]):
+      return ops.qmatmul(x, _vector_weight(v), jnp.int32(0), ex.mode)[..., 0]
+    return jnp.dot(x, v, precision=jax.lax.Precision.HIGHEST)
+
+  def rms_scale(self, x, eps: float, ex):
+    """Where the row asks for ordered sums, the sum of squares by the matvec kernel (x^2 times
+    a row of ones) and 1 / sqrt(sum / d + eps) in correctly rounded steps (XLA's rsqrt and its
+    reductions may round a row differently by the shapes); else XLA's."""
+    d = x.shape[-1]
+    if not (ex.products.ordered_sums and _vector_ok(d)):
+      return _rms_scale(x, eps)
+    ones = _vector_weight(jnp.ones((d,), jnp.float32))
+    ss = ops.qmatmul(x * x, ones, jnp.int32(0), ex.mode)  # [..., 1]
+    return 1.0 / jnp.sqrt(ss / d + eps)
 
   def fusion_barrier(self, x):
     """x through an optimization barrier: XLA:GPU would otherwise fuse a dot reading x into the
@@ -148,6 +193,25 @@ class Kernels(_GgmlSteps):
 
 REFERENCE = Reference()
 KERNELS = Kernels()
+
+
+def _rms_scale(x, eps: float):
+  """XLA's RMSNorm factor: rsqrt(mean(x^2) + eps) over the last axis, f32 [..., 1]."""
+  return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _vector_ok(d: int) -> bool:
+  """Whether d columns are whole float32 blocks (a one-row F32 matrix the kernels take)."""
+  return d % FORMATS[F32].kblock_elems == 0
+
+
+def _vector_weight(v: jax.Array) -> QWeight:
+  """v f32 [d] as a one-layer, one-row float32 weight on the device (its bytes as the kernels
+  read an F32 matrix), so that x @ v takes the matvec kernel."""
+  d = v.shape[-1]
+  raw = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint8).reshape(1, 4 * d)
+  meta = QMeta(rows=1, cols=d, experts=0, formats=(F32,), n_layers=1)
+  return QWeight(raw, jnp.zeros((1, 2), jnp.uint32), jnp.full((1,), F32, jnp.int32), meta)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -410,12 +410,26 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
   return numerics.swiglu(g, u) if mode == "ggml" else jax.nn.silu(g) * u  # "q8": float32
 
 
+def combine(weights, d, ordered: bool = False) -> jax.Array:
+  """sum_j weights[t, j] * d[t, j]: weights [T, k], d [T, k, cols] -> f32 [T, cols]. `ordered`:
+  k - 1 elementwise adds in slot order (a token's sum then has one order whatever T is; XLA
+  picks a contraction's algorithm by its shapes), else XLA's contraction."""
+  weights = jnp.asarray(weights, jnp.float32)
+  if not ordered:
+    return jnp.einsum("tk,tkd->td", weights, d)
+  y = weights[:, 0, None] * d[:, 0]
+  for j in range(1, d.shape[1]):
+    y = y + weights[:, j, None] * d[:, j]
+  return y
+
+
 def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None,
-         rings=None, cache=None):
+         rings=None, cache=None, ordered=False):
   """on_read(stage, out): sees the output of the products that read gate and up ("gate_up", the
   activation h) and of the one that reads down ("down"): prefetch orders a ring's next copy after
   the ring's last reader. rings: decode expert rings of the three stacks; cache: the expert
-  cache's operands of the three stacks (expert_cache.CacheTables.operands; kernels only)."""
+  cache's operands of the three stacks (expert_cache.CacheTables.operands; kernels only).
+  ordered: the k slots added in slot order (combine)."""
   x = jnp.asarray(x, jnp.float32)
 
   def kw(k):  # only mm that take them
@@ -434,20 +448,21 @@ def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_re
   d = mm(h, w_down, layer, ids, mode, **kw("down"))  # [T, k, cols]
   if on_read is not None:
     on_read("down", d)
-  return jnp.einsum("tk,tkd->td", jnp.asarray(weights, jnp.float32), d)
+  return combine(weights, d, ordered)
 
 
 def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
-                mode: str = "ggml", on_read=None, rings=None, cache=None):
+                mode: str = "ggml", on_read=None, rings=None, cache=None, ordered: bool = False):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once.
   on_read(stage, out): sees the products' outputs, gate/up's then down's (see _moe; for
   jaxvt.model.moe's prefetch). rings: {"gate", "up", "down"} decode expert rings
   (prefetch.fetch_experts): experts they hold for `layer` are read from them, the same bytes.
   cache: {"gate", "up", "down"}: (where, ctab, cslot) each (jaxvt.ffi.expert_cache): the
-  expert cache's hits read from it, its fills written to it, the same bytes."""
+  expert cache's hits read from it, its fills written to it, the same bytes. ordered: the k
+  slots' outputs added in slot order (combine), so a token's sum does not depend on T."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
-              qmatmul_experts2, on_read, rings, cache)
+              qmatmul_experts2, on_read, rings, cache, ordered)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,

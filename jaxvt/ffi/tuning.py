@@ -79,6 +79,21 @@ class Products:
   nearly every expert of each host-tier layer. 0: off. Set by jaxvt.offload.cost.products_for
   from the platform's measured rates (cost.routed_crossover), not in the rows below; it looks at
   slots and experts only, never at the tier or the cache, so the bits do not depend on either.
+
+  attn_steps: with attn_fused, a prefill's attention takes the fused decode step token by token
+  too (model.layers.attention), as gdn_chunked_rows = 0 does for DeltaNet: a query's sums are
+  then the decode step's, in a prefill of any length, after a prefix hit and in decode.
+  attn_chunk: positions of one split of the fused step; 0 takes jaxvt.ffi.attn.chunk(kv_len),
+  which grows with the program's kv bucket (longer splits past 2048 positions: its sums then
+  depend on the longest row of the program); > 0 fixes it, so a row's sums depend on its own
+  positions only (the combine reads only the splits that hold them).
+  ordered_sums: the sums over a row's own values that XLA would compute between the kernels
+  take forms whose order does not depend on the rows of the program (XLA picks a dot's
+  algorithm, and vectorises a reduction, by the shapes: on the CPU about half of a row
+  reduction's rows round otherwise alone than among 4096): RMSNorm's sum of squares and the
+  shared expert's gate as matvec products with a one-row float32 matrix (the kernels' fixed
+  order; RMSNorm's factor then 1 / sqrt in correctly rounded steps), the MoE's weighted sum of
+  its k slots as k - 1 elementwise adds in slot order.
   """
 
   tiled_rows: int = 0
@@ -99,6 +114,9 @@ class Products:
   predict_scale: int = 0
   predict_with_cache: bool = False
   routed_per_expert: float = 0.0
+  attn_steps: bool = False
+  attn_chunk: int = 0
+  ordered_sums: bool = False
 
   def predicted_ids(self) -> int:
     """How many of the next layer's likeliest experts a decode fetch is given: the most any
@@ -152,14 +170,36 @@ GPU_PRODUCTS = Products(tiled_rows=32, stage_rows=16, stage_max_bytes=512 << 20,
                         predict_after_device=2, predict_inline=True, predict_blocks=8,
                         predict_scale=3)
 
+# Positions of one split of the fused attention step in the batch-invariant row: the default
+# row's split up to 2048 positions is 16; 64 keeps a 32768-position row at 512 splits.
+INVARIANT_ATTN_CHUNK = 64
+
+# GPUs, batch-invariant (--batch-invariant): every path a row can take gives decode's per-row
+# arithmetic. Dense products take the matvec kernels at any rows (they read the layer once per
+# 4 rows, 16 in float32, and a row's sums never depend on the others:
+# tests/test_batch_invariance_gpu.py), routed experts the per-slot kernels, DeltaNet and
+# attention the fused decode steps token by token, the attention step's splits a fixed size, and
+# the sums between the kernels in an order of their own (ordered_sums). What moves host-tier
+# weights is the default row's: it moves bytes, never changes them.
+GPU_INVARIANT_PRODUCTS = dataclasses.replace(
+    GPU_PRODUCTS, tiled_rows=0, stage_rows=0, stage_max_bytes=0, grouped_slots=0,
+    gdn_chunked_rows=0, attn_steps=True, attn_chunk=INVARIANT_ATTN_CHUNK, ordered_sums=True)
+
 # The CPU: the matvec kernels (its arithmetic contract) and the fused DeltaNet step.
 CPU_PRODUCTS = Products(gdn_fused=True)
 
 TUNING: dict[str, Products] = {"cpu": CPU_PRODUCTS, "cuda": GPU_PRODUCTS, "rocm": GPU_PRODUCTS}
+# The rows of --batch-invariant: the CPU's own row already is (its default "ggml" numerics take
+# one attention recipe for every row, docs/NUMERICS.md).
+INVARIANT: dict[str, Products] = {"cpu": CPU_PRODUCTS, "cuda": GPU_INVARIANT_PRODUCTS,
+                                  "rocm": GPU_INVARIANT_PRODUCTS}
 
 
-def products_for(platform: str) -> Products:
+def products_for(platform: str, batch_invariant: bool = False) -> Products:
   """The tuning row of a JAX platform name ("cpu", "cuda"/"gpu", "rocm"); the CPU's rule for a
-  platform without a row (the matvec kernels are correct everywhere)."""
+  platform without a row (the matvec kernels are correct everywhere). `batch_invariant`: the
+  platform's row in which a row's arithmetic never depends on the other rows of its program
+  (INVARIANT)."""
   p = platform.lower()
-  return TUNING.get("cuda" if p == "gpu" else p, TUNING["cpu"])
+  table = INVARIANT if batch_invariant else TUNING
+  return table.get("cuda" if p == "gpu" else p, table["cpu"])

@@ -129,11 +129,15 @@ def embed(ids: jax.Array, w: QWeight, ex: Exec) -> jax.Array:
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = None) -> jax.Array:
   """RMSNorm over the last axis in float32; `w` multiplies (GGUF norms already hold any +1).
-  With a ggml-numerics `ex`, ggml's rounding (the backend's rms_norm)."""
+  With a ggml-numerics `ex`, ggml's rounding (the backend's rms_norm); with another `ex`, the
+  backend's factor (rms_scale)."""
   if ex is not None and ex.ggml:
     return ex.backend.rms_norm(x, w, eps, ex)
   x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if ex is not None:
+    y = x32 * ex.backend.rms_scale(x32, eps, ex)
+  else:
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y if w is None else y * w
 
 
@@ -176,24 +180,45 @@ def attention(x: jax.Array, w: dict, ai, k_cache: jax.Array, v_cache: jax.Array,
 
   Decode (t == 1) under a rule with `attn_fused` (jaxvt.ffi.tuning.Products; the GPUs' row) outside ggml
   numerics runs everything between the projections as one custom call on the stacks
-  (jaxvt.ffi.attn.attn_step); otherwise `attend`'s jnp (or ggml) steps.
+  (jaxvt.ffi.attn.attn_step), and so does each token of a prefill in turn where the rule says
+  so (Products.attn_steps; `attn_steps`); otherwise `attend`'s jnp (or ggml) steps.
   """
   b, t, _ = x.shape
   q, k, v = linear_many(x, [w["attn.wq"], w["attn.wk"], w["attn.wv"]], ai, ex)
   params = dict(kv_len=kv_len, theta=cfg.rope_theta, rope_dim=cfg.rope_dim,
                 interleaved=cfg.rope_interleaved, eps=cfg.rms_eps, gate=cfg.attn_output_gate,
                 qk_norm=cfg.qk_norm)
-  if t == 1 and ex.backend.fused("attn", ex) and not ex.ggml:
+  if ex.backend.fused("attn", ex, tokens=t) and not ex.ggml:
     norms = (w["attn.q_norm"], w["attn.k_norm"]) if cfg.qk_norm else (None, None)
     with jax.named_scope("attn_step"):
-      o, k_cache, v_cache = attn_ffi.attn_step(q[:, 0], k[:, 0], v[:, 0], *norms, k_cache,
-                                               v_cache, ai, positions[:, 0], **params)
-    o = o[:, None]
+      o, k_cache, v_cache = attn_steps(q, k, v, *norms, k_cache, v_cache, ai, positions,
+                                       split=ex.backend.attn_split(ex), **params)
   else:
     norms = (w["attn.q_norm"][ai], w["attn.k_norm"][ai]) if cfg.qk_norm else (None, None)
     o, k_cache, v_cache = attend(q, k, v, *norms, k_cache, v_cache, ai, positions, ex=ex,
                                  n_query=n_query, **params)
   return linear(o, w["attn.wo"], ai, ex), k_cache, v_cache
+
+
+def attn_steps(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, split, **params):
+  """The fused decode step (jaxvt.ffi.attn.attn_step) at each of the t tokens in turn, on the
+  whole cache stacks: q, k, v [b, t, ...], positions [b, t]. Token i writes its key and value,
+  then attends to the positions up to its own, as decode does: a token's arithmetic is the same
+  in a prefill of any length, after a prefix hit and in decode, and (with a fixed `split`) for
+  any kv_len and beside any other rows. Returns (o [b, t, H*Dv] float32, k_cache, v_cache)."""
+  def step(carry, xs):
+    kc, vc = carry
+    q_t, k_t, v_t, p_t = xs
+    o_t, kc, vc = attn_ffi.attn_step(q_t, k_t, v_t, q_norm, k_norm, kc, vc, ai, p_t,
+                                     split=split, **params)
+    return (kc, vc), o_t
+
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, positions))
+  if q.shape[1] == 1:  # decode: no loop
+    (k_cache, v_cache), o = step((k_cache, v_cache), tuple(x[0] for x in xs))
+    return o[:, None], k_cache, v_cache
+  (k_cache, v_cache), o = jax.lax.scan(step, (k_cache, v_cache), xs)
+  return jnp.moveaxis(o, 0, 1), k_cache, v_cache
 
 
 def attend(q, k, v, q_norm, k_norm, k_cache, v_cache, ai, positions, *, kv_len: int,

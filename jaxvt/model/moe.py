@@ -84,8 +84,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None,
       # x through the backend's barrier: with kernels XLA:GPU otherwise fuses this dot into the
       # fusion that forms x (the residual's norm), a slower multi-output reduction
       xg = ex.backend.fusion_barrier(x)
-      gate = jax.nn.sigmoid(jnp.dot(xg, w["shexp.gate"][li].astype(jnp.float32),
-                                    precision=jax.lax.Precision.HIGHEST))  # [T]
+      gate = jax.nn.sigmoid(ex.backend.rowdot(xg, w["shexp.gate"][li], ex))  # [T]
       if ex.par is not None and ex.par.ep > 1:  # s is split over tp only, the experts over both
         y = layers.reduce(y, ex, experts=True) + gate[:, None] * layers.reduce(s, ex)
         return y.reshape(b, t, d), state

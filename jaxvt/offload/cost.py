@@ -120,12 +120,13 @@ def routed_crossover(rates: Rates, hit_rate: float = ROUTED_HIT_RATE) -> float:
   return lo
 
 
-def products_for(platform: str) -> tuning.Products:
-  """The platform's tuning row (jaxvt.ffi.tuning.products_for) with its short-call crossover
-  (Products.routed_per_expert) from the platform's default rates: the measured figures, fixed
-  per platform so the kernels a call takes (and so its bits) do not depend on this machine's
-  probe."""
-  row = tuning.products_for(platform)
+def products_for(platform: str, batch_invariant: bool = False) -> tuning.Products:
+  """The platform's tuning row (jaxvt.ffi.tuning.products_for; `batch_invariant`: its row in
+  which a row's arithmetic never depends on the other rows of its program) with its short-call
+  crossover (Products.routed_per_expert) from the platform's default rates: the measured
+  figures, fixed per platform so the kernels a call takes (and so its bits) do not depend on
+  this machine's probe."""
+  row = tuning.products_for(platform, batch_invariant)
   key = {"gpu": "cuda"}.get(platform.lower(), platform.lower())
   if key not in DEFAULT_RATES:
     return row

@@ -47,8 +47,8 @@ GROUPS = (
                 "drain_seconds")),
     ("connections", ("header_timeout", "timeout_keep_alive", "send_timeout",
                      "limit_concurrency")),
-    ("runtime", ("numerics", "deterministic", "compile_cache", "verbose", "help", "helpfull",
-                 "version")),
+    ("runtime", ("numerics", "batch_invariant", "deterministic", "compile_cache", "verbose",
+                 "help", "helpfull", "version")),
 )
 
 FLAGS = flags.FlagValues()
