@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxvt
-from jaxvt import ffi
 from benchmarks import step_bytes
 from benchmarks.cli import parser_of, run
 from jaxvt import engine as eng_mod
@@ -47,8 +46,6 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--rows", default="1", help="decode rows (sequences) a step, e.g. 1,8")
   ap.add_argument("--mesh", default=None, help="shard over local devices, as jaxvt.run --mesh")
   ap.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
-  ap.add_argument("--no-pdl", action="store_true",
-                  help="launch the GPU kernels without programmatic dependent launch")
   ap.add_argument("--predict", default=None,
                   help="H:D[:S]: Products.predict_after_host, predict_after_device (predict_sets)")
   return ap
@@ -264,8 +261,6 @@ def _decode_profile(eng, args, rows: int, copy: float) -> list[str]:
 def main(args) -> str:
   mesh = getattr(args, "mesh", None)
   rows = [int(r) for r in str(getattr(args, "rows", "1")).split(",")]
-  if getattr(args, "no_pdl", False):
-    ffi.extension().set_gpu_pdl(False)
   eng = jaxvt.load(args.model, max_context=args.prompt + args.steps * 3 + 16,
                    offload_gb=args.offload_gb, device_gb=args.device_gb, force=True, mesh=mesh)
   if getattr(args, "predict", None):

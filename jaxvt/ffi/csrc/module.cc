@@ -32,12 +32,6 @@
 
 namespace nb = nanobind;
 
-#if defined(JAXVT_WITH_GPU)
-namespace jaxvt::gpu {
-void set_pdl(bool on);  // kernels/gpu/kernels_gpu.h (built by the GPU compiler)
-}  // namespace jaxvt::gpu
-#endif
-
 namespace {
 
 template <typename T>
@@ -70,16 +64,6 @@ nb::dict Registrations() {
   out[kGpuPlatform] = gpu;
 #endif
   return out;
-}
-
-// Programmatic dependent launch of the decode step's kernels (kernels/gpu/pdl.cuh): on by
-// default; off for measurement. No effect without GPU kernels.
-void SetGpuPdl(bool on) {
-#if defined(JAXVT_WITH_GPU)
-  jaxvt::gpu::set_pdl(on);
-#else
-  (void)on;
-#endif
 }
 
 int GpuDeviceCount() {
@@ -260,9 +244,6 @@ NB_MODULE(_jaxvt_ffi, m) {
 #endif
     return 0;
   }, "Multiprocessors of the current GPU (0 without one).");
-  m.def("set_gpu_pdl", &SetGpuPdl, nb::arg("on"),
-        "Launch the GPU decode kernels with programmatic dependent launch (the default; CUDA "
-        "sm_90+) or plainly. Set before a program's first run: XLA captures the launches.");
   m.def("gpu_device_count", &GpuDeviceCount, "GPUs the runtime sees (0 without GPU support).");
   m.def("host_alloc", &HostAlloc, nb::arg("nbytes"), nb::arg("coherent") = false,
         nb::arg("gpu") = false, nb::arg("kind") = 0,

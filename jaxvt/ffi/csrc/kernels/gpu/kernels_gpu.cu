@@ -2,14 +2,12 @@
 // rows (qembed), bf16 staging (qdequant) and the streaming-read probe. The matvec core is in
 // matvec.cuh, shared with kernels_gpu_experts.cu (routed experts), in float32 or in ggml's integer
 // products (docs/NUMERICS.md, "q8").
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
 #include "common/formats.h"
 #include "kernels/gpu/bf16.cuh"
 #include "kernels/gpu/kernels_gpu.h"
-#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -30,7 +28,6 @@ template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks : 2)) qmatmul_kernel(WeightArgs w, const float* x, int64_t batch,
                                                            float* y, int64_t rows, int64_t cols,
                                                            int64_t bulk) {
-  pdl_enter();
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
@@ -58,7 +55,6 @@ struct MultiArgs {
 template <int BT, int XM>
 __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks : 2)) qmatmul_multi_kernel(
     MultiArgs m, const float* x, int64_t batch, int64_t cols, int64_t bulk) {
-  pdl_enter();
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   int i = 0;
@@ -200,13 +196,6 @@ __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p,
 
 }  // namespace
 
-namespace {
-std::atomic<bool> g_pdl{true};
-}  // namespace
-
-bool pdl_enabled() { return g_pdl.load(std::memory_order_relaxed); }
-void set_pdl(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
-
 int sm_count() {
   static int cached[64] = {0};
   int dev = 0;
@@ -281,8 +270,9 @@ gpuError_t run_qmatmul(gpuStream_t s, const Launch& l, const WeightArgs& w, cons
   const Tuning& t = l.tuning;
   int64_t cap = t.grid_cap > 0 ? t.grid_cap
                                : t.waves * resident_blocks(qmatmul_kernel<BT, XM>, 32 * l.wpb, l.smem) / groups;
-  return launch_pdl(qmatmul_kernel<BT, XM>, dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups),
-                    dim3(32 * l.wpb), l.smem, s, w, x, batch, y, rows, cols, l.bulk);
+  qmatmul_kernel<BT, XM><<<dim3(blocks_for(rows, cap < 1 ? 1 : cap, l.wpb), groups), 32 * l.wpb,
+                           l.smem, s>>>(w, x, batch, y, rows, cols, l.bulk);
+  return gpuGetLastError();
 }
 
 // f(rows per pass, activation mode) as compile-time constants (std::integral_constant) for the
@@ -328,8 +318,8 @@ gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t
     m.block0[i + 1] = m.block0[i] + nb;
   }
   const dim3 grid(static_cast<unsigned>(m.block0[m.n]), static_cast<unsigned>(groups));
-  return launch_pdl(qmatmul_multi_kernel<BT, XM>, grid, dim3(kThreads), l.smem, s, m, x, batch,
-                    cols, l.bulk);
+  qmatmul_multi_kernel<BT, XM><<<grid, kThreads, l.smem, s>>>(m, x, batch, cols, l.bulk);
+  return gpuGetLastError();
 }
 
 }  // namespace

@@ -116,11 +116,6 @@ gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigne
 
 int sm_count();  // multiprocessors of the current device (cached)
 
-// Whether the decode step's kernels are launched with programmatic dependent launch (pdl.cuh;
-// on by default): a process-wide switch for measurement, set before a program's first run (XLA
-// captures the launches into its command buffers then).
-void set_pdl(bool on);
-
 }  // namespace jaxvt::gpu
 
 #endif  // JAXVT_FFI_CSRC_KERNELS_GPU_H_

@@ -27,7 +27,6 @@
 #include "common/attn.h"
 #include "common/vendor.h"
 #include "kernels/gpu/kernels_gpu.h"
-#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -73,7 +72,6 @@ __device__ void prepare_head(const attn::Dims& d, const attn::Args& a, const flo
 }
 
 __global__ void __launch_bounds__(kThreads) split_kernel(attn::Dims d, attn::Args a) {
-  pdl_enter();
   __shared__ float qs[kMaxGroup * kMaxDim];    // [G][D]: prepared query heads
   __shared__ float sc[kMaxGroup * kMaxChunk];  // [G][chunk]: scores, then exp(score - m)
   __shared__ float buf[kWarps][kMaxDim];       // each warp's scratch
@@ -181,7 +179,6 @@ __global__ void __launch_bounds__(kThreads) split_kernel(attn::Dims d, attn::Arg
 // One block of kWarps warps per (query head, row, 32 columns): warp w sums part w of
 // attn::combine_part (kWays == kWarps) for the lane's column; warp 0 adds the parts in order.
 __global__ void __launch_bounds__(kThreads) combine_kernel(attn::Dims d, attn::Args a) {
-  pdl_enter();
   __shared__ float Ms[kWarps], Ls[kWarps], os[kWarps][32];
   const int64_t h = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -214,14 +211,14 @@ gpuError_t launch_attn_step(gpuStream_t s, const attn::Dims& d, const attn::Args
   if (d.b == 0 || d.H == 0) return gpuSuccess;
   if (d.b > 65535 || d.K > 65535 || d.H > 65535 || d.splits > 0x7fffffff)
     return gpuErrorInvalidValue;
-  if (gpuError_t e = launch_pdl(split_kernel, dim3(static_cast<unsigned>(d.splits),
-                                                    static_cast<unsigned>(d.K),
-                                                    static_cast<unsigned>(d.b)),
-                                dim3(kThreads), 0, s, d, a))
-    return e;
-  return launch_pdl(combine_kernel, dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(d.b),
-                                         static_cast<unsigned>((d.Dv + 31) / 32)),
-                    dim3(kThreads), 0, s, d, a);
+  split_kernel<<<dim3(static_cast<unsigned>(d.splits), static_cast<unsigned>(d.K),
+                      static_cast<unsigned>(d.b)),
+                 kThreads, 0, s>>>(d, a);
+  if (gpuError_t e = gpuGetLastError()) return e;
+  combine_kernel<<<dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(d.b),
+                        static_cast<unsigned>((d.Dv + 31) / 32)),
+                   kThreads, 0, s>>>(d, a);
+  return gpuGetLastError();
 }
 
 }  // namespace jaxvt::gpu

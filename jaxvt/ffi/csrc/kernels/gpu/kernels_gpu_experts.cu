@@ -8,7 +8,6 @@
 #include "common/formats.h"
 #include "common/prefetch.h"
 #include "kernels/gpu/kernels_gpu.h"
-#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -157,7 +156,6 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
     WeightArgs w0, WeightArgs w1, const float* x, int x_per_slot, const int32_t* ids,
     int64_t slots, int64_t k, float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts,
     int phase, int64_t bulk) {
-  pdl_enter();
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t m = blockIdx.y / slots, s = blockIdx.y % slots;
@@ -222,9 +220,10 @@ gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const Weig
   int64_t cap = waves * resident / (nmat * slots);
   if (cap < 1) cap = 1;
   const dim3 grid(blocks_for(rows, cap), nmat * slots), block(kThreads);
-  return launch_pdl(qmatmul_experts_slot_kernel<XM>, grid, block, static_cast<size_t>(smem), s, w0,
-                    w1, x, static_cast<int>(x_per_slot), ids, slots, k, y0, y1, rows, cols,
-                    experts, phase, bulk);
+  qmatmul_experts_slot_kernel<XM><<<grid, block, smem, s>>>(w0, w1, x, x_per_slot, ids, slots, k,
+                                                           y0, y1, rows, cols, experts, phase,
+                                                           bulk);
+  return gpuGetLastError();
 }
 
 // The per-slot kernel's static shared memory (ring_expert's pointer), left out of the dynamic

@@ -23,7 +23,6 @@
 #include "common/gdn.h"
 #include "common/vendor.h"
 #include "kernels/gpu/kernels_gpu.h"
-#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -47,7 +46,6 @@ __host__ __device__ __forceinline__ int block_cols(int dv) {
 }
 
 __global__ void __launch_bounds__(kConvThreads) conv_kernel(gdn::Dims d, gdn::Args a) {
-  pdl_enter();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kConvThreads + threadIdx.x;
   if (t >= d.b * d.conv_dim) return;
   const int64_t r = t / d.conv_dim, c = t % d.conv_dim;
@@ -58,7 +56,6 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(gdn::Dims d, gdn::Ar
 }
 
 __global__ void __launch_bounds__(kThreads) head_kernel(gdn::Dims d, gdn::Args a) {
-  pdl_enter();
   __shared__ float x[2 * kMax + kMax];  // q | k | v (this block's columns) of this head
   __shared__ float delta[kMax];
   __shared__ float part[kThreads];      // [P][C] partial sums of the column slices
@@ -126,7 +123,6 @@ __global__ void __launch_bounds__(kThreads) head_kernel(gdn::Dims d, gdn::Args a
 }
 
 __global__ void __launch_bounds__(32) norm_kernel(gdn::Dims d, gdn::Args a) {
-  pdl_enter();
   const int64_t h = blockIdx.x, r = blockIdx.y, rh = r * d.nv + h;
   const int lane = threadIdx.x, dv = static_cast<int>(d.dv);
   const gdn::Layer l = gdn::layer_of(d, a);
@@ -143,15 +139,15 @@ gpuError_t launch_gdn_step(gpuStream_t s, const gdn::Dims& d, const gdn::Args& a
   if (d.b == 0 || d.nv == 0) return gpuSuccess;
   if (d.b > 65535) return gpuErrorInvalidValue;
   const int64_t n = d.b * d.conv_dim;
-  if (gpuError_t e = launch_pdl(conv_kernel,
-                                dim3(static_cast<unsigned>((n + kConvThreads - 1) / kConvThreads)),
-                                dim3(kConvThreads), 0, s, d, a))
-    return e;
+  conv_kernel<<<static_cast<unsigned>((n + kConvThreads - 1) / kConvThreads), kConvThreads, 0,
+                s>>>(d, a);
+  if (gpuError_t e = gpuGetLastError()) return e;
   const int dv = static_cast<int>(d.dv), C = block_cols(dv);
   const unsigned nb = static_cast<unsigned>(d.nv * (dv / C)), rows = static_cast<unsigned>(d.b);
-  if (gpuError_t e = launch_pdl(head_kernel, dim3(nb, rows), dim3((kThreads / C) * C), 0, s, d, a))
-    return e;
-  return launch_pdl(norm_kernel, dim3(static_cast<unsigned>(d.nv), rows), dim3(32), 0, s, d, a);
+  head_kernel<<<dim3(nb, rows), (kThreads / C) * C, 0, s>>>(d, a);
+  if (gpuError_t e = gpuGetLastError()) return e;
+  norm_kernel<<<dim3(static_cast<unsigned>(d.nv), rows), 32, 0, s>>>(d, a);
+  return gpuGetLastError();
 }
 
 }  // namespace jaxvt::gpu

@@ -11,7 +11,6 @@
 #include "common/route.h"
 #include "common/vendor.h"
 #include "kernels/gpu/kernels_gpu.h"
-#include "kernels/gpu/pdl.cuh"
 
 namespace jaxvt::gpu {
 namespace {
@@ -24,7 +23,6 @@ template <int V>  // values per lane: E <= 32 V
 __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t T, int E, int k,
                                  bool renormalise, int32_t* __restrict__ ids,
                                  float* __restrict__ weights) {
-  pdl_enter();
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + threadIdx.x / kWarp;
   if (t >= T) return;  // t is the same for the whole warp
@@ -101,8 +99,8 @@ template <int V>
 void launch(gpuStream_t s, const float* logits, int64_t T, int E, int k, bool renormalise,
             int32_t* ids, float* weights) {
   const int64_t blocks = (T + kTokensPerBlock - 1) / kTokensPerBlock;
-  (void)launch_pdl(moe_route_kernel<V>, dim3(static_cast<unsigned>(blocks)),
-                   dim3(kWarp * kTokensPerBlock), 0, s, logits, T, E, k, renormalise, ids, weights);
+  moe_route_kernel<V><<<static_cast<unsigned>(blocks), kWarp * kTokensPerBlock, 0, s>>>(
+      logits, T, E, k, renormalise, ids, weights);
 }
 
 }  // namespace
