@@ -125,16 +125,21 @@ std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
   return std::nullopt;
 }
 
+// A matvec probe's row bytes, after checking its format and shape.
+[[maybe_unused]] int64_t MatrixRowBytes(int fmt, int64_t rows, int64_t cols, int64_t batch) {
+  if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
+    throw std::invalid_argument("unsupported format or shape");
+  return cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
+}
+
 // GPU-only probe of the matvec kernel (probes.h); GB/s of weight bytes read.
 double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int copies, int iters,
                        int64_t grid_cap, bool device_tier, int kind, int64_t waves, bool ggml,
                        int64_t bulk) {
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
-    if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
-      throw std::invalid_argument("unsupported format or shape");
     std::string err;
-    const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
+    const int64_t rb = MatrixRowBytes(fmt, rows, cols, batch);
     double v = jaxvt::gpu_mem::measure_host_gemv(fmt, rows, cols, rb, batch, copies, iters,
                                                  grid_cap, waves, device_tier, kind, ggml, bulk,
                                                  &err);
@@ -152,10 +157,8 @@ void MatvecOutputs(int fmt, int64_t rows, int64_t cols, int64_t batch, uintptr_t
                    uintptr_t y, bool device_tier, bool ggml, int64_t bulk, int64_t grid_cap) {
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
-    if (!jaxvt::fmt_supported(fmt) || cols % jaxvt::kblock_elems(fmt) || batch < 1 || rows < 1)
-      throw std::invalid_argument("unsupported format or shape");
     std::string err;
-    const int64_t rb = cols / jaxvt::kblock_elems(fmt) * jaxvt::kblock_bytes(fmt);
+    const int64_t rb = MatrixRowBytes(fmt, rows, cols, batch);
     if (!jaxvt::gpu_mem::matvec_outputs(fmt, rows, cols, rb, batch, w, x, y, device_tier, ggml,
                                         bulk, grid_cap, &err))
       throw std::runtime_error(err);
