@@ -217,7 +217,7 @@ __device__ __forceinline__ void hold_x_store(float4* xs, const XLoad& first, con
   __syncthreads();
 }
 
-#include "kernels/gpu/matvec_q8.cuh"  // ggml's arithmetic: hold_xq, unit_dot_q8, accumulate_q8
+#include "kernels/gpu/matvec_q8.cuh"  // ggml's arithmetic: hold_xq, load_unit_q8, accumulate_q8
 
 
 template <int BT>

@@ -165,32 +165,39 @@ __device__ __forceinline__ uint32_t lds_word(const uint8_t* p) {
 
 __device__ __forceinline__ float half_lo(uint32_t w) { return half_to_float(static_cast<uint16_t>(w & 0xFFFFu)); }
 
-// A unit's float32 product under ggml's arithmetic (formula table above); kb is its k-block, in
-// shared memory. The integers and the float32 expression are those of ggml's recipes; only the
-// way the bytes are read depends on A16, so both give the same bits.
+// A weight unit read from shared memory and unpacked once, for every activation row it meets:
+// q[i] holds the unit's elements 4i..4i+3 as the int8 lanes dp4a multiplies with the activation's
+// word i (Q6_K: before its -32 offset, applied with the activation sums), plus its scales.
+struct QUnit {
+  int q[8];
+  float d, m;  // the weight's scale, and Q4_1's min / the K formats' dmin
+  int sc, mn;  // Q4_K / Q5_K: scale and min; Q6_K: the two int8 scales
+};
+
+// The unit u of the k-block at kb (shared memory) under ggml's recipes; only the way the bytes are
+// read depends on A16, so both give the same unit.
 template <int F, bool A16>
-__device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int (&qx)[8], float dx,
-                                             float sx, int s0, int s1) {
-  int isum = 0;
+__device__ __forceinline__ QUnit load_unit_q8(const uint8_t* kb, int u) {
+  QUnit w;
+  w.m = 0.f;
+  w.sc = w.mn = 0;
   if constexpr (F == kQ4_0 || F == kQ4_1) {
     uint32_t r[5];
     const uint32_t sh = lds_raw<4>(kb + (F == kQ4_0 ? 2 : 4), r);
     const uint32_t hdr = lds_word(kb);  // d (and Q4_1's m)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      isum = gpuDp4a(static_cast<int>(gpuFunnelR(r[i], r[i + 1], sh) & 0x0F0F0F0Fu), qx[i], isum);
-      isum = gpuDp4a(static_cast<int>(gpuFunnelR(r[i], r[i + 1], sh + 4) & 0x0F0F0F0Fu), qx[4 + i], isum);
+      w.q[i] = static_cast<int>(gpuFunnelR(r[i], r[i + 1], sh) & 0x0F0F0F0Fu);
+      w.q[4 + i] = static_cast<int>(gpuFunnelR(r[i], r[i + 1], sh + 4) & 0x0F0F0F0Fu);
     }
-    const float dw = half_lo(hdr);
-    if constexpr (F == kQ4_0) return (dw * dx) * static_cast<float>(isum - 8 * (s0 + s1));
-    return (dw * dx) * static_cast<float>(isum) + half_lo(hdr >> 16) * sx;
+    w.d = half_lo(hdr);
+    if constexpr (F == kQ4_1) w.m = half_lo(hdr >> 16);
   } else if constexpr (F == kQ8_0) {
     uint32_t qs[8];
     lds_words<8>(kb + 2, qs);
-    const uint32_t hdr = lds_word(kb);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) isum = gpuDp4a(static_cast<int>(qs[i]), qx[i], isum);
-    return (half_lo(hdr) * dx) * static_cast<float>(isum);
+    for (int i = 0; i < 8; ++i) w.q[i] = static_cast<int>(qs[i]);
+    w.d = half_lo(lds_word(kb));
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     // The header: d, dmin (word 0), then the 12 packed scale bytes (words 1-3); sub-block u's
     // scale and min come from bytes u % 4, + 4, + 8 of the scales (k4_scale_min_bytes).
@@ -202,9 +209,8 @@ __device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int
       lds_words<4>(kb, h);
     }
     const uint32_t bs = 8u * static_cast<uint32_t>(u & 3);
-    int sc, mn;
     k4_scale_min_bytes(static_cast<int>((h[1] >> bs) & 0xFFu), static_cast<int>((h[2] >> bs) & 0xFFu),
-                       static_cast<int>((h[3] >> bs) & 0xFFu), u, &sc, &mn);
+                       static_cast<int>((h[3] >> bs) & 0xFFu), u, &w.sc, &w.mn);
     uint32_t qs[8];
     lds_32b<A16>(kb + (F == kQ5_K ? 48 : 16) + 32 * (u >> 1), qs);
     const int sh = (u & 1) * 4;
@@ -214,36 +220,56 @@ __device__ __forceinline__ float unit_dot_q8(const uint8_t* kb, int u, const int
     for (int i = 0; i < 8; ++i) {
       uint32_t q = (qs[i] >> sh) & 0x0F0F0F0Fu;
       if constexpr (F == kQ5_K) q |= ((qh[i] >> u) & 0x01010101u) << 4;
-      isum = gpuDp4a(static_cast<int>(q), qx[i], isum);
+      w.q[i] = static_cast<int>(q);
     }
-    return (dx * half_lo(h[0])) * static_cast<float>(sc * isum) -
-           (dx * half_lo(h[0] >> 16)) * static_cast<float>(mn * (s0 + s1));
+    w.d = half_lo(h[0]);
+    w.m = half_lo(h[0] >> 16);
   } else {  // Q6_K
     const int hf = u >> 2, qq = u & 3;
     uint32_t ql[9], qh[9];  // ql and qh share the k-block's alignment
     const uint32_t sh = lds_raw<8>(kb + 64 * hf + 32 * (qq & 1), ql);
     lds_raw<8>(kb + 128 + 32 * hf, qh);
     const uint32_t scw = lds_word(kb + 192 + 8 * hf + 2 * qq);  // its two int8 scales
-    const uint32_t dw = lds_word(kb + 208);
     const uint32_t lsh = sh + (qq >> 1) * 4, hsh = sh + 2 * qq;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      w.q[i] = static_cast<int>((gpuFunnelR(ql[i], ql[i + 1], lsh) & 0x0F0F0F0Fu) |
+                                ((gpuFunnelR(qh[i], qh[i + 1], hsh) & 0x03030303u) << 4));
+    w.sc = static_cast<int>(static_cast<int8_t>(scw & 0xFFu));
+    w.mn = static_cast<int>(static_cast<int8_t>((scw >> 8) & 0xFFu));
+    w.d = half_lo(lds_word(kb + 208));
+  }
+  return w;
+}
+
+// A unit's float32 product with one activation row under ggml's arithmetic (formula table
+// above): integer dots, then the recipe's float32 expression.
+template <int F>
+__device__ __forceinline__ float dot_unit_q8(const QUnit& w, const int (&qx)[8], float dx,
+                                             float sx, int s0, int s1) {
+  if constexpr (F == kQ6_K) {
     int lo = 0, hi = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t q = (gpuFunnelR(ql[i], ql[i + 1], lsh) & 0x0F0F0F0Fu) |
-                         ((gpuFunnelR(qh[i], qh[i + 1], hsh) & 0x03030303u) << 4);
-      if (i < 4) lo = gpuDp4a(static_cast<int>(q), qx[i], lo);
-      else hi = gpuDp4a(static_cast<int>(q), qx[i], hi);
-    }
-    const int sc0 = static_cast<int>(static_cast<int8_t>(scw & 0xFFu));
-    const int sc1 = static_cast<int>(static_cast<int8_t>((scw >> 8) & 0xFFu));
-    const int total = sc0 * (lo - 32 * s0) + sc1 * (hi - 32 * s1);
-    return (dx * half_lo(dw)) * static_cast<float>(total);
+    for (int i = 0; i < 4; ++i) lo = gpuDp4a(w.q[i], qx[i], lo);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) hi = gpuDp4a(w.q[i], qx[i], hi);
+    const int total = w.sc * (lo - 32 * s0) + w.mn * (hi - 32 * s1);
+    return (dx * w.d) * static_cast<float>(total);
+  } else {
+    int isum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) isum = gpuDp4a(w.q[i], qx[i], isum);
+    if constexpr (F == kQ4_0) return (w.d * dx) * static_cast<float>(isum - 8 * (s0 + s1));
+    if constexpr (F == kQ4_1) return (w.d * dx) * static_cast<float>(isum) + w.m * sx;
+    if constexpr (F == kQ8_0) return (w.d * dx) * static_cast<float>(isum);
+    return (dx * w.d) * static_cast<float>(w.sc * isum) -
+           (dx * w.m) * static_cast<float>(w.mn * (s0 + s1));
   }
 }
 
-// The product of a row's unit g (unit u of the k-block at kb) with held quantized row b.
-template <int F, bool A16, int BT>
-__device__ __forceinline__ float unit_q8(const uint8_t* kb, int u, int g, const Rows<BT>& R, int b) {
+// The product of unit w (the row's unit g) with held quantized row b.
+template <int F, int BT>
+__device__ __forceinline__ float unit_row_q8(const QUnit& w, int g, const Rows<BT>& R, int b) {
   const gpuSmemAddr row = gpuSmemAt(R.xq) + static_cast<int>(b * R.xq_stride);
   const gpuSmemAddr q4 = row + 16 * ((g >> 5) * 64 + (g & 31));
   const uint4 a = gpuLdsU4(q4), c = gpuLdsU4(q4 + 32 * 16);
@@ -255,10 +281,11 @@ __device__ __forceinline__ float unit_q8(const uint8_t* kb, int u, int g, const 
   const float dx = __uint_as_float(gpuLdsU32(du + 4 * g));
   const float sx = F == kQ4_1 ? __uint_as_float(gpuLdsU32(du + 4 * (upad + g))) : 0.f;
   const uint2 s16 = gpuLdsU2(du + 8 * upad + 8 * g);
-  return unit_dot_q8<F, A16>(kb, u, qx, dx, sx, static_cast<int>(s16.x), static_cast<int>(s16.y));
+  return dot_unit_q8<F>(w, qx, dx, sx, static_cast<int>(s16.x), static_cast<int>(s16.y));
 }
 
-// accumulate() under ggml's arithmetic for quantized formats, over the rows R.xq.
+// accumulate() under ggml's arithmetic for quantized formats, over the rows R.xq: each of the
+// lane's units is read and unpacked once and dotted with every row.
 template <int F, bool A16, int BT>
 __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int64_t k0,
                                               const Rows<BT>& R, float (&acc)[BT], int lane) {
@@ -266,10 +293,10 @@ __device__ __forceinline__ void accumulate_q8(const uint8_t* p, int nunits, int6
   const int g0 = static_cast<int>(k0 >> 5);
 #pragma unroll kMvUnroll
   for (int u = (lane - (g0 & 31)) & 31; u < nunits; u += 32) {
-    const uint8_t* kb = p + (u / T::kUpk) * T::kKbb;
+    const QUnit w = load_unit_q8<F, A16>(p + (u / T::kUpk) * T::kKbb, u % T::kUpk);
 #pragma unroll
     for (int b = 0; b < BT; ++b)
-      if (b < R.nb) acc[b] += unit_q8<F, A16, BT>(kb, u % T::kUpk, g0 + u, R, b);
+      if (b < R.nb) acc[b] += unit_row_q8<F, BT>(w, g0 + u, R, b);
   }
 }
 
@@ -283,7 +310,8 @@ __device__ __forceinline__ void accumulate_q8_pair(const uint8_t* p, int nunits,
   using T = Traits<F>;
   const int u = lane & 15;
   if (u < nunits)
-    acc[0] += unit_q8<F, A16, 1>(p + (lane >> 4) * rb + (u / T::kUpk) * T::kKbb, u % T::kUpk, u, R, 0);
+    acc[0] += unit_row_q8<F, 1>(
+        load_unit_q8<F, A16>(p + (lane >> 4) * rb + (u / T::kUpk) * T::kKbb, u % T::kUpk), u, R, 0);
 }
 
 #endif  // JAXVT_FFI_CSRC_MATVEC_Q8_CUH_
