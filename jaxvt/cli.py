@@ -69,7 +69,7 @@ def define_model_flags(fv: flags.FlagValues) -> None:
                     "change a near-tie token.", flag_values=fv)
   flags.DEFINE_boolean("batch_invariant", False, "On GPUs, kernels whose arithmetic for a "
                        "request never depends on what else its device program holds, so greedy "
-                       "tokens are the same alone, batched with other requests, after a "
+                       "and seeded tokens are the same alone, batched with other requests, after a "
                        "prefix-cache hit or cold (as vLLM's batch-invariant mode). It costs speed: "
                        "on an H100, decode at 0.88-0.89x and a prompt's prefill at 0.10x "
                        "(docs/BENCHMARKS.md). On the CPU the default arithmetic already is "

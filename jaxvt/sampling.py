@@ -86,6 +86,34 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = TOP_LOGPROBS):
   return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+  """Sum over the last axis, keepdims, in one fixed tree of pairwise adds (the axis zero-padded
+  to a power of two, then halved until one is left): a row's sum is the same bits whatever else
+  the array holds. (XLA's reductions pick their order by the array's shape, so a row alone and
+  the same row among others may round apart.)"""
+  n = x.shape[-1]
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(0, (n - 1).bit_length())) - n)])
+  while x.shape[-1] > 1:
+    h = x.shape[-1] // 2
+    x = x[..., :h] + x[..., h:]
+  return x
+
+
+def row_softmax(x: jax.Array) -> jax.Array:
+  """softmax over the last axis with row_sum's normaliser (the max is exact in any order)."""
+  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  return e / row_sum(e)
+
+
+def row_cumsum(x: jax.Array) -> jax.Array:
+  """Inclusive prefix sums over the last axis: jnp.cumsum, a reduce-window that XLA rewrites into
+  blocked scans by the axis' length alone, so a row's sums do not depend on the other rows
+  (tests/test_sample_rows.py and, on a GPU, tests/test_batch_invariance_gpu.py check it).
+  jax.lax.associative_scan would fix the pairing too, at about a second more of compile a
+  program on the CPU."""
+  return jnp.cumsum(x, axis=-1)
+
+
 @jax.jit
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
                 top_k: jax.Array, top_p: jax.Array, bias: jax.Array | None = None,
@@ -96,7 +124,9 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
   float32 [b] (0: greedy, the argmax), top_k int32 [b] (0: off), top_p float32 [b] (1: off).
   `bias` and `penalties` (adjust_logits) change the logits first, greedy rows' as well.
   Returns token ids int32 [b]. The cuts are `sample`'s: top-k first, then the smallest
-  most-likely prefix whose mass reaches top_p (at least one token)."""
+  most-likely prefix whose mass reaches top_p (at least one token). A row's draw does not depend
+  on the other rows: the nucleus' sums run in orders of their own (row_softmax, row_cumsum), the
+  rest is exact (sorts, maxima, the Gumbel draw's argmax)."""
   vocab = logits.shape[-1]
   logits = adjust_logits(logits, bias, penalties)
   hot = temperature > 0
@@ -106,8 +136,8 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
   kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
   x = jnp.where(x < kth, -jnp.inf, x)
   desc = jnp.where(desc < kth, -jnp.inf, desc)
-  probs = jax.nn.softmax(desc, axis=-1)
-  keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+  probs = row_softmax(desc)
+  keep = (row_cumsum(probs) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
   cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
   x = jnp.where(x < cutoff, -jnp.inf, x)
 

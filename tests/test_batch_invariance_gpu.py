@@ -205,3 +205,20 @@ def test_a_short_request_beside_a_long_one_gets_its_solo_tokens(which, request):
   solo = [_serve(eng, [[p]], max_tokens=16, prefix=False)[0][0][0] for p in shorts]
   (together,) = _serve(eng, [[_ids(eng, 7, 2100), *shorts]], max_tokens=16, prefix=False)
   assert [t for t, _ in together[1:]] == solo
+
+
+def test_a_sampled_rows_token_and_sums_do_not_depend_on_the_other_rows(device):
+  """Seeded sampling on the GPU (jaxvt.sampling.sample_rows): a row's nucleus sums and its token
+  are the same bits alone and among 64 rows (test_sample_rows.py, on the device)."""
+  from jaxvt.sampling import row_cumsum, row_softmax, sample_rows
+  from test_sample_rows import nucleus_inputs
+  args = [put(a, device) for a in nucleus_inputs(np.random.default_rng(5), 64, 248320)]
+  many = np.asarray(sample_rows(*args))
+  soft, cums = np.asarray(row_softmax(args[0])), np.asarray(row_cumsum(args[0]))
+  for i in (0, 17, 63):
+    one = [a[i:i + 1] for a in args]
+    assert int(sample_rows(*one)[0]) == many[i]
+    assert np.array_equal(np.asarray(row_softmax(one[0]))[0].view(np.uint32),
+                          soft[i].view(np.uint32))
+    assert np.array_equal(np.asarray(row_cumsum(one[0]))[0].view(np.uint32),
+                          cums[i].view(np.uint32))

@@ -140,3 +140,34 @@ def test_token_logprobs_are_the_log_softmax_of_the_raw_logits():
   np.testing.assert_allclose(lp, ref[np.arange(3), toks], atol=1e-5)
   np.testing.assert_array_equal(ids, np.argsort(-ref, -1, kind="stable")[:, :20])
   np.testing.assert_allclose(top, np.take_along_axis(ref, ids, -1), atol=1e-5)
+
+
+def nucleus_inputs(rng, n: int, vocab: int):
+  """Logits with a long, flat tail (the nucleus' sums then cover many tokens) and per-row
+  parameters that all sample."""
+  logits = (rng.standard_normal((n, vocab)) * 3.0).astype(np.float32)
+  seeds = np.stack([np.arange(n, dtype=np.uint32) * 7 + 1, np.full(n, 3, np.uint32)], axis=1)
+  return (logits, seeds, np.arange(n, dtype=np.int32), np.full(n, 0.9, np.float32),
+          np.zeros(n, np.int32), np.linspace(0.5, 0.99, n).astype(np.float32))
+
+
+def test_a_rows_draw_and_sums_do_not_depend_on_the_other_rows():
+  """A row's nucleus sums (row_softmax, row_cumsum) and its sampled token are the same bits alone
+  and among 32 rows; the sums are float64 numpy's to float32 rounding."""
+  from jaxvt.sampling import row_cumsum, row_softmax
+  rng = np.random.default_rng(5)
+  logits, seeds, counters, temp, top_k, top_p = nucleus_inputs(rng, 32, 12289)
+  many = np.asarray(sample_rows(logits, seeds, counters, temp, top_k, top_p))
+  soft, cums = np.asarray(row_softmax(logits)), np.asarray(row_cumsum(logits))
+  for i in (0, 17, 31):
+    one = slice(i, i + 1)
+    assert int(sample_rows(logits[one], seeds[one], counters[one], temp[one], top_k[one],
+                           top_p[one])[0]) == many[i]
+    assert np.array_equal(np.asarray(row_softmax(logits[one]))[0].view(np.uint32),
+                          soft[i].view(np.uint32))
+    assert np.array_equal(np.asarray(row_cumsum(logits[one]))[0].view(np.uint32),
+                          cums[i].view(np.uint32))
+  x = logits[:4].astype(np.float64)
+  want = np.exp(x - x.max(-1, keepdims=True))
+  np.testing.assert_allclose(soft[:4], want / want.sum(-1, keepdims=True), rtol=2e-5, atol=1e-12)
+  np.testing.assert_allclose(cums[:4], np.cumsum(x, axis=-1), rtol=1e-4, atol=2e-2)
