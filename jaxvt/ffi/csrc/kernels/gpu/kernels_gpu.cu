@@ -31,10 +31,9 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks 
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
-  use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4);
   LayerRef L;
   const auto hold = resolve_and_hold<BT, XM>(w, R, smem_slots + wpb * kSlotU4, &L);
-  if (L.host) R.bulk = 0;  // over the bus the per-warp windows read faster
+  use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4, L.host);
   matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                      static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb,
                      hold);
@@ -60,10 +59,9 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks 
   int i = 0;
   while (i + 1 < m.n && static_cast<int64_t>(blockIdx.x) >= m.block0[i + 1]) ++i;
   Rows<BT> R = batch_group<BT>(x, batch, m.y[i], m.rows[i], cols);
-  use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4);
   LayerRef L;
   const auto hold = resolve_and_hold<BT, XM>(m.w[i], R, smem_slots + wpb * kSlotU4, &L);
-  if (L.host) R.bulk = 0;
+  use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4, L.host);
   const int64_t b = static_cast<int64_t>(blockIdx.x) - m.block0[i];
   matvec_fmt<BT, XM>(L.fmt, L.base, R, m.rows[i], cols, smem_slots + wib * kSlotU4, lane, b * wpb + wib,
                      (m.block0[i + 1] - m.block0[i]) * wpb, hold);

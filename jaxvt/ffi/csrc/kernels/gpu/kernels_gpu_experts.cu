@@ -188,14 +188,13 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
     if (phase == 1) wj = -wj - 2;  // filled by the first launch: read as a hit
   }
   Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
-  use_bulk<1, XM>(R, bulk, smem_slots + kWarps * kSlotU4);
   LayerRef L;
   const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
   if (phase < 0) cached();  // (one token: after the activation row's load is under way)
   const uint8_t* home = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
   const uint8_t* base = wj >= 0 ? part + wj * w.cslot : ring_expert(w.ring, *w.layer, e, home);
-  if (L.host && base == home) R.bulk = 0;  // over the bus the per-warp windows read faster
+  use_bulk<1, XM>(R, bulk, smem_slots + kWarps * kSlotU4, L.host && base == home);
   const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * kWarps + wib;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * kWarps;
   if (wj <= -2) {

@@ -26,9 +26,9 @@
 //     kernels are bound by their instructions per byte; more windows in flight per warp
 //     (kMvDepth 2), two units a lane unrolled (kMvUnroll 2) or three blocks an SM (kMvBlocks 3)
 //     were each slower.
-// Both tiers take the same path (reading device-tier layers directly from HBM, without the
-// shared-memory windows, measured no faster on the H200: docs/BENCHMARKS.md), so both give the
-// same bits. Two arithmetics (XM below): float32 (dequantize, float32 dot) and ggml's (activations
+// Under ggml's arithmetic on CUDA sm_90+, a device-tier matrix instead crosses in whole rows
+// through the bulk-copy engine (matvec_bulk.cuh); a row's units, lanes and reductions are those of
+// the windows, so every path and tier gives the same bits. Two arithmetics (XM below): float32 (dequantize, float32 dot) and ggml's (activations
 // quantized in shared memory to the format's vec-dot type, integer dots per 32-element unit).
 // Accumulation is float32 throughout. Batches above 16 rows re-stream the weights once per group
 // of 16 rows (grid.y); large-batch prefill should stage weights with qdequant instead.

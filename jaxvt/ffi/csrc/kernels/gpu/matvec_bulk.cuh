@@ -68,16 +68,18 @@ __host__ __device__ __forceinline__ bool bulk_fits(int64_t stage, int64_t rb) {
 }
 
 // Rows [0, rows) of the quantized matrix at base (format F, A16 as in matvec()), by the whole
-// block (every thread calls it; blk of nblk: the block's place among the blocks on this matrix).
+// block (every thread calls it; blk of nblk: the block's place among the blocks on this matrix;
+// defined only where the engine is, the only place matvec() calls it).
 // Chunks of whole rows go round-robin over the blocks, so the grid sweeps the matrix front to
-// back; R.bulk_smem holds two stages of R.bulk + kBulkSpare bytes, then their two barriers. pro(R) is matvec()'s prologue,
-// called once by every thread after the first copies are requested (it holds the activations and
-// ends with a barrier, which also publishes the barriers' initialization).
+// back; R.bulk_smem holds two stages of R.bulk + kBulkSpare bytes, then their two barriers.
+// pro(R) is matvec()'s prologue, called once by every thread after the first copies are
+// requested (it holds the activations and ends with a barrier, which also publishes the
+// barriers' initialization).
+#if JAXVT_BULK_DEVICE
 template <int F, int BT, bool A16, class Pro>
 __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, int64_t rows,
                                             int64_t cols, int64_t blk, int64_t nblk,
                                             const Pro& pro) {
-#if JAXVT_BULK_DEVICE
   using T = Traits<F>;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int64_t nkb = cols / T::kKbe, rb = nkb * T::kKbb;
@@ -138,9 +140,7 @@ __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, in
     __syncthreads();  // every warp is done with the stage before it is refilled
     if (threadIdx.x == 0 && j + 2 < mine) fetch(st, j + 2);
   }
-#else
-  (void)base, (void)R, (void)rows, (void)cols, (void)blk, (void)nblk, (void)pro;
-#endif
 }
+#endif  // JAXVT_BULK_DEVICE
 
 #endif  // JAXVT_FFI_CSRC_MATVEC_BULK_CUH_

@@ -68,11 +68,13 @@ __device__ __forceinline__ HoldRows<BT, XM> resolve_and_hold(const WeightArgs& w
   return h;
 }
 
-// The bulk stages (matvec_bulk) follow the block's held activation rows under ggml's arithmetic
-// (`held`: where those rows start); bulk: the launch's stage bytes (0: none allocated).
+// Whether matvec() takes matvec_bulk for the matrix the block reads: bulk, the launch's stage
+// bytes (0: none allocated), and not over the bus (`over_bus`: the matrix is in the host tier),
+// where the per-warp windows read faster. The stages follow the block's held activation rows
+// under ggml's arithmetic (`held`: where those rows start).
 template <int BT, int XM>
-__device__ __forceinline__ void use_bulk(Rows<BT>& R, int64_t bulk, uint4* held) {
-  if (XM == 2 && bulk > 0) {
+__device__ __forceinline__ void use_bulk(Rows<BT>& R, int64_t bulk, uint4* held, bool over_bus) {
+  if (XM == 2 && bulk > 0 && !over_bus) {
     R.bulk = bulk;
     R.bulk_smem = reinterpret_cast<uint8_t*>(held) + BT * ggml_held_row_bytes(R.cols);
   }
