@@ -48,7 +48,25 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--prefill", action="store_true", help="profile one prefill of the prompt")
   ap.add_argument("--predict", default=None,
                   help="H:D[:S]: Products.predict_after_host, predict_after_device (predict_sets)")
+  ap.add_argument("--products", default=None,
+                  help="FIELD=VALUE[,...]: the tuning row's fields replaced (e.g. fused_norm=0, "
+                       "the step without the fused residual norm)")
   return ap
+
+
+def products_exec(ex, spec: str):
+  """ex with the tuning row's fields replaced as spec says ("fused_norm=0,attn_chunk=64"); a
+  field's value is parsed as its type (bool: 0/1/true/false)."""
+  fields = {f.name: f for f in dataclasses.fields(ex.products)}
+  over = {}
+  for item in filter(None, spec.split(",")):
+    name, _, value = item.partition("=")
+    if name not in fields or not value:
+      raise SystemExit(f"profile: --products takes FIELD=VALUE with FIELD one of "
+                       f"{', '.join(fields)}; got {item!r}")
+    kind = type(getattr(ex.products, name))
+    over[name] = (value.lower() in ("1", "true", "yes") if kind is bool else kind(value))
+  return dataclasses.replace(ex, products=dataclasses.replace(ex.products, **over))
 
 
 def device_events(trace: dict, host_fallback: bool = True) -> list[dict]:
@@ -265,12 +283,15 @@ def main(args) -> str:
                    offload_gb=args.offload_gb, device_gb=args.device_gb, force=True, mesh=mesh)
   if getattr(args, "predict", None):
     eng.ex = predict_exec(eng.ex, args.predict)
+  if getattr(args, "products", None):
+    eng.ex = products_exec(eng.ex, args.products)
   if getattr(args, "prefill", False):
     ids = np.random.default_rng(0).integers(10, eng.cfg.vocab_size - 10, args.prompt).tolist()
     return _prefill(eng, ids, args, mesh)
   copy = step_bytes.copy_gbps() if jax.default_backend() != "cpu" else 0.0
   out = [f"model {eng.path}: {eng.cfg.arch}, {eng.cfg.n_layers} layers; predict "
-         f"{getattr(args, 'predict', None) or 'default'}; offload "
+         f"{getattr(args, 'predict', None) or 'default'}; products "
+         f"{getattr(args, 'products', None) or 'default'}; offload "
          f"{eng.plan.plan.host_bytes / 2**30:.2f} GiB; predicted "
          f"{eng.plan.prediction.ms_per_step:.2f} ms/step; device {jax.devices()[0].device_kind}; "
          f"copy {copy:.0f} GB/s (read + written)"]

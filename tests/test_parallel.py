@@ -11,6 +11,7 @@ the user errors are checked here, in process, in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,6 +44,7 @@ RUNS = {
     "llama": [("tp=2", 0), ("tp=2", "all"), ("tp=2", "part")],
     "qwen35moe": [("tp=2", 0), ("ep=2,tp=2", "all"), ("ep=4", "part")],
 }
+FUSED = "+fused_norm"  # a run's name with Products.fused_norm on (the GPUs' rows)
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 STEPS = 4  # greedy decode steps after the prefill
 
@@ -83,12 +85,16 @@ def _case(arch: str, directory: str) -> dict:
       if offload == "all":
         all_host = p.host_bytes
       w = eng.weights["attn.wq"]
-      res[f"{mesh}/{offload}"] = _greedy(eng) + ({
-          "devices": eng.plan.devices, "host": p.host_bytes, "budget": p.budget_bytes,
-          "host_layers": len(eng.weights["attn.wk"].meta.host_layers),
-          "workspace": eng.memory.workspace_source,
-          "wq_shards": int(w.data.shape[0]),
-          "wq_spec": str(w.data.sharding.spec)},)
+      info = {"devices": eng.plan.devices, "host": p.host_bytes, "budget": p.budget_bytes,
+              "host_layers": len(eng.weights["attn.wk"].meta.host_layers),
+              "workspace": eng.memory.workspace_source,
+              "wq_shards": int(w.data.shape[0]),
+              "wq_spec": str(w.data.sharding.spec)}
+      res[f"{mesh}/{offload}"] = _greedy(eng) + (info,)
+      if (mesh, offload) == RUNS[arch][0]:  # the GPUs' fused residual norm, on the mesh
+        eng.ex = dataclasses.replace(eng.ex, products=dataclasses.replace(
+            eng.ex.products, fused_norm=True))
+        res[f"{mesh}/{offload}{FUSED}"] = _greedy(eng) + (info,)
   base_logits, base_toks = res.pop("base")
   out = {}
   for name, (logits, toks, info) in res.items():
@@ -125,13 +131,14 @@ def test_sharded_equals_unsharded(results):
   arithmetic on the same bytes). Measured on these fixtures: 0.0 (the CPU kernels' sums happen to
   associate the same way at these sizes)."""
   arch, runs = results
-  assert set(runs) == {f"{m}/{o}" for m, o in RUNS[arch]}
+  first = "{}/{}".format(*RUNS[arch][0])
+  assert set(runs) == {f"{m}/{o}" for m, o in RUNS[arch]} | {first + FUSED}
   for name, r in runs.items():
     assert r["err"] <= 1e-4 * r["scale"], (name, r)
     assert r["toks"] == r["base_toks"], (name, r)
     # attention heads split over tp (and are replicated over ep); a mesh without tp replicates
     # them, as one device does: no shard axis
-    tp = mesh_mod.parse(name.split("/")[0]).tp
+    tp = mesh_mod.parse(name.split("/")[0]).tp  # (a fused run: its mesh's)
     assert r["wq_spec"] == ("P('tp',)" if tp > 1 else "P()"), r
     if tp > 1:
       assert r["wq_shards"] == tp, r

@@ -7,10 +7,17 @@ model (jaxvt.model) calls only these ops and never names a kernel or a tuning kn
   matmul_many(x, ws, layer, ex)    [matmul(x, w, layer, ex) for w in ws], one launch
   embed(ids, w, ex)                rows of an embedding table -> f32 [..., cols]
   route(logits, k, renormalise, ex)  router logits [T, E] -> (ids [T, k], weights [T, k])
-  experts(ex, n_tokens, k, E)      fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
-  fused(step, ex, tokens=1)        whether a decode step ("attn", "gdn") is one custom call;
+  experts(ex, n_tokens, k, E, combined=True)
+                                   fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
+                                   (combined=False, where slots_apart: the k slots' [T, k, d])
+  slots_apart(ex, n_tokens, k, E)  whether experts can leave the k slots unsummed
+  fused(step, ex, tokens=1)        whether a step ("attn", "gdn", "norm") is one custom call;
                                    for attention, whether `tokens` query tokens take it, token
                                    by token
+  add_norm(x, y, w, layer, eps, ex, c=None, s=None, g=None, v=None)
+                                   the residual add and RMSNorm at a block boundary, with
+                                   weighted slots, the gated term and a dotted vector
+                                   (jaxvt.ffi.norm) -> (x', h, dot)
   attn_split(ex)                   positions of one split of the fused attention step (None:
                                    by the program's kv_len)
   rowdot(x, v, ex)                 x f32 [T, d] times a vector v [d] -> f32 [T]
@@ -40,7 +47,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import grouped, numerics, ops, steps
+from jaxvt.ffi import grouped, norm, numerics, ops, steps
 from jaxvt.gguf import quants
 from jaxvt.gguf.formats import F32, FORMATS
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight
@@ -89,14 +96,20 @@ class Reference(_GgmlSteps):
   def route(self, logits, k: int, renormalise: bool, ex):
     return ops.moe_route_ref(logits, k, renormalise)
 
-  def experts(self, ex, n_tokens: int, k: int, n_experts: int):
+  def experts(self, ex, n_tokens: int, k: int, n_experts: int, combined: bool = True):
     """The gathered reference for few slots; one pass per expert for many (its [T, k, rows,
-    cols] intermediate would not fit)."""
+    cols] intermediate would not fit). Always combined."""
     fn = ops.moe_experts_ref if n_tokens * k <= n_experts else experts_per_expert_ref
     return functools.partial(fn, mode=ex.mode)
 
+  def slots_apart(self, ex, n_tokens: int, k: int, n_experts: int) -> bool:
+    return False
+
   def fused(self, step: str, ex, tokens: int = 1) -> bool:
     return False
+
+  def add_norm(self, x, y, w, layer, eps: float, ex, c=None, s=None, g=None, v=None):
+    return norm.add_norm_ref(x, y, w, layer, eps=eps, c=c, s=s, g=g, v=v, ggml=ex.ggml)
 
   def attn_split(self, ex) -> int | None:
     return None
@@ -111,7 +124,8 @@ class Reference(_GgmlSteps):
     return x
 
 
-_FUSED = {"attn": "attn_fused", "gdn": "gdn_fused", "route": "fused_route"}
+_FUSED = {"attn": "attn_fused", "gdn": "gdn_fused", "route": "fused_route",
+          "norm": "fused_norm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,19 +160,30 @@ class Kernels(_GgmlSteps):
     fn = ops.moe_route if ex.products.fused_route else ops.moe_route_ref
     return fn(logits, k, renormalise)
 
-  def experts(self, ex, n_tokens: int, k: int, n_experts: int):
+  def experts(self, ex, n_tokens: int, k: int, n_experts: int, combined: bool = True):
     """The grouped kernel from the tuning row's slot count, else the per-slot kernels (both
     read only the routed experts' bytes, from either tier); their k slots added in slot order
-    where the row says so (Products.ordered_sums)."""
+    where the row says so (Products.ordered_sums), or left apart (combined=False; the per-slot
+    kernels only: slots_apart)."""
     if ex.products.experts(n_tokens * k, n_experts) == "grouped":
       return grouped.moe_grouped
-    return functools.partial(ops.moe_experts, mode=ex.mode, ordered=ex.products.ordered_sums)
+    return functools.partial(ops.moe_experts, mode=ex.mode, ordered=ex.products.ordered_sums,
+                             combined=combined)
+
+  def slots_apart(self, ex, n_tokens: int, k: int, n_experts: int) -> bool:
+    """Whether the routed experts of n_tokens tokens take the per-slot kernels, whose k outputs
+    experts(combined=False) can leave unsummed."""
+    return ex.products.experts(n_tokens * k, n_experts) != "grouped"
 
   def fused(self, step: str, ex, tokens: int = 1) -> bool:
     """Whether the tuning row fuses the step; several query tokens take the fused attention
     step (token by token) only where it says so (Products.attn_steps)."""
     on = bool(getattr(ex.products, _FUSED[step]))
     return on and (tokens == 1 or step != "attn" or ex.products.attn_steps)
+
+  def add_norm(self, x, y, w, layer, eps: float, ex, c=None, s=None, g=None, v=None):
+    """One custom call (jaxvt.ffi.norm.add_norm; ggml's sum of squares under ggml numerics)."""
+    return norm.add_norm(x, y, w, layer, eps=eps, c=c, s=s, g=g, v=v, ggml=ex.ggml)
 
   def attn_split(self, ex) -> int | None:
     """The tuning row's fixed split (Products.attn_chunk), else None (by kv_len)."""

@@ -424,12 +424,13 @@ def combine(weights, d, ordered: bool = False) -> jax.Array:
 
 
 def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None,
-         rings=None, cache=None, ordered=False):
+         rings=None, cache=None, ordered=False, combined=True):
   """on_read(stage, out): sees the output of the products that read gate and up ("gate_up", the
   activation h) and of the one that reads down ("down"): prefetch orders a ring's next copy after
   the ring's last reader. rings: decode expert rings of the three stacks; cache: the expert
   cache's operands of the three stacks (expert_cache.CacheTables.operands; kernels only).
-  ordered: the k slots added in slot order (combine)."""
+  ordered: the k slots added in slot order (combine). combined=False: the k slots' outputs
+  [T, k, cols], unweighted and unsummed."""
   x = jnp.asarray(x, jnp.float32)
 
   def kw(k):  # only mm that take them
@@ -448,11 +449,12 @@ def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_re
   d = mm(h, w_down, layer, ids, mode, **kw("down"))  # [T, k, cols]
   if on_read is not None:
     on_read("down", d)
-  return combine(weights, d, ordered)
+  return combine(weights, d, ordered) if combined else d
 
 
 def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
-                mode: str = "ggml", on_read=None, rings=None, cache=None, ordered: bool = False):
+                mode: str = "ggml", on_read=None, rings=None, cache=None, ordered: bool = False,
+                combined: bool = True):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once.
   on_read(stage, out): sees the products' outputs, gate/up's then down's (see _moe; for
@@ -460,9 +462,11 @@ def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, 
   (prefetch.fetch_experts): experts they hold for `layer` are read from them, the same bytes.
   cache: {"gate", "up", "down"}: (where, ctab, cslot) each (jaxvt.ffi.expert_cache): the
   expert cache's hits read from it, its fills written to it, the same bytes. ordered: the k
-  slots' outputs added in slot order (combine), so a token's sum does not depend on T."""
+  slots' outputs added in slot order (combine), so a token's sum does not depend on T.
+  combined=False: the k slots' outputs f32 [T, k, cols], for the caller to weight and sum
+  (jaxvt.ffi.norm.add_norm does, with the residual)."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
-              qmatmul_experts2, on_read, rings, cache, ordered)
+              qmatmul_experts2, on_read, rings, cache, ordered, combined)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,

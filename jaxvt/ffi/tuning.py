@@ -45,6 +45,12 @@ class Products:
   on the CPU it decodes a hybrid file 1.6x faster than the jnp mixer and prefills at 0.98x
   (`python -m benchmarks.invariance --hybrid`).
 
+  fused_norm: the residual add, RMSNorm and the shared expert's gate logit between two blocks
+  as one custom call (jaxvt.ffi.norm.add_norm) instead of XLA's three to six small kernels; each
+  row's sums in a fixed order of its own (so the batch-invariant row needs no other form for
+  them). Off on the CPU, whose norms are ggml's bit for bit through the ggml steps (its kernel
+  computes those bits too, but the shared expert's sigmoid and gate there are XLA's).
+
   gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
   form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
   a prefix-cache hit, a prefill in pieces and a cold prefill give the same bits (the CPU's: there
@@ -103,6 +109,7 @@ class Products:
   fused_route: bool = False
   gdn_fused: bool = False
   attn_fused: bool = False
+  fused_norm: bool = False
   gdn_chunked_rows: int = 0
   prefetch_per_expert: int = 0
   prefetch_rings: int = 1
@@ -165,7 +172,7 @@ class Products:
 #   23% with it).
 GPU_PRODUCTS = Products(tiled_rows=32, stage_rows=16, stage_max_bytes=512 << 20,
                         grouped_slots=256, fused_route=True, gdn_fused=True, attn_fused=True,
-                        gdn_chunked_rows=2,
+                        fused_norm=True, gdn_chunked_rows=2,
                         prefetch_per_expert=4, prefetch_rings=2, predict_after_host=2,
                         predict_after_device=2, predict_inline=True, predict_blocks=8,
                         predict_scale=3)

@@ -6,7 +6,8 @@ layers then one attention layer), so one compiled body serves every period. Weig
 stacks; each block receives its layer's index in its stack as a traced int32 and the kernels pick
 the layer on the device (no per-layer slicing or copying of weights).
 
-Block: h = x + mixer(norm(x)); out = h + ffn(norm(h)), the FFN dense SwiGLU or MoE.
+Block: h = x + mixer(norm(x)); out = h + ffn(norm(h)), the FFN dense SwiGLU or MoE. Each
+residual add is computed with the norm after it (layers.add_norm).
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_bytes: int = 4) -
   return kv + st
 
 
-def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state, slot: int, valid):
-  """(the FFN's output, the offload schedule's state; see moe.moe_block)."""
+def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state, slot: int, valid,
+         gate_logit):
+  """(the FFN's output as layers.Terms, the offload schedule's state; see moe.moe_block)."""
   if cfg.is_moe:
-    return moe.moe_block(h, w, li, cfg, ex, state, slot, valid)
-  return layers.reduce(layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex),
-                       ex), state
+    return moe.moe_block(h, w, li, cfg, ex, state, slot, valid, gate_logit)
+  return layers.Terms(y=layers.reduce(
+      layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex), ex)), state
+
+
+def _no_terms(x: jax.Array, cfg: ModelConfig, ex: Exec) -> layers.Terms:
+  """The FFN's terms adding nothing, in their form (the scan's first carry)."""
+  return moe.no_terms(x, cfg, ex) if cfg.is_moe else layers.Terms(y=jnp.zeros_like(x))
 
 
 def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
@@ -91,13 +98,18 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   if ex.schedule is not None:
     w, state = ex.schedule.begin(weights, cfg, ex, b * t, P)
 
+  # The residual stream is added at the next norm (layers.add_norm: one custom call where the
+  # backend fuses it): the scan carries the last FFN's terms beside x.
+  gated = cfg.is_moe and moe.gated_terms(cfg, ex)
+  gate_v = w["shexp.gate"] if ex.backend.fused("norm", ex) and gated else None
+
   def body(carry, p):
-    x, cache, state = carry
+    x, terms, cache, state = carry
     cache = dict(cache)
     a_j = g_j = 0
     for j, kind in enumerate(period):
       li = p * P + j
-      h = layers.rms_norm(x, w["attn_norm"][li], cfg.rms_eps, ex)
+      x, h, _ = layers.add_norm(x, terms, w["attn_norm"], li, cfg.rms_eps, ex)
       with jax.named_scope(kind):
         if kind == "attention":
           ai = p * n_att + a_j
@@ -110,20 +122,23 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
           # the whole state stacks: layer gi is updated (in place on the fused decode path)
           o, cache["conv"], cache["ssm"] = deltanet.deltanet_block(
               h, w, gi, cache["conv"], cache["ssm"], valid, cfg, ex)
-      x = x + layers.reduce(o, ex)  # sharded: o is this device's heads' partial sum
-      h = layers.rms_norm(x, w["ffn_norm"][li], cfg.rms_eps, ex)
+      # sharded: o is this device's heads' partial sum
+      x, h, gl = layers.add_norm(x, layers.Terms(y=layers.reduce(o, ex)), w["ffn_norm"], li,
+                                 cfg.rms_eps, ex, dot=gate_v)
       with jax.named_scope("ffn"):
-        y, state = _ffn(h, w, li, cfg, ex, state, j, padded)
-        x = x + y
-    return (x, cache, state), None
+        terms, state = _ffn(h, w, li, cfg, ex, state, j, padded, gl)
+    return (x, terms, cache, state), None
 
-  (x, cache, state), _ = jax.lax.scan(body, (x, cache, state),
-                                      jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
+  (x, terms, cache, state), _ = jax.lax.scan(body, (x, _no_terms(x, cfg, ex), cache, state),
+                                             jnp.arange(cfg.n_layers // P, dtype=jnp.int32))
   if ex.schedule is not None:
     x = ex.schedule.end(x, state)
   if logits_at is not None:
-    x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-  x = layers.rms_norm(x, w["final_norm"], cfg.rms_eps, ex)
+    at = logits_at.astype(jnp.int32)
+    x, terms = jax.tree.map(
+        lambda a: jnp.take_along_axis(a, at.reshape(-1, *[1] * (a.ndim - 1)), axis=1)[:, 0],
+        (x, terms))
+  _, x, _ = layers.add_norm(x, terms, w["final_norm"][None], 0, cfg.rms_eps, ex)
   head = w["lm_head"] if "lm_head" in w else w["embed"]
   logits = layers.linear(x, head, jnp.int32(0), ex)
   if ex.par is not None and ex.par.head_sharded and "lm_head" in w:  # this device's vocab rows

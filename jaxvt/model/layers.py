@@ -7,6 +7,7 @@ k kv heads, g query heads per kv head, d head dim, m model dim.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,43 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, ex: Exec | None = No
   else:
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return y if w is None else y * w
+
+
+class Terms(NamedTuple):
+  """A block's output as the residual add takes it (add_norm): y [..., d]; or with c [..., K],
+  y [..., K, d] and the output sum_k c_k y_k (a MoE's routed experts, weighted); with s [..., d]
+  and g [...], plus sigmoid(g) * s (its shared expert behind its gate)."""
+  y: jax.Array
+  c: jax.Array | None = None
+  s: jax.Array | None = None
+  g: jax.Array | None = None
+
+  def total(self) -> jax.Array:
+    """The output itself, in XLA's steps: the slots added in slot order, then the gated term."""
+    y = self.y
+    if self.c is not None:
+      u = self.c[..., 0, None] * y[..., 0, :]
+      for k in range(1, self.c.shape[-1]):
+        u = u + self.c[..., k, None] * y[..., k, :]
+      y = u
+    return y if self.s is None else y + jax.nn.sigmoid(self.g)[..., None] * self.s
+
+
+def add_norm(x: jax.Array, terms: Terms, w: jax.Array, li, eps: float, ex: Exec,
+             dot: jax.Array | None = None):
+  """The residual stream at a block boundary: x' = x + the block's output (`terms`),
+  h = rms_norm(x') times layer li of the norm stack w [L, d], and with `dot` (a stack of vectors
+  [L, d]) h's dot with layer li's. Returns (x', h, the dot or None). One custom call where the
+  backend fuses the step (jaxvt.ffi.norm), else the same math in XLA's steps (`dot` must then
+  be None: the caller computes it where XLA does not fuse it into the norm)."""
+  if ex.backend.fused("norm", ex):
+    x, h, d = ex.backend.add_norm(x, terms.y, w, li, eps, ex, c=terms.c, s=terms.s, g=terms.g,
+                                  v=dot)
+    return x, h, None if dot is None else d
+  if dot is not None:
+    raise ValueError("add_norm: a dot is the fused step's; compute it after an unfused norm")
+  x = x + terms.total()
+  return x, rms_norm(x, w[li], eps, ex), None
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, rope_dim: int,

@@ -485,6 +485,7 @@ ffi::Error QMatmulGroupedCpu(NoStream, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer 
 struct CpuSteps {
   using Stream = NoStream;
   static constexpr auto route = &cpu::moe_route;
+  static constexpr auto norm = &cpu::add_norm;
   static constexpr auto gdn = &cpu::gdn_step;
   static constexpr auto attn = &cpu::attn_step;
   template <typename Kernel, typename... A>
@@ -498,6 +499,7 @@ struct CpuSteps {
   }
 };
 constexpr auto MoeRouteCpu = steps::MoeRoute<CpuSteps>;
+constexpr auto AddNormCpu = steps::AddNorm<CpuSteps>;
 constexpr auto GdnStepCpu = steps::GdnStep<CpuSteps>;
 constexpr auto AttnStepCpu = steps::AttnStep<CpuSteps>;
 

@@ -265,10 +265,11 @@ ffi::Error QMatmulGroupedGpu(gpuStream_t s, ffi::Buffer<ffi::BF16> x, ffi::AnyBu
 }
 
 // The fused steps (steps.h) on XLA's stream (gdn.h, kernels_gpu_gdn.cu; attn.h,
-// kernels_gpu_attn.cu; route.h, kernels_gpu_route.cu).
+// kernels_gpu_attn.cu; route.h, kernels_gpu_route.cu; norm.h, kernels_gpu_norm.cu).
 struct GpuSteps {
   using Stream = gpuStream_t;
   static constexpr auto route = &gpu::launch_moe_route;
+  static constexpr auto norm = &gpu::launch_add_norm;
   static constexpr auto gdn = &gpu::launch_gdn_step;
   static constexpr auto attn = &gpu::launch_attn_step;
   template <typename Kernel, typename... A>
@@ -280,6 +281,7 @@ struct GpuSteps {
   }
 };
 constexpr auto MoeRouteGpu = steps::MoeRoute<GpuSteps>;
+constexpr auto AddNormGpu = steps::AddNorm<GpuSteps>;
 constexpr auto GdnStepGpu = steps::GdnStep<GpuSteps>;
 constexpr auto AttnStepGpu = steps::AttnStep<GpuSteps>;
 

@@ -1,8 +1,9 @@
-// The handlers of the fused steps (moe_route, gdn_step, attn_step), one body for every platform.
-// Each checks its operands against the op's contract (route.h, gdn.h, attn.h) and runs the
-// platform's kernel through a policy P (handlers/cpu.cc CpuSteps, handlers/gpu.cu GpuSteps):
+// The handlers of the fused steps (moe_route, add_norm, gdn_step, attn_step), one body for every
+// platform.
+// Each checks its operands against the op's contract (route.h, norm.h, gdn.h, attn.h) and runs
+// the platform's kernel through a policy P (handlers/cpu.cc CpuSteps, handlers/gpu.cu GpuSteps):
 //   P::Stream                          the handler's context (context.h)
-//   P::route, P::gdn, P::attn          the platform's kernels of the three steps
+//   P::route, P::norm, P::gdn, P::attn the platform's kernels of the four steps
 //   P::run(s, op, kernel, args...)     runs one (on a GPU: launches it on s)
 //   P::copy(s, dst, src, nbytes, op)   a copy within the platform's memory
 // the last two returning an ffi::Error that names `op`.
@@ -13,6 +14,7 @@
 
 #include "common/attn.h"
 #include "common/gdn.h"
+#include "common/norm.h"
 #include "common/route.h"
 #include "handlers/context.h"
 #include "xla/ffi/api/ffi.h"
@@ -36,6 +38,39 @@ ffi::Error MoeRoute(typename P::Stream s, F32 logits, ffi::ResultBuffer<ffi::S32
     return ffi::Error::InvalidArgument(err);
   return P::run(s, "moe_route", P::route, logits.typed_data(), n / E, E, k, renormalise,
                 ids->typed_data(), weights->typed_data());
+}
+
+// The residual add and RMSNorm (norm.h): x [T, d], y [T, d] or [T, K, d] with c [T, K] (or c
+// empty), s [T, d] and g [T] (or both empty), w [L, d], v [L, d] (or empty), layer -> x', h
+// [T, d], dot [T]. ggml: ss in ggml's order (the CPU's only).
+template <typename P>
+ffi::Error AddNorm(typename P::Stream st, F32 x, F32 y, F32 c, F32 s, F32 g, F32 w, F32 v,
+                   S32 layer, RF32 xo, RF32 h, RF32 dot, float eps, bool ggml) {
+  auto xd = x.dimensions();
+  const int64_t d = xd.size() ? xd.back() : 0;
+  auto n = [](const auto& b) { return static_cast<int64_t>(b.element_count()); };
+  norm::Args a{};
+  if (const char* err = norm::check_shapes(n(x), d, n(y), n(c), n(s), n(g), n(w), n(v), n(*xo),
+                                           n(*h), n(*dot), &a.K))
+    return ffi::Error::InvalidArgument(err);
+  if (n(layer) != 1) return ffi::Error::InvalidArgument("jaxvt add_norm: the layer is a scalar");
+  a.x = x.typed_data();
+  a.y = y.typed_data();
+  a.c = n(c) ? c.typed_data() : nullptr;
+  a.s = n(s) ? s.typed_data() : nullptr;
+  a.g = n(g) ? g.typed_data() : nullptr;
+  a.w = w.typed_data();
+  a.v = n(v) ? v.typed_data() : nullptr;
+  a.layer = layer.typed_data();
+  a.xo = xo->typed_data();
+  a.h = h->typed_data();
+  a.dot = dot->typed_data();
+  a.T = n(x) / d;
+  a.d = d;
+  a.L = n(w) / d;
+  a.eps = eps;
+  a.ggml = ggml;
+  return P::run(st, "add_norm", P::norm, a);
 }
 
 // The fused Gated DeltaNet decode step (gdn.h); the attributes as jaxvt/ffi/gdn.py passes them.

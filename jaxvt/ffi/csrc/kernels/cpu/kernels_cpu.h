@@ -15,6 +15,7 @@
 
 #include "common/attn.h"
 #include "common/gdn.h"
+#include "common/norm.h"
 
 namespace jaxvt::cpu {
 
@@ -64,6 +65,9 @@ bool gemm_bf16_rows(int fmt, const uint8_t* w, int64_t cols, int64_t n, const fl
 // The MoE router (route.h): logits [T, E] -> ids [T, k], weights [T, k] (kernels_cpu_route.cc).
 void moe_route(const float* logits, int64_t T, int64_t E, int64_t k, bool renormalise,
                int32_t* ids, float* weights);
+
+// The residual add and RMSNorm at a block boundary (norm.h, kernels_cpu_norm.cc).
+void add_norm(const norm::Args& a);
 
 // The fused decode steps (gdn.h, kernels_cpu_gdn.cc; attn.h, kernels_cpu_attn.cc).
 void gdn_step(const gdn::Dims& d, const gdn::Args& a);

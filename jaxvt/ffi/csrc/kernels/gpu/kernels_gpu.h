@@ -11,6 +11,7 @@
 
 #include "common/attn.h"
 #include "common/gdn.h"
+#include "common/norm.h"
 #include "common/vendor.h"
 
 namespace jaxvt::gpu {
@@ -102,6 +103,10 @@ gpuError_t launch_expert_cache_assign(gpuStream_t s, const int32_t* ids, int64_t
 // E <= route::kMaxExperts, 1 <= k <= E.
 gpuError_t launch_moe_route(gpuStream_t s, const float* logits, int64_t T, int64_t E, int64_t k,
                             bool renormalise, int32_t* ids, float* weights);
+
+// The residual add and RMSNorm at a block boundary (norm.h, kernels_gpu_norm.cu); a.ggml is
+// the CPU's only (gpuErrorNotSupported).
+gpuError_t launch_add_norm(gpuStream_t s, const norm::Args& a);
 
 // The fused decode steps (gdn.h, kernels_gpu_gdn.cu; attn.h, kernels_gpu_attn.cu).
 gpuError_t launch_gdn_step(gpuStream_t s, const gdn::Dims& d, const gdn::Args& a);

@@ -1,0 +1,120 @@
+// The residual add and RMSNorm on the GPU (norm.h's contract): one block of norm::kLanes threads
+// a row. Thread i takes the elements j = i mod kLanes (a MoE's K weighted slots of an element
+// loaded together, two elements in flight); its squares (then its h * v products) are
+// folded by fma in index order, each logical warp's 32 sums by xor butterflies (16 .. 1: every
+// lane ends with norm.h's halving order, the adds being commutative), and thread 0 halves the
+// warps' sums. x' goes to its result in the first pass and is read back by the thread that wrote
+// it in the second.
+#include <cmath>
+#include <cstdint>
+
+#include "common/norm.h"
+#include "common/vendor.h"
+#include "kernels/gpu/kernels_gpu.h"
+
+namespace jaxvt::gpu {
+namespace {
+
+constexpr int kWarps = norm::kLanes / norm::kGroup;
+
+// The block's sum of each thread's `v` in norm.h's order; every thread gets it.
+__device__ float block_sum(float v, float* smem) {
+#pragma unroll
+  for (int o = norm::kGroup / 2; o > 0; o /= 2) v += gpuShflXor(v, o);
+  const int warp = static_cast<int>(threadIdx.x) / norm::kGroup;
+  if (static_cast<int>(threadIdx.x) % norm::kGroup == 0) smem[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int o = kWarps / 2; o > 0; o /= 2)
+      for (int i = 0; i < o; ++i) smem[i] += smem[i + o];
+  }
+  __syncthreads();
+  const float total = smem[0];
+  __syncthreads();  // smem is reused by the next sum
+  return total;
+}
+
+constexpr int kMaxSlots = 16;  // slots (K) whose loads one thread issues together
+
+// u_j (norm.h's combine) with the K slots' loads issued before their fma chain: KM 1, y alone;
+// KM kMaxSlots, K <= KM weighted slots (cw: their weights); 0, any K (a load per step).
+template <int KM>
+__device__ __forceinline__ float combine_at(const float* y, const float* c, const float* cw,
+                                            int64_t K, int64_t d, int64_t j) {
+  if constexpr (KM == 1) {
+    return y[j];
+  } else if constexpr (KM == 0) {
+    return norm::combined(y, c, K, d, j);
+  } else {
+    float t[KM];
+#pragma unroll
+    for (int k = 0; k < KM; ++k) t[k] = k < K ? y[k * d + j] : 0.0f;
+    float u = cw[0] * t[0];
+#pragma unroll
+    for (int k = 1; k < KM; ++k)
+      if (k < K) u = fmaf(cw[k], t[k], u);
+    return u;
+  }
+}
+
+template <int KM>
+__global__ void __launch_bounds__(norm::kLanes) add_norm_kernel(norm::Args a) {
+  __shared__ float smem[kWarps];
+  const int64_t t = blockIdx.x, d = a.d;
+  const int i = static_cast<int>(threadIdx.x);
+  int64_t l = a.layer[0];
+  l = l < 0 ? 0 : (l >= a.L ? a.L - 1 : l);
+  const float* x = a.x + t * d;
+  const float* y = a.y + t * a.K * d;
+  const float* c = a.c ? a.c + t * a.K : nullptr;
+  float* xo = a.xo + t * d;
+  float* h = a.h + t * d;
+  const float* w = a.w + l * d;
+  float cw[KM > 1 ? KM : 1];
+  if constexpr (KM > 1) {
+#pragma unroll
+    for (int k = 0; k < KM; ++k) cw[k] = k < a.K ? c[k] : 0.0f;
+  }
+  const float* s = a.s ? a.s + t * d : nullptr;
+  const float sg = s ? 1.0f / (1.0f + expf(-a.g[t])) : 0.0f;
+
+  float acc = 0.0f;
+#pragma unroll 2
+  for (int64_t j = i; j < d; j += norm::kLanes) {
+    const float u = combine_at<KM>(y, c, cw, a.K, d, j);
+    const float v = x[j] + (s ? fmaf(sg, s[j], u) : u);
+    xo[j] = v;
+    acc = fmaf(v, v, acc);
+  }
+  const float ss = block_sum(acc, smem);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(d) + a.eps);
+  const float* vec = a.v ? a.v + l * d : nullptr;
+  acc = 0.0f;
+  for (int64_t j = i; j < d; j += norm::kLanes) {
+    const float hv = (xo[j] * r) * w[j];
+    h[j] = hv;
+    if (vec) acc = fmaf(hv, vec[j], acc);
+  }
+  if (!vec) {
+    if (i == 0) a.dot[t] = 0.0f;
+    return;
+  }
+  const float dot = block_sum(acc, smem);
+  if (i == 0) a.dot[t] = dot;
+}
+
+}  // namespace
+
+gpuError_t launch_add_norm(gpuStream_t s, const norm::Args& a) {
+  if (a.ggml || a.d < 1 || a.L < 1 || a.K < 1 || a.T < 0 || a.T > 0x7fffffff)
+    return gpuErrorInvalidValue;
+  if (a.T == 0) return gpuSuccess;
+  const unsigned blocks = static_cast<unsigned>(a.T);
+  if (!a.c) add_norm_kernel<1><<<blocks, norm::kLanes, 0, s>>>(a);
+  else if (a.K <= kMaxSlots) add_norm_kernel<kMaxSlots><<<blocks, norm::kLanes, 0, s>>>(a);
+  else add_norm_kernel<0><<<blocks, norm::kLanes, 0, s>>>(a);
+  return gpuGetLastError();
+}
+
+}  // namespace jaxvt::gpu
