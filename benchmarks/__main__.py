@@ -19,6 +19,8 @@ BENCHMARKS = {
     "determinism": "the same tokens across processes and budgets, and what it costs",
     "invariance": "the cost of scheduling-invariant arithmetic: decode 1 / 8 rows, prefill 151 / "
                   "512 tokens, against llama.cpp's recipe choice (CPU)",
+    "fusion": "a fused step on and off (the residual stream in one call): decode 1 / 8 rows, "
+              "prefill 512 tokens, side by side",
     "first_token": "seconds from starting `python -m jaxvt.run` to its first token, cold and "
                    "from the caches",
     "long_prompt": "a long prompt (8192 tokens) at --offload-gb auto on an emulated card",

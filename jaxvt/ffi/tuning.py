@@ -46,10 +46,12 @@ class Products:
   (`python -m benchmarks.invariance --hybrid`).
 
   fused_norm: the residual add, RMSNorm and the shared expert's gate logit between two blocks
-  as one custom call (jaxvt.ffi.norm.add_norm) instead of XLA's three to six small kernels; each
-  row's sums in a fixed order of its own (so the batch-invariant row needs no other form for
-  them). Off on the CPU, whose norms are ggml's bit for bit through the ggml steps (its kernel
-  computes those bits too, but the shared expert's sigmoid and gate there are XLA's).
+  as one custom call (jaxvt.ffi.norm.add_norm) instead of XLA's three to six small kernels, with
+  a MoE's k routed outputs weighted and summed there (the per-slot experts kernels leave them
+  apart); each row's sums in a fixed order of its own (so the batch-invariant row needs no other
+  form for them). Off on the CPU: there its kernel computes ggml's bits (a dense model's logits
+  stay llama.cpp's, tests/test_add_norm.py), but the default model decoded one row at 0.96x with
+  it (the call's overhead against XLA's fused loops; docs/BENCHMARKS.md `fused-norm`).
 
   gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
   form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
