@@ -1,8 +1,8 @@
 """The residual add and RMSNorm at a block boundary (jaxvt.ffi.norm.add_norm, csrc/common/norm.h)
 on the CPU kernel: against float64 numpy and its jnp reference, ggml's bits where asked, each
 row's bits independent of the other rows, the layer clamped into the stacks, bad operands
-refused; and the decoder with the fused step (Products.fused_norm, the GPUs' rows) against the
-decoder without it on tiny dense and hybrid files. tests/test_add_norm_gpu.py runs the GPU
+refused; and the decoder with the fused step (Products.fused_norm) against the decoder without
+it on tiny dense and hybrid files. tests/test_add_norm_gpu.py runs the GPU
 kernel against this one."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ RUNS = {
     "llama": [("tp=2", 0), ("tp=2", "all"), ("tp=2", "part")],
     "qwen35moe": [("tp=2", 0), ("ep=2,tp=2", "all"), ("ep=4", "part")],
 }
-FUSED = "+fused_norm"  # a run's name with Products.fused_norm on (the GPUs' rows)
+FUSED = "+fused_norm"  # a run's name with Products.fused_norm on
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 STEPS = 4  # greedy decode steps after the prefill
 
@@ -91,7 +91,7 @@ def _case(arch: str, directory: str) -> dict:
               "wq_shards": int(w.data.shape[0]),
               "wq_spec": str(w.data.sharding.spec)}
       res[f"{mesh}/{offload}"] = _greedy(eng) + (info,)
-      if (mesh, offload) == RUNS[arch][0]:  # the GPUs' fused residual norm, on the mesh
+      if (mesh, offload) == RUNS[arch][0]:  # the fused residual norm, on the mesh
         eng.ex = dataclasses.replace(eng.ex, products=dataclasses.replace(
             eng.ex.products, fused_norm=True))
         res[f"{mesh}/{offload}{FUSED}"] = _greedy(eng) + (info,)

@@ -49,9 +49,12 @@ class Products:
   as one custom call (jaxvt.ffi.norm.add_norm) instead of XLA's three to six small kernels, with
   a MoE's k routed outputs weighted and summed there (the per-slot experts kernels leave them
   apart); each row's sums in a fixed order of its own (so the batch-invariant row needs no other
-  form for them). Off on the CPU: there its kernel computes ggml's bits (a dense model's logits
-  stay llama.cpp's, tests/test_add_norm.py), but the default model decoded one row at 0.96x with
-  it (the call's overhead against XLA's fused loops; docs/BENCHMARKS.md `fused-norm`).
+  form for them). Off in every row for now. On the CPU its kernel computes ggml's bits (a dense
+  model's logits stay llama.cpp's, tests/test_add_norm.py), but the default model decoded one
+  row at 0.96x with it (the call's overhead against XLA's fused loops; docs/BENCHMARKS.md
+  `fused-norm`). Its GPU kernel compiles for CUDA and AMD but has not yet run on a GPU: the
+  GPU rows take it once tests/test_add_norm_gpu.py passes there and `python -m
+  benchmarks.fusion --model offload` measures it.
 
   gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
   form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
@@ -174,7 +177,7 @@ class Products:
 #   23% with it).
 GPU_PRODUCTS = Products(tiled_rows=32, stage_rows=16, stage_max_bytes=512 << 20,
                         grouped_slots=256, fused_route=True, gdn_fused=True, attn_fused=True,
-                        fused_norm=True, gdn_chunked_rows=2,
+                        gdn_chunked_rows=2,
                         prefetch_per_expert=4, prefetch_rings=2, predict_after_host=2,
                         predict_after_device=2, predict_inline=True, predict_blocks=8,
                         predict_scale=3)
