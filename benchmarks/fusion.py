@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 
 import jax
 
 import jaxvt
 from benchmarks import report
 from benchmarks.cli import parser_of, run
-from benchmarks.invariance import _decode_rate, _prefill_rate, _prompt, _table
+from benchmarks.invariance import _table, alternate
 
 ARMS = ("off", "on")
 ROWS = (1, 8)
@@ -55,25 +54,8 @@ def _engines(model: str | None) -> dict:
 
 def main(args) -> str:
   engines = _engines(args.model)
-  caches = {(arm, r): e.new_cache(r) for arm, e in engines.items() for r in ROWS}
-  prompts = {n: _prompt(engines["on"], n) for n in PROMPTS}
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
-  rates = {(arm, c): [] for arm in ARMS for c in cases}
-  ratios = {c: [] for c in cases}
-  for rep in range(args.repeats + 1):  # the first round compiles: not counted
-    for c in cases:
-      got = {}
-      for arm in (ARMS if rep % 2 else ARMS[::-1]):
-        kind, n = c
-        if kind == "decode":
-          got[arm], caches[(arm, n)] = _decode_rate(engines[arm], caches[(arm, n)], args.steps)
-        else:
-          got[arm] = _prefill_rate(engines[arm], prompts[n])
-        if rep:
-          rates[(arm, c)].append(got[arm])
-      if rep:
-        ratios[c].append(got["on"] / got["off"])
-  med = {k: statistics.median(v) for k, v in rates.items()}
+  med, ratios = alternate(engines, ARMS, cases, args.steps, args.repeats)
   eng, dev = engines["on"], jax.devices()[0]
   cmd = (f"python -m benchmarks.fusion --steps {args.steps} --repeats {args.repeats}"
          + (f" --model {args.model}" if args.model else ""))

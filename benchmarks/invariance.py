@@ -134,25 +134,8 @@ def main(args) -> str:
     arms, prompt_lengths = (HYBRID_ARMS if args.hybrid else ARMS), PROMPTS
     engines = (_hybrid_engines(args.hybrid_file) if args.hybrid else
                {arm: jaxvt.load(max_context=1024, numerics=arm) for arm in ARMS})
-  caches = {(arm, r): e.new_cache(r) for arm, e in engines.items() for r in ROWS}
-  prompts = {n: _prompt(engines[arms[0]], n) for n in prompt_lengths}
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in prompt_lengths]
-  rates = {(arm, c): [] for arm in arms for c in cases}
-  ratios = {c: [] for c in cases}  # after / before of adjacent runs: drift of the load cancels
-  for rep in range(args.repeats + 1):  # the first round compiles: not counted
-    for c in cases:
-      got = {}
-      for arm in (arms if rep % 2 else arms[::-1]):
-        kind, n = c
-        if kind == "decode":
-          got[arm], caches[(arm, n)] = _decode_rate(engines[arm], caches[(arm, n)], args.steps)
-        else:
-          got[arm] = _prefill_rate(engines[arm], prompts[n])
-        if rep:
-          rates[(arm, c)].append(got[arm])
-      if rep:
-        ratios[c].append(got[arms[1]] / got[arms[0]])
-  med = {k: statistics.median(v) for k, v in rates.items()}
+  med, ratios = alternate(engines, arms, cases, args.steps, args.repeats)
   cmd = f"python -m benchmarks.invariance --steps {args.steps} --repeats {args.repeats}"
   if args.gpu:
     lines = _gpu_lines(args, cmd + " --gpu" + (f" --model {args.model}" if args.model else ""),
@@ -181,6 +164,31 @@ def main(args) -> str:
   for e in engines.values():
     e.close()
   return report.publish("invariance", lines, write=not args.no_write)
+
+
+def alternate(engines: dict, arms, cases, steps: int, repeats: int):
+  """Each arm's rate on each case ("decode", rows) / ("prefill", tokens), the arms alternating
+  within every repeat (the first round compiles: not counted). Returns (median tok/s by (arm,
+  case), the arms[1] / arms[0] ratios of each repeat by case: drift of the load cancels)."""
+  caches = {(arm, n): engines[arm].new_cache(n) for arm in arms for kind, n in cases
+            if kind == "decode"}
+  prompts = {n: _prompt(engines[arms[0]], n) for kind, n in cases if kind == "prefill"}
+  rates = {(arm, c): [] for arm in arms for c in cases}
+  ratios = {c: [] for c in cases}
+  for rep in range(repeats + 1):
+    for c in cases:
+      got = {}
+      for arm in (arms if rep % 2 else arms[::-1]):
+        kind, n = c
+        if kind == "decode":
+          got[arm], caches[(arm, n)] = _decode_rate(engines[arm], caches[(arm, n)], steps)
+        else:
+          got[arm] = _prefill_rate(engines[arm], prompts[n])
+        if rep:
+          rates[(arm, c)].append(got[arm])
+      if rep:
+        ratios[c].append(got[arms[1]] / got[arms[0]])
+  return {k: statistics.median(v) for k, v in rates.items()}, ratios
 
 
 def _hybrid_lines(args, cmd: str, cases, med, ratios) -> list[str]:
