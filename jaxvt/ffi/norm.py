@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxvt import ffi as _ffi
 from jaxvt.errors import JaxvtError
-from jaxvt.ffi import numerics
+from jaxvt.ffi import numerics, ops
 
 _ffi.register()
 
@@ -69,10 +69,7 @@ def add_norm_ref(x, y, w, layer, *, eps: float, c=None, s=None, g=None, v=None,
   x, y, w, layer, c, s, g, v = _operands(x, y, w, layer, c, s, g, v)
   l = jnp.clip(layer, 0, w.shape[0] - 1)
   if c is not None:  # the weighted slots, added in slot order
-    u = c[..., 0, None] * y[..., 0, :]
-    for k in range(1, c.shape[-1]):
-      u = u + c[..., k, None] * y[..., k, :]
-    y = u
+    y = ops.combine(c, y, ordered=True)
   xo = x + (y if s is None else y + jax.nn.sigmoid(g)[..., None] * s)
   if ggml:
     h = numerics.rms_norm(xo, w[l], eps)

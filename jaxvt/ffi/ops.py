@@ -411,15 +411,15 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
 
 
 def combine(weights, d, ordered: bool = False) -> jax.Array:
-  """sum_j weights[t, j] * d[t, j]: weights [T, k], d [T, k, cols] -> f32 [T, cols]. `ordered`:
-  k - 1 elementwise adds in slot order (a token's sum then has one order whatever T is; XLA
+  """sum_j weights[..., j] * d[..., j, :]: weights [..., k], d [..., k, cols] -> f32 [..., cols].
+  `ordered`: k - 1 elementwise adds in slot order (a token's sum then has one order whatever T is; XLA
   picks a contraction's algorithm by its shapes), else XLA's contraction."""
   weights = jnp.asarray(weights, jnp.float32)
   if not ordered:
-    return jnp.einsum("tk,tkd->td", weights, d)
-  y = weights[:, 0, None] * d[:, 0]
-  for j in range(1, d.shape[1]):
-    y = y + weights[:, j, None] * d[:, j]
+    return jnp.einsum("...k,...kd->...d", weights, d)
+  y = weights[..., 0, None] * d[..., 0, :]
+  for j in range(1, d.shape[-2]):
+    y = y + weights[..., j, None] * d[..., j, :]
   return y
 
 

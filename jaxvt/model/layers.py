@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvt.ffi import attn as attn_ffi  # importing registers the custom calls
+from jaxvt.ffi import ops
 from jaxvt.ffi.backend import KERNELS, REFERENCE
 from jaxvt.ffi.tuning import Products
 from jaxvt.model.config import ModelConfig
@@ -153,12 +154,7 @@ class Terms(NamedTuple):
 
   def total(self) -> jax.Array:
     """The output itself, in XLA's steps: the slots added in slot order, then the gated term."""
-    y = self.y
-    if self.c is not None:
-      u = self.c[..., 0, None] * y[..., 0, :]
-      for k in range(1, self.c.shape[-1]):
-        u = u + self.c[..., k, None] * y[..., k, :]
-      y = u
+    y = self.y if self.c is None else ops.combine(self.c, self.y, ordered=True)
     return y if self.s is None else y + jax.nn.sigmoid(self.g)[..., None] * self.s
 
 
