@@ -412,8 +412,8 @@ def silu_mul(g: jax.Array, u: jax.Array, mode: str = "ggml") -> jax.Array:
 
 def combine(weights, d, ordered: bool = False) -> jax.Array:
   """sum_j weights[..., j] * d[..., j, :]: weights [..., k], d [..., k, cols] -> f32 [..., cols].
-  `ordered`: k - 1 elementwise adds in slot order (a token's sum then has one order whatever T is; XLA
-  picks a contraction's algorithm by its shapes), else XLA's contraction."""
+  `ordered`: k - 1 elementwise adds in slot order (a token's sum then has one order whatever T
+  is; XLA picks a contraction's algorithm by its shapes), else XLA's contraction."""
   weights = jnp.asarray(weights, jnp.float32)
   if not ordered:
     return jnp.einsum("...k,...kd->...d", weights, d)
