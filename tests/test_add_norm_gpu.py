@@ -30,7 +30,8 @@ from gpu_cases import device  # noqa: E402,F401,F811  (the GPU one)
 
 @pytest.mark.parametrize("gated,dotted", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("T,d,K", [(1, 2048, 0), (8, 2048, 0), (5, 4096, 0), (3, 100, 0),
-                                   (1, 2048, 8), (8, 2048, 8)])
+                                   (1, 2048, 8), (8, 2048, 8), (4, 3000, 8), (2, 2048, 12),
+                                   (2, 4097, 3), (2, 5000, 0)])
 def test_the_gpu_kernel_is_the_cpu_kernel(device, T, d, K, gated, dotted):
   """norm.h fixes every sum's order, so the two kernels give the same bits but for the gated
   term's exp (CUDA's expf and glibc's may round an ulp apart)."""

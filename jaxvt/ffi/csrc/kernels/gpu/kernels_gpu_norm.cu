@@ -1,10 +1,14 @@
 // The residual add and RMSNorm on the GPU (norm.h's contract): one block of norm::kLanes threads
-// a row. Thread i takes the elements j = i mod kLanes (a MoE's K weighted slots of an element
-// loaded together, two elements in flight); its squares (then its h * v products) are
+// a row. Thread i takes the elements j = i mod kLanes; its squares (then its h * v products) are
 // folded by fma in index order, each logical warp's 32 sums by xor butterflies (16 .. 1: every
 // lane ends with norm.h's halving order, the adds being commutative), and thread 0 halves the
-// warps' sums. x' goes to its result in the first pass and is read back by the thread that wrote
-// it in the second.
+// warps' sums.
+// A decode row is a chain of latencies, not of bytes (a few KB a row): where a thread's elements
+// fit in registers (d <= kLanes * EP), every load that does not depend on the layer (x, the K
+// slots, s, their weights) is issued at once, the layer's w and v rows while the first sum runs,
+// and x' stays in registers between the passes (the first version stored x' and read it back
+// through possibly aliased pointers, which kept each load behind the previous store: 7-9 us a
+// row on an H100). Larger rows take the loop kernel, which stores x' and reads it back.
 #include <cmath>
 #include <cstdint>
 
@@ -58,6 +62,83 @@ __device__ __forceinline__ float combine_at(const float* y, const float* c, cons
   }
 }
 
+// KM 1: y alone; KM > 1: K <= KM weighted slots. EP: elements a thread holds (d <= kLanes EP).
+template <int KM, int EP>
+__global__ void __launch_bounds__(norm::kLanes) add_norm_regs_kernel(norm::Args a) {
+  __shared__ float smem[kWarps];
+  const int64_t t = blockIdx.x, d = a.d, K = a.K;
+  const int i = static_cast<int>(threadIdx.x);
+  const float* __restrict__ x = a.x + t * d;
+  const float* __restrict__ y = a.y + t * K * d;
+  const float* __restrict__ s = a.s ? a.s + t * d : nullptr;
+  float cw[KM];
+  if constexpr (KM > 1) {
+#pragma unroll
+    for (int k = 0; k < KM; ++k) cw[k] = k < K ? a.c[t * K + k] : 0.0f;
+  }
+  const float sg = s ? 1.0f / (1.0f + expf(-a.g[t])) : 0.0f;
+  const int32_t layer = a.layer[0];
+  float xp[EP];  // x[j], then x'[j]
+  float acc = 0.0f;
+#pragma unroll
+  for (int e = 0; e < EP; ++e) {
+    const int64_t j = i + static_cast<int64_t>(e) * norm::kLanes;
+    if (j >= d) break;
+    float u;
+    if constexpr (KM == 1) {
+      u = y[j];
+    } else {
+      float yk[KM];
+#pragma unroll
+      for (int k = 0; k < KM; ++k) yk[k] = k < K ? y[k * d + j] : 0.0f;
+      u = cw[0] * yk[0];
+#pragma unroll
+      for (int k = 1; k < KM; ++k)
+        if (k < K) u = fmaf(cw[k], yk[k], u);
+    }
+    const float sj = s ? s[j] : 0.0f;
+    xp[e] = x[j] + (s ? fmaf(sg, sj, u) : u);
+    acc = fmaf(xp[e], xp[e], acc);
+  }
+  const int64_t l = layer < 0 ? 0 : (layer >= a.L ? a.L - 1 : layer);
+  const float* __restrict__ w = a.w + l * d;
+  const float* __restrict__ vec = a.v ? a.v + l * d : nullptr;
+  float wv[EP], vv[EP];
+#pragma unroll
+  for (int e = 0; e < EP; ++e) {
+    const int64_t j = i + static_cast<int64_t>(e) * norm::kLanes;
+    if (j >= d) break;
+    wv[e] = w[j];
+    vv[e] = vec ? vec[j] : 0.0f;
+  }
+  float* __restrict__ xo = a.xo + t * d;
+#pragma unroll
+  for (int e = 0; e < EP; ++e) {
+    const int64_t j = i + static_cast<int64_t>(e) * norm::kLanes;
+    if (j >= d) break;
+    xo[j] = xp[e];
+  }
+  const float ss = block_sum(acc, smem);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(d) + a.eps);
+  float* __restrict__ h = a.h + t * d;
+  acc = 0.0f;
+#pragma unroll
+  for (int e = 0; e < EP; ++e) {
+    const int64_t j = i + static_cast<int64_t>(e) * norm::kLanes;
+    if (j >= d) break;
+    const float hv = (xp[e] * r) * wv[e];
+    h[j] = hv;
+    acc = fmaf(hv, vv[e], acc);
+  }
+  if (!vec) {
+    if (i == 0) a.dot[t] = 0.0f;
+    return;
+  }
+  const float dot = block_sum(acc, smem);
+  if (i == 0) a.dot[t] = dot;
+}
+
+// Any d and K: x' stored, then read back by the thread that wrote it.
 template <int KM>
 __global__ void __launch_bounds__(norm::kLanes) add_norm_kernel(norm::Args a) {
   __shared__ float smem[kWarps];
@@ -111,6 +192,15 @@ gpuError_t launch_add_norm(gpuStream_t s, const norm::Args& a) {
     return gpuErrorInvalidValue;
   if (a.T == 0) return gpuSuccess;
   const unsigned blocks = static_cast<unsigned>(a.T);
+  const int ep = a.d <= 8 * norm::kLanes ? 8 : (a.d <= 16 * norm::kLanes ? 16 : 0);
+  const int km = !a.c ? 1 : (a.K <= 8 ? 8 : 0);
+  if (ep && km) {
+    if (km == 1 && ep == 8) add_norm_regs_kernel<1, 8><<<blocks, norm::kLanes, 0, s>>>(a);
+    else if (km == 1) add_norm_regs_kernel<1, 16><<<blocks, norm::kLanes, 0, s>>>(a);
+    else if (ep == 8) add_norm_regs_kernel<8, 8><<<blocks, norm::kLanes, 0, s>>>(a);
+    else add_norm_regs_kernel<8, 16><<<blocks, norm::kLanes, 0, s>>>(a);
+    return gpuGetLastError();
+  }
   if (!a.c) add_norm_kernel<1><<<blocks, norm::kLanes, 0, s>>>(a);
   else if (a.K <= kMaxSlots) add_norm_kernel<kMaxSlots><<<blocks, norm::kLanes, 0, s>>>(a);
   else add_norm_kernel<0><<<blocks, norm::kLanes, 0, s>>>(a);
