@@ -1,5 +1,7 @@
-"""python -m benchmarks.fusion: a fused step on and off (Products.fused_norm, the residual add,
-RMSNorm and the shared expert's gate in one custom call), side by side in one process.
+"""python -m benchmarks.fusion: a fused step on and off, side by side in one process: --field
+fused_norm (the residual add, RMSNorm and the shared expert's gate in one custom call) or
+fused_swiglu (silu(g) * u formed inside the down products); --products FIELD=VALUE,... sets other
+fields of the tuning row in both arms.
 
 One set of weights, two tuning rows: the platform's row with the field off ("off") and as it is
 ("on"). Decode: steps of 1 and 8 rows through the engine's decode program; prefill: a 512-token
@@ -21,11 +23,22 @@ import jaxvt
 from benchmarks import report
 from benchmarks.cli import parser_of, run
 from benchmarks.invariance import _table, alternate
+from benchmarks.profile import products_exec
 
 ARMS = ("off", "on")
 ROWS = (1, 8)
 PROMPTS = (512,)
-FIELD = "fused_norm"
+# field -> (BENCHMARKS.md section, its title, what the fused step does)
+FIELDS = {
+    "fused_norm": ("fused-norm", "The residual stream in one call (Products.fused_norm)",
+                   "`jaxvt.ffi.norm.add_norm` takes a block boundary's residual add (a MoE's k "
+                   "weighted routed outputs and its gated shared expert), RMSNorm and the shared "
+                   "expert's gate logit in one custom call."),
+    "fused_swiglu": ("fused-swiglu", "swiglu inside the down products (Products.fused_swiglu)",
+                     "The down products (routed experts, shared expert, dense FFN) form "
+                     "silu(g) * u from the gate and up products as they read their input "
+                     "(`ops.qmatmul(..., up=)`), instead of a step of its own."),
+}
 
 
 def parser():
@@ -35,46 +48,50 @@ def parser():
   ap.add_argument("--model", default=None,
                   help="GGUF file; 'offload': benchmarks.offload's 35B-shaped file (written if "
                        "missing); default: the embedded model")
+  ap.add_argument("--field", default="fused_norm", choices=sorted(FIELDS))
+  ap.add_argument("--products", default=None,
+                  help="FIELD=VALUE,... of the tuning row in both arms (benchmarks.profile's)")
   ap.add_argument("--write", action="store_true", help="write its section of BENCHMARKS.md")
   return ap
 
 
-def _engines(model: str | None) -> dict:
+def _engines(model: str | None, field: str, products: str | None) -> dict:
   if model == "offload":
     from benchmarks.offload import MODEL, ensure_model
     ensure_model(MODEL, print)
     model = MODEL
   eng = jaxvt.load(model, max_context=2048)
-  ex = eng.ex
+  ex = products_exec(eng.ex, products) if products else eng.ex
   row = lambda on: dataclasses.replace(ex, products=dataclasses.replace(ex.products,
-                                                                        **{FIELD: on}))
+                                                                        **{field: on}))
   return {"off": dataclasses.replace(eng, ex=row(False)),
           "on": dataclasses.replace(eng, ex=row(True))}
 
 
 def main(args) -> str:
-  engines = _engines(args.model)
+  engines = _engines(args.model, args.field, args.products)
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
   med, ratios = alternate(engines, ARMS, cases, args.steps, args.repeats)
   eng, dev = engines["on"], jax.devices()[0]
-  cmd = (f"python -m benchmarks.fusion --steps {args.steps} --repeats {args.repeats}"
-         + (f" --model {args.model}" if args.model else ""))
-  lines = ["## The residual stream in one call (Products.fused_norm), on and off\n",
+  section, title, what = FIELDS[args.field]
+  cmd = (f"python -m benchmarks.fusion --field {args.field} --steps {args.steps} "
+         f"--repeats {args.repeats}" + (f" --model {args.model}" if args.model else "")
+         + (f" --products {args.products}" if args.products else ""))
+  lines = [f"## {title}, on and off\n",
            f"Command: `{cmd}`  ",
            f"Machine: {report.machine()}, {getattr(dev, 'device_kind', dev.platform)}  ",
            f"Date: {report.stamp()}\n",
            f"`{os.path.basename(eng.path)}`, every weight on the device; one set of weights, "
-           f"the platform's tuning row with `{FIELD}` off and on, the arms alternating within "
-           "each repeat. `jaxvt.ffi.norm.add_norm` takes a block boundary's residual add (a "
-           "MoE's k weighted routed outputs and its gated shared expert), RMSNorm and the shared "
-           f"expert's gate logit in one custom call. Decode: {args.steps} steps of 1 and 8 rows "
+           f"the platform's tuning row{' (' + args.products + ')' if args.products else ''} "
+           f"with `{args.field}` off and on, the arms alternating within each repeat. {what} "
+           f"Decode: {args.steps} steps of 1 and 8 rows "
            "(the engine's decode_fn); prefill: Engine.prefill of a prompt. Medians of "
            f"{args.repeats} repeats after a compiling one; the ratio is the median of each "
            "repeat's adjacent pair (its range beside it).\n",
            "| case | off tok/s | on tok/s | on / off (range) |", "|---|---|---|---|"]
   lines += _table(ARMS, cases, med, ratios)
   eng.close()  # the other arm shares its weights
-  return report.publish("fused-norm", lines, write=args.write)
+  return report.publish(section, lines, write=args.write)
 
 
 def cli(argv: list[str] | None = None) -> int:

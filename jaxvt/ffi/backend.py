@@ -3,6 +3,8 @@ and `KERNELS` (jaxvt's FFI custom calls, reading either tier). `Exec.backend` pi
 model (jaxvt.model) calls only these ops and never names a kernel or a tuning knob:
 
   matmul(x, w, layer, ex)          x [..., cols] times layer `layer` of stack w -> f32 [..., rows]
+  swiglu_matmul(g, u, w, layer, ex)  matmul(swiglu(g, u, ex), w, layer, ex) (one launch where
+                                   the backend fuses "swiglu")
   shares_input(x, ws, ex)          whether matmul_many runs ws as one launch
   matmul_many(x, ws, layer, ex)    [matmul(x, w, layer, ex) for w in ws], one launch
   embed(ids, w, ex)                rows of an embedding table -> f32 [..., cols]
@@ -11,7 +13,8 @@ model (jaxvt.model) calls only these ops and never names a kernel or a tuning kn
                                    fn(x, w_gate, w_up, w_down, layer, ids, weights) -> [T, d]
                                    (combined=False, where slots_apart: the k slots' [T, k, d])
   slots_apart(ex, n_tokens, k, E)  whether experts can leave the k slots unsummed
-  fused(step, ex, tokens=1)        whether a step ("attn", "gdn", "norm") is one custom call;
+  fused(step, ex, tokens=1)        whether a step ("attn", "gdn", "norm", "swiglu") is one
+                                   custom call (for "swiglu": formed inside the down products);
                                    for attention, whether `tokens` query tokens take it, token
                                    by token
   add_norm(x, y, w, layer, eps, ex, c=None, s=None, g=None, v=None)
@@ -84,6 +87,9 @@ class Reference(_GgmlSteps):
   def matmul(self, x, w, layer, ex):
     return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.mode)
 
+  def swiglu_matmul(self, g, u, w, layer, ex):
+    return self.matmul(self.swiglu(g, u, ex), w, layer, ex)
+
   def shares_input(self, x, ws, ex) -> bool:
     return False
 
@@ -125,7 +131,7 @@ class Reference(_GgmlSteps):
 
 
 _FUSED = {"attn": "attn_fused", "gdn": "gdn_fused", "route": "fused_route",
-          "norm": "fused_norm"}
+          "norm": "fused_norm", "swiglu": "fused_swiglu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +148,14 @@ class Kernels(_GgmlSteps):
     if path == "tiled":
       return grouped.qmatmul_tiled(x, w, layer)
     return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.mode)
+
+  def swiglu_matmul(self, g, u, w, layer, ex):
+    """One launch where the row fuses swiglu, the arithmetic is ggml's and the product takes
+    the matvec kernels (ops.qmatmul's up=), else the swiglu step, then matmul."""
+    if (self.fused("swiglu", ex) and ex.mode == "ggml"
+            and ex.products.dense(g.size // g.shape[-1], w.meta) == "matvec"):
+      return ops.qmatmul(g.astype(jnp.float32), w, layer, "ggml", up=u)
+    return self.matmul(self.swiglu(g, u, ex), w, layer, ex)
 
   def shares_input(self, x, ws, ex) -> bool:
     rows = x.size // x.shape[-1]
@@ -168,7 +182,8 @@ class Kernels(_GgmlSteps):
     if ex.products.experts(n_tokens * k, n_experts) == "grouped":
       return grouped.moe_grouped
     return functools.partial(ops.moe_experts, mode=ex.mode, ordered=ex.products.ordered_sums,
-                             combined=combined)
+                             combined=combined,
+                             swiglu=self.fused("swiglu", ex) and ex.mode == "ggml")
 
   def slots_apart(self, ex, n_tokens: int, k: int, n_experts: int) -> bool:
     """Whether the routed experts of n_tokens tokens take the per-slot kernels, whose k outputs

@@ -152,33 +152,59 @@ def _qmatmul_call(rows: int, cols: int):
 
 
 @functools.cache
-def _qmatmul_q8_call(rows: int, cols: int, act_bytes: int):
-  def call(x2, data, table, fmts, layer):
-    out = (jax.ShapeDtypeStruct((x2.shape[0], rows), jnp.float32),
-           jax.ShapeDtypeStruct((x2.shape[0], act_bytes), jnp.uint8))  # activation scratch
-    return jax.ffi.ffi_call("jaxvt_qmatmul_q8", out)(
-        x2, data, table, fmts, layer, rows=np.int64(rows), cols=np.int64(cols))[0]
+def _qmatmul_q8_call(rows: int, cols: int, act_bytes: int, swiglu: bool = False):
+  """swiglu: the operands start with the gate and up rows (jaxvt_swiglu_qmatmul_q8)."""
+  nx = 2 if swiglu else 1
+  target = "jaxvt_swiglu_qmatmul_q8" if swiglu else "jaxvt_qmatmul_q8"
 
-  def fast(fn, n, in_batched, x2, data, table, fmts, layer):
-    if any(in_batched[1:]):
+  def call(*args):  # x2 (and u2), data, table, fmts, layer
+    out = (jax.ShapeDtypeStruct((args[0].shape[0], rows), jnp.float32),
+           jax.ShapeDtypeStruct((args[0].shape[0], act_bytes), jnp.uint8))  # activation scratch
+    return jax.ffi.ffi_call(target, out)(*args, rows=np.int64(rows), cols=np.int64(cols))[0]
+
+  def fast(fn, n, in_batched, *args):
+    if any(in_batched[nx:]):
       return None
-    return fn(x2.reshape(-1, cols), data, table, fmts, layer).reshape(n, -1, rows)
+    xs = [a.reshape(-1, cols) if b else jnp.broadcast_to(a, (n, *a.shape)).reshape(-1, cols)
+          for a, b in zip(args[:nx], in_batched)]
+    return fn(*xs, *args[nx:]).reshape(n, -1, rows)
 
   return _vmappable(call, fast)
 
 
-def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Array:
+def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml",
+            up: jax.Array | None = None) -> jax.Array:
   """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T in arithmetic `mode`, reading W's
-  blocks in place."""
+  blocks in place. up (the "ggml" mode only): the product of swiglu(x, up) (numerics.swiglu;
+  x the gate), formed by the kernel as it reads x (swiglu_qmatmul_ref is the composition)."""
   x = _dense_x(x, w, "qmatmul")
   m = w.meta
   lead = x.shape[:-1]
   args = (x.reshape(-1, m.cols), w.data, w.table, w.fmts, _layer(layer))
-  if numerics.integer_products(_mode(mode)):
+  if up is not None:
+    _swiglu_mode(mode, x, up, "qmatmul")
+    u = jnp.asarray(up, jnp.float32).reshape(-1, m.cols)
+    y = _qmatmul_q8_call(m.rows, m.cols, _act_bytes(w), True)(args[0], u, *args[1:])
+  elif numerics.integer_products(_mode(mode)):
     y = _qmatmul_q8_call(m.rows, m.cols, _act_bytes(w))(*args)
   else:
     y = _qmatmul_call(m.rows, m.cols)(*args)
   return y.reshape(*lead, m.rows)
+
+
+def _swiglu_mode(mode: str, g, u, name: str) -> None:
+  """The swiglu products' checks: ggml's arithmetic, g and u of one shape."""
+  if _mode(mode) != "ggml":
+    raise JaxvtError(f"{name}: swiglu's product (up=) is computed in ggml's arithmetic only, "
+                     f"not {mode!r}")
+  if jnp.shape(g) != jnp.shape(u):
+    raise JaxvtError(f"{name}: the gate {jnp.shape(g)} and up {jnp.shape(u)} differ in shape")
+
+
+def swiglu_qmatmul_ref(g: jax.Array, u: jax.Array, w: QWeight, layer,
+                       mode: str = "ggml") -> jax.Array:
+  """Reference for qmatmul(g, w, layer, mode, up=u): numerics.swiglu, then qmatmul_ref."""
+  return qmatmul_ref(numerics.swiglu(g, u), w, layer, mode)
 
 
 @functools.cache
@@ -276,29 +302,34 @@ def qmatmul_ref(x: jax.Array, w: QWeight, layer, mode: str = "ggml") -> jax.Arra
 
 
 @functools.cache
-def _experts_call(rows: int, cols: int, experts: int, act_bytes: int, cslot: int | None = None):
+def _experts_call(rows: int, cols: int, experts: int, act_bytes: int, cslot: int | None = None,
+                  swiglu: bool = False):
   """cslot None: the plain call (operands end with the ring, if any); else the expert cache's
-  (where, ctab, then the ring), a slot of `cslot` bytes."""
+  (where, ctab, then the ring), a slot of `cslot` bytes. swiglu: the operands start with the
+  gate and up rows (ggml's arithmetic)."""
   plain, q8 = (("jaxvt_qmatmul_experts", "jaxvt_qmatmul_experts_q8") if cslot is None else
                ("jaxvt_qmatmul_experts_cached", "jaxvt_qmatmul_experts_cached_q8"))
+  if swiglu:
+    q8 = "jaxvt_swiglu_experts_q8" if cslot is None else "jaxvt_swiglu_experts_cached_q8"
+  nx = 2 if swiglu else 1
 
-  def call(x, data, table, fmts, layer, ids, *rest):  # rest: [where, ctab,] and () or a ring
+  def call(*args):  # x (and u), data, table, fmts, layer, ids, [where, ctab,] () or a ring
+    x, ids = args[0], args[nx + 4]
     out = jax.ShapeDtypeStruct((*ids.shape, rows), jnp.float32)
     attrs = dict(rows=np.int64(rows), cols=np.int64(cols), experts=np.int64(experts))
     if cslot is not None:
       attrs["cslot"] = np.int64(cslot)
     if act_bytes == 0:
-      return jax.ffi.ffi_call(plain, out)(x, data, table, fmts, layer, ids, *rest, **attrs)
+      return jax.ffi.ffi_call(plain, out)(*args, **attrs)
     scratch = jax.ShapeDtypeStruct((x.size // cols, act_bytes), jnp.uint8)
-    return jax.ffi.ffi_call(q8, (out, scratch))(x, data, table, fmts, layer, ids, *rest,
-                                                **attrs)[0]
+    return jax.ffi.ffi_call(q8, (out, scratch))(*args, **attrs)[0]
 
   return _vmappable(call, lambda *a: None)
 
 
 def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
                     mode: str = "ggml", ring: jax.Array | None = None,
-                    cache: tuple | None = None) -> jax.Array:
+                    cache: tuple | None = None, up: jax.Array | None = None) -> jax.Array:
   """x f32 [T, cols] or [T, k, cols], ids int32 [T, k] -> f32 [T, k, rows].
 
   out[t, j] = W[layer, ids[t, j]] @ (x[t] or x[t, j]); only routed experts' bytes are read, each
@@ -308,7 +339,8 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   (prefetch.fetch_experts): the experts it holds for `layer` are read from it (the same bytes).
   cache: (where int32 [T, k], ctab, cslot), the expert cache's decisions for this call and the
   stack's table (jaxvt.ffi.expert_cache): hits are read from the cache, fills written to it
-  (the same bytes).
+  (the same bytes). up (the "ggml" mode only): the products of swiglu(x, up) (numerics.swiglu;
+  x the gate), formed by the kernels as they read x.
   """
   _check(w, "qmatmul_experts", experts=True)
   m = w.meta
@@ -317,8 +349,13 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   _check_x_ids(x, ids, m.cols, "qmatmul_experts")
   act = _act_bytes(w) if numerics.integer_products(_mode(mode)) else 0
   extra = () if cache is None else (cache[0].reshape(ids.shape), cache[1])
-  return _experts_call(m.rows, m.cols, m.experts, act, None if cache is None else cache[2])(
-      x, w.data, w.table, w.fmts, _layer(layer), ids, *extra, *_rings(ring))
+  xs = (x,)
+  if up is not None:
+    _swiglu_mode(mode, x, up, "qmatmul_experts")
+    xs = (x, jnp.asarray(up, jnp.float32))
+  return _experts_call(m.rows, m.cols, m.experts, act, None if cache is None else cache[2],
+                       up is not None)(
+      *xs, w.data, w.table, w.fmts, _layer(layer), ids, *extra, *_rings(ring))
 
 
 def _rings(*rings) -> tuple:  # an experts call's ring operands: none, or every one given
@@ -424,13 +461,14 @@ def combine(weights, d, ordered: bool = False) -> jax.Array:
 
 
 def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_read=None,
-         rings=None, cache=None, ordered=False, combined=True):
+         rings=None, cache=None, ordered=False, combined=True, swiglu=False):
   """on_read(stage, out): sees the output of the products that read gate and up ("gate_up", the
   activation h) and of the one that reads down ("down"): prefetch orders a ring's next copy after
   the ring's last reader. rings: decode expert rings of the three stacks; cache: the expert
   cache's operands of the three stacks (expert_cache.CacheTables.operands; kernels only).
   ordered: the k slots added in slot order (combine). combined=False: the k slots' outputs
-  [T, k, cols], unweighted and unsummed."""
+  [T, k, cols], unweighted and unsummed. swiglu: down's product forms silu(g) * u itself (mm's
+  up=; on_read then sees g)."""
   x = jnp.asarray(x, jnp.float32)
 
   def kw(k):  # only mm that take them
@@ -443,10 +481,13 @@ def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_re
     g, u = mm2(x, w_gate, w_up, layer, ids, mode,
                **({"rings": (rings.get("gate"), rings.get("up"))} if rings else {}),
                **({"caches": (cache["gate"], cache["up"])} if cache else {}))
-  h = silu_mul(g, u, mode)  # [T, k, ffn]
+  if swiglu:
+    h, down_kw = g, {"up": u, **kw("down")}
+  else:
+    h, down_kw = silu_mul(g, u, mode), kw("down")  # [T, k, ffn]
   if on_read is not None:
     on_read("gate_up", h)
-  d = mm(h, w_down, layer, ids, mode, **kw("down"))  # [T, k, cols]
+  d = mm(h, w_down, layer, ids, mode, **down_kw)  # [T, k, cols]
   if on_read is not None:
     on_read("down", d)
   return combine(weights, d, ordered) if combined else d
@@ -454,7 +495,7 @@ def _moe(x, w_gate, w_up, w_down, layer, ids, weights, mm, mode, mm2=None, on_re
 
 def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,
                 mode: str = "ggml", on_read=None, rings=None, cache=None, ordered: bool = False,
-                combined: bool = True):
+                combined: bool = True, swiglu: bool = False):
   """x f32 [T, d], ids int32 [T, k], weights f32 [T, k] -> f32 [T, d]: sum over the k routed
   experts of weights * down(silu(gate x) * up x), each routed expert's matrices read once.
   on_read(stage, out): sees the products' outputs, gate/up's then down's (see _moe; for
@@ -464,9 +505,10 @@ def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, 
   expert cache's hits read from it, its fills written to it, the same bytes. ordered: the k
   slots' outputs added in slot order (combine), so a token's sum does not depend on T.
   combined=False: the k slots' outputs f32 [T, k, cols], for the caller to weight and sum
-  (jaxvt.ffi.norm.add_norm does, with the residual)."""
+  (jaxvt.ffi.norm.add_norm does, with the residual). swiglu ("ggml" mode): the down product
+  forms silu(gate x) * up x as it reads them (qmatmul_experts' up=), one XLA step fewer."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
-              qmatmul_experts2, on_read, rings, cache, ordered, combined)
+              qmatmul_experts2, on_read, rings, cache, ordered, combined, swiglu)
 
 
 def moe_experts_ref(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, weights,

@@ -56,6 +56,13 @@ class Products:
   GPU rows take it once tests/test_add_norm_gpu.py passes there and `python -m
   benchmarks.fusion --model offload` measures it.
 
+  fused_swiglu: silu(g) * u formed by the down products as they hold their input rows
+  (ops.qmatmul / ops.qmatmul_experts with up=; ggml's arithmetic only), instead of a step of its
+  own between the gate/up and the down launches: the routed experts', the shared expert's and a
+  dense FFN's. On the CPU the input rows are jaxvt_swiglu's, so a dense model's logits keep
+  their bits (tests/test_swiglu_product.py); a MoE's routed experts then take ggml's swiglu
+  instead of the jnp formula.
+
   gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
   form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
   a prefix-cache hit, a prefill in pieces and a cold prefill give the same bits (the CPU's: there
@@ -115,6 +122,7 @@ class Products:
   gdn_fused: bool = False
   attn_fused: bool = False
   fused_norm: bool = False
+  fused_swiglu: bool = False
   gdn_chunked_rows: int = 0
   prefetch_per_expert: int = 0
   prefetch_rings: int = 1

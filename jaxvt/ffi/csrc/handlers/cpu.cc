@@ -19,6 +19,7 @@
 #include "handlers/handlers.h"
 #include "handlers/steps.h"
 #include "kernels/cpu/kernels_cpu.h"
+#include "kernels/cpu/kernels_cpu_ggml.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -123,16 +124,16 @@ ffi::Error CheckScratch(ffi::ResultBuffer<ffi::U8>& act, int64_t n, int64_t cols
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmulQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                        ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
-                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
-                        ffi::ResultBuffer<ffi::U8> act, int64_t rows, int64_t cols) {
+// x: n rows of cols.
+ffi::Error MatmulQ8(const float* x, int64_t n, const ffi::AnyBuffer& data,
+                    const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::S32>& fmts,
+                    const ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& y,
+                    ffi::ResultBuffer<ffi::U8>& act, int64_t rows, int64_t cols) {
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
-  const int64_t n = static_cast<int64_t>(x.element_count()) / cols;
   if (auto e = CheckScratch(act, n, cols, L.fmt); !e.success()) return e;
-  std::vector<const uint8_t*> ar = QuantizeRows(x.typed_data(), n, cols, L.fmt, act);
+  std::vector<const uint8_t*> ar = QuantizeRows(x, n, cols, L.fmt, act);
   float* yp = y->typed_data();
   std::vector<float*> yr(n);
   for (int64_t i = 0; i < n; ++i) yr[i] = yp + i * rows;
@@ -143,6 +144,37 @@ ffi::Error QMatmulQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
   };
   cpu::parallel_for((rows + per - 1) / per, task);
   return ffi::Error::Success();
+}
+
+ffi::Error QMatmulQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                        ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                        ffi::ResultBuffer<ffi::U8> act, int64_t rows, int64_t cols) {
+  return MatmulQ8(x.typed_data(), static_cast<int64_t>(x.element_count()) / cols, data, table,
+                  fmts, layer, y, act, rows, cols);
+}
+
+// swiglu(g, u) (jaxvt_swiglu's arithmetic) as a product's input rows; n rows of cols each.
+ffi::ErrorOr<std::vector<float>> SwigluRows(const ffi::Buffer<ffi::F32>& g,
+                                            const ffi::Buffer<ffi::F32>& u, int64_t cols) {
+  if (g.element_count() != u.element_count() || g.element_count() % cols != 0)
+    return ffi::Unexpected(
+        ffi::Error::InvalidArgument("jaxvt swiglu product: g and u must both be [..., cols]"));
+  const int64_t n = static_cast<int64_t>(g.element_count()) / cols;
+  std::vector<float> h(g.element_count());
+  if (n > 0) cpu::ggml::swiglu(g.typed_data(), u.typed_data(), n, cols, h.data());
+  return h;
+}
+
+ffi::Error SwigluQMatmulQ8Cpu(NoStream, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+                              ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                              ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                              ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
+                              int64_t rows, int64_t cols) {
+  auto h = SwigluRows(g, u, cols);
+  if (h.has_error()) return h.error();
+  return MatmulQ8(h.value().data(), static_cast<int64_t>(h.value().size()) / cols, data, table,
+                  fmts, layer, y, act, rows, cols);
 }
 
 // Groups the slots of ids [S] by expert (first-appearance order; ids above range clamped into
@@ -255,7 +287,8 @@ ffi::Error RunExperts(const Layer& L, const ffi::Buffer<ffi::S32>& ids,
   return ffi::Error::Success();
 }
 
-ffi::Error ExpertsQ8(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data,
+// x: nx rows of cols (one per token, or one per slot).
+ffi::Error ExpertsQ8(const float* x, int64_t nx, const ffi::AnyBuffer& data,
                      const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::S32>& fmts,
                      const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& ids,
                      const std::optional<ffi::Buffer<ffi::U8>>& ring, const CacheArgs& cache,
@@ -264,9 +297,8 @@ ffi::Error ExpertsQ8(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data,
   auto lr = GetLayer(data, table, fmts, layer, cols);
   if (lr.has_error()) return lr.error();
   const Layer L = lr.value();
-  const int64_t nx = static_cast<int64_t>(x.element_count()) / cols;  // T or S
   if (auto e = CheckScratch(act, nx, cols, L.fmt); !e.success()) return e;
-  std::vector<const uint8_t*> xa = QuantizeRows(x.typed_data(), nx, cols, L.fmt, act);
+  std::vector<const uint8_t*> xa = QuantizeRows(x, nx, cols, L.fmt, act);
   float* yp = y->typed_data();
   std::vector<const uint8_t*> ar(ids.element_count());
   std::vector<float*> yr(ids.element_count());
@@ -333,8 +365,20 @@ ffi::Error QMatmulExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
                                std::optional<ffi::Buffer<ffi::U8>> ring,
                                ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
                                int64_t rows, int64_t cols, int64_t experts) {
-  return ExpertsQ8(x, data, table, fmts, layer, ids, ring, CacheArgs{}, y, act, rows, cols,
-                   experts);
+  return ExpertsQ8(x.typed_data(), static_cast<int64_t>(x.element_count()) / cols, data, table,
+                   fmts, layer, ids, ring, CacheArgs{}, y, act, rows, cols, experts);
+}
+
+ffi::Error SwigluExpertsQ8Cpu(NoStream, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+                              ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                              ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> ids, std::optional<ffi::Buffer<ffi::U8>> ring,
+                              ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
+                              int64_t rows, int64_t cols, int64_t experts) {
+  auto h = SwigluRows(g, u, cols);
+  if (h.has_error()) return h.error();
+  return ExpertsQ8(h.value().data(), static_cast<int64_t>(h.value().size()) / cols, data, table,
+                   fmts, layer, ids, ring, CacheArgs{}, y, act, rows, cols, experts);
 }
 
 CacheArgs CacheOf(const ffi::Buffer<ffi::S32>& ids, const ffi::Buffer<ffi::S32>& where,
@@ -363,8 +407,24 @@ ffi::Error QMatmulExpertsCachedQ8Cpu(NoStream, ffi::Buffer<ffi::F32> x, ffi::Any
                                      ffi::ResultBuffer<ffi::F32> y,
                                      ffi::ResultBuffer<ffi::U8> act, int64_t rows, int64_t cols,
                                      int64_t experts, int64_t cslot) {
-  return ExpertsQ8(x, data, table, fmts, layer, ids, ring, CacheOf(ids, where, ctab, cslot), y,
-                   act, rows, cols, experts);
+  return ExpertsQ8(x.typed_data(), static_cast<int64_t>(x.element_count()) / cols, data, table,
+                   fmts, layer, ids, ring, CacheOf(ids, where, ctab, cslot), y, act, rows, cols,
+                   experts);
+}
+
+ffi::Error SwigluExpertsCachedQ8Cpu(NoStream, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+                                    ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                                    ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                                    ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> where,
+                                    ffi::Buffer<ffi::U32> ctab,
+                                    std::optional<ffi::Buffer<ffi::U8>> ring,
+                                    ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> act,
+                                    int64_t rows, int64_t cols, int64_t experts, int64_t cslot) {
+  auto h = SwigluRows(g, u, cols);
+  if (h.has_error()) return h.error();
+  return ExpertsQ8(h.value().data(), static_cast<int64_t>(h.value().size()) / cols, data, table,
+                   fmts, layer, ids, ring, CacheOf(ids, where, ctab, cslot), y, act, rows, cols,
+                   experts);
 }
 
 // The expert cache's decision (expert_cache.h: xcache::assign_layer).

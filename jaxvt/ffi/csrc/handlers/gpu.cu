@@ -80,6 +80,23 @@ ffi::Error QMatmulQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer d
                 "qmatmul (ggml arithmetic)");
 }
 
+// swiglu's down product: the kernels form swiglu(g, u) as they hold the activation rows.
+ffi::Error SwigluQMatmulQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+                              ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                              ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                              ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> scratch,
+                              int64_t rows, int64_t cols) {
+  (void)scratch;
+  if (g.element_count() != u.element_count())
+    return ffi::Error::InvalidArgument("jaxvt swiglu product: g and u must have one shape");
+  gpu::WeightArgs w = Weights(data, table, fmts, layer);
+  w.up = u.typed_data();
+  const int64_t batch = static_cast<int64_t>(g.element_count()) / cols;
+  return Status(gpu::launch_qmatmul(s, w, g.typed_data(), batch, y->typed_data(), rows, cols,
+                                    true),
+                "swiglu qmatmul (ggml arithmetic)");
+}
+
 // The routed experts (kernels_gpu_experts.cu) in float32 or ggml's arithmetic.
 ffi::Error Experts(gpuStream_t s, const ffi::Buffer<ffi::F32>& x, const gpu::WeightArgs& w,
                    const ffi::Buffer<ffi::S32>& ids, float* y, int64_t rows, int64_t cols,
@@ -103,6 +120,21 @@ ffi::Error QMatmulExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyB
   (void)scratch;
   return Experts(s, x, WithRing(Weights(data, table, fmts, layer), ring), ids, y->typed_data(),
                  rows, cols, experts, true, "qmatmul_experts (ggml arithmetic)");
+}
+
+ffi::Error SwigluExpertsQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+                              ffi::AnyBuffer data, ffi::Buffer<ffi::U32> table,
+                              ffi::Buffer<ffi::S32> fmts, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> ids, std::optional<ffi::Buffer<ffi::U8>> ring,
+                              ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::U8> scratch,
+                              int64_t rows, int64_t cols, int64_t experts) {
+  (void)scratch;
+  if (g.element_count() != u.element_count())
+    return ffi::Error::InvalidArgument("jaxvt swiglu product: g and u must have one shape");
+  gpu::WeightArgs w = WithRing(Weights(data, table, fmts, layer), ring);
+  w.up = u.typed_data();
+  return Experts(s, g, w, ids, y->typed_data(), rows, cols, experts, true,
+                 "swiglu qmatmul_experts (ggml arithmetic)");
 }
 
 ffi::Error QMatmulExpertsGpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
@@ -139,6 +171,25 @@ ffi::Error QMatmulExpertsCachedQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> x, ffi
   const auto w = WithCache(WithRing(Weights(data, table, fmts, layer), ring), where, ctab, cslot);
   return Experts(s, x, w, ids, y->typed_data(), rows, cols, experts, true,
                  "qmatmul_experts (ggml arithmetic, expert cache)");
+}
+
+ffi::Error SwigluExpertsCachedQ8Gpu(gpuStream_t s, ffi::Buffer<ffi::F32> g,
+                                    ffi::Buffer<ffi::F32> u, ffi::AnyBuffer data,
+                                    ffi::Buffer<ffi::U32> table, ffi::Buffer<ffi::S32> fmts,
+                                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                                    ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::U32> ctab,
+                                    std::optional<ffi::Buffer<ffi::U8>> ring,
+                                    ffi::ResultBuffer<ffi::F32> y,
+                                    ffi::ResultBuffer<ffi::U8> scratch, int64_t rows,
+                                    int64_t cols, int64_t experts, int64_t cslot) {
+  (void)scratch;
+  if (g.element_count() != u.element_count())
+    return ffi::Error::InvalidArgument("jaxvt swiglu product: g and u must have one shape");
+  gpu::WeightArgs w =
+      WithCache(WithRing(Weights(data, table, fmts, layer), ring), where, ctab, cslot);
+  w.up = u.typed_data();
+  return Experts(s, g, w, ids, y->typed_data(), rows, cols, experts, true,
+                 "swiglu qmatmul_experts (ggml arithmetic, expert cache)");
 }
 
 ffi::Error ExpertCacheAssignGpu(gpuStream_t s, ffi::Buffer<ffi::S32> ids,

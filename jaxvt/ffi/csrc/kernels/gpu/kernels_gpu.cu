@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks 
   extern __shared__ uint4 smem_slots[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
+  R.u = w.up;
   LayerRef L;
   const auto hold = resolve_and_hold<BT, XM>(w, R, smem_slots + wpb * kSlotU4, &L);
   use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4, L.host);
@@ -325,6 +326,7 @@ gpuError_t run_multi(gpuStream_t s, const Launch& l, MultiArgs& m, const int64_t
 gpuError_t launch_qmatmul(gpuStream_t s, const WeightArgs& w, const float* x, int64_t batch, float* y,
                           int64_t rows, int64_t cols, bool ggml, const Tuning& t) {
   if (batch <= 0 || rows <= 0) return gpuSuccess;
+  if (w.up != nullptr && !ggml) return gpuErrorInvalidValue;  // (only ggml's launches hold x)
   const Launch l = plan_launch(batch, rows, cols, true, ggml, t);
   return with_launch(l, [&](auto bt, auto xm) {
     return run_qmatmul<decltype(bt)::value, decltype(xm)::value>(s, l, w, x, batch, y, rows, cols);

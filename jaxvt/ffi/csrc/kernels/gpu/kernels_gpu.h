@@ -33,6 +33,10 @@ struct WeightArgs {
   const int32_t* where = nullptr;
   const uint32_t* ctab = nullptr;
   int64_t cslot = 0;
+  // swiglu's up operand, laid out as the product's x, or nullptr: where set, the product's input
+  // is swiglu(x, up) = (x / (1 + exp(0 - x))) * up, formed as the kernel holds its activation
+  // rows (ggml's arithmetic only, whose launches always hold them; qmatmul and the experts).
+  const float* up = nullptr;
 };
 
 // Routed-expert calls of at most this many slots take the per-slot kernel (decode and short

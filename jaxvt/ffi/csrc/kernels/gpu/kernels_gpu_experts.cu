@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_experts_kernel(
   const uint8_t* base = L.base + static_cast<int64_t>(e) * rows * row_bytes(L.fmt, cols);
   Rows<BT> R;  // (field by field, as the GPU-tested build had it: dense_rows changes its code)
   R.x = x;
+  R.u = (m ? w1 : w0).up;
   R.y = y;
   R.cols = cols;
   R.rows = rows;
@@ -187,7 +188,9 @@ __global__ void __launch_bounds__(kThreads, kMvBlocks) qmatmul_experts_slot_kern
     if ((__syncthreads_or(later) != 0) != (phase == 1)) return;
     if (phase == 1) wj = -wj - 2;  // filled by the first launch: read as a hit
   }
-  Rows<1> R = dense_rows<1>(x + (x_per_slot ? s : s / k) * cols, 0, 1, y, rows, cols);
+  const int64_t xi = (x_per_slot ? s : s / k) * cols;
+  Rows<1> R = dense_rows<1>(x + xi, 0, 1, y, rows, cols);
+  R.u = w.up ? w.up + xi : nullptr;
   LayerRef L;
   const auto hold = resolve_and_hold<1, XM>(w, R, smem_slots + kWarps * kSlotU4, &L);
   // (an unsupported format reaches matvec_fmt, which writes NaN rows)
@@ -303,6 +306,7 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
                       float* y0, float* y1, int64_t rows, int64_t cols, int64_t experts, bool ggml,
                       const Tuning& t) {
   if (slots <= 0 || rows <= 0) return gpuSuccess;
+  if ((w0.up != nullptr || w1.up != nullptr) && !ggml) return gpuErrorInvalidValue;
   // the expert cache's decisions are the per-slot kernel's (a decode step's few slots)
   if (w0.where != nullptr && slots > t.slot_max) return gpuErrorInvalidValue;
   // grid.y holds at most 65535 (matrix, slot) pairs: larger calls run in chunks of whole tokens
@@ -311,8 +315,11 @@ gpuError_t launch_any(gpuStream_t s, int nmat, const WeightArgs& w0, const Weigh
   if (slots > per) {
     for (int64_t c0 = 0; c0 < slots; c0 += per) {
       const int64_t n = slots - c0 < per ? slots - c0 : per;
-      const float* xc = x + (x_per_slot ? c0 : c0 / k) * cols;
-      const gpuError_t e = launch_any(s, nmat, w0, w1, xc, x_per_slot, ids + c0, n, k,
+      const int64_t xo = (x_per_slot ? c0 : c0 / k) * cols;
+      WeightArgs a0 = w0, a1 = w1;  // swiglu's up operands follow x
+      if (a0.up) a0.up += xo;
+      if (a1.up) a1.up += xo;
+      const gpuError_t e = launch_any(s, nmat, a0, a1, x + xo, x_per_slot, ids + c0, n, k,
                                       y0 + c0 * rows, y1 + c0 * rows, rows, cols, experts, ggml, t);
       if (e != gpuSuccess) return e;
     }

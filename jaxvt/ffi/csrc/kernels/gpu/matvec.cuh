@@ -139,14 +139,18 @@ struct Rows {
   int64_t xs_stride;
   const uint8_t* xq;    // ggml arithmetic: quantized held rows (hold_xq), xq_stride bytes each
   int64_t xq_stride, xq_upad;
+  // swiglu's up operand (rows laid out as x's), or null: where set, the product's input is
+  // swiglu(x, u) = (x / (1 + exp(0 - x))) * u, formed as the rows are held (XM 1 and 2 only)
+  const float* u = nullptr;
   uintptr_t mirror;     // matvec<..., MR>: the fill's destination minus the weights' address
   // matvec_bulk (matvec_bulk.cuh): stage bytes (0: matvec()'s windows) and the block's two stages
   int64_t bulk = 0;
   uint8_t* bulk_smem = nullptr;
-  __device__ __forceinline__ const float* xrow(int b) const {
-    const int64_t r = dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
-    return x + r * cols;
+  __device__ __forceinline__ int64_t xrow_index(int b) const {
+    return dense ? b0 + b : (x_per_slot ? slot[b] : slot[b] / k);
   }
+  __device__ __forceinline__ const float* xrow(int b) const { return x + xrow_index(b) * cols; }
+  __device__ __forceinline__ const float* urow(int b) const { return u + xrow_index(b) * cols; }
   __device__ __forceinline__ float* yrow(int b) const { return y + (dense ? b0 + b : slot[b]) * rows; }
 };
 
@@ -169,9 +173,21 @@ struct XLoad {
   float4 v[kXBatch];
 };
 
+// silu(g) * u in numerics.swiglu's expression (the one the model's swiglu step computes).
+__device__ __forceinline__ float swiglu1(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(__fsub_rn(0.0f, g)))), u);
+}
+__device__ __forceinline__ float4 swiglu4(float4 g, float4 u) {
+  return make_float4(swiglu1(g.x, u.x), swiglu1(g.y, u.y), swiglu1(g.z, u.z), swiglu1(g.w, u.w));
+}
+
+// float4 i of the held rows (row i / n4): x's, or swiglu(x, u) where R.u is set.
 template <int BT>
-__device__ __forceinline__ const float4* x_src(const Rows<BT>& R, int64_t i, int64_t n4) {
-  return reinterpret_cast<const float4*>(R.xrow(static_cast<int>(i / n4))) + i % n4;
+__device__ __forceinline__ float4 x_val4(const Rows<BT>& R, int64_t i, int64_t n4) {
+  const int b = static_cast<int>(i / n4);
+  const float4 v = reinterpret_cast<const float4*>(R.xrow(b))[i % n4];
+  if (R.u == nullptr) return v;
+  return swiglu4(v, reinterpret_cast<const float4*>(R.urow(b))[i % n4]);
 }
 
 __device__ __forceinline__ int64_t xs_index(int64_t i, int64_t n4, int64_t st) {
@@ -186,7 +202,7 @@ __device__ __forceinline__ XLoad hold_x_load(const Rows<BT>& R, int nb) {
 #pragma unroll
   for (int j = 0; j < kXBatch; ++j) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (i < total) l.v[j] = *x_src(R, i, n4);
+    if (i < total) l.v[j] = x_val4(R, i, n4);
   }
   return l;
 }
@@ -206,7 +222,7 @@ __device__ __forceinline__ void hold_x_store(float4* xs, const XLoad& first, con
 #pragma unroll
     for (int j = 0; j < kXBatch; ++j) {
       const int64_t i = base + threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (i < total) v[j] = *x_src(R, i, n4);
+      if (i < total) v[j] = x_val4(R, i, n4);
     }
 #pragma unroll
     for (int j = 0; j < kXBatch; ++j) {

@@ -57,7 +57,8 @@ __device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
       const int b = static_cast<int>(t / nu);
       const int g = t % nu;
       uint8_t* row = xq + b * st;
-      const float v = R.xrow(b)[g * 32 + lane];
+      const float v = R.u ? swiglu1(R.xrow(b)[g * 32 + lane], R.urow(b)[g * 32 + lane])
+                          : R.xrow(b)[g * 32 + lane];
       const float amax = warp_max(fabsf(v));
       const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
       const int q = static_cast<int>(rintf(v * id));
@@ -78,7 +79,12 @@ __device__ void hold_xq(uint8_t* xq, const Rows<BT>& R, int nb, int act) {
       const int kb = t % (nu / 8);
       uint8_t* row = xq + b * st;
       const float4* src = reinterpret_cast<const float4*>(R.xrow(b) + kb * 256 + 8 * lane);
-      const float4 p0 = src[0], p1 = src[1];
+      float4 p0 = src[0], p1 = src[1];
+      if (R.u) {
+        const float4* us = reinterpret_cast<const float4*>(R.urow(b) + kb * 256 + 8 * lane);
+        p0 = swiglu4(p0, us[0]);
+        p1 = swiglu4(p1, us[1]);
+      }
       const float v[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
       float best = -1.f, m = 0.f;
       int idx = 0;
