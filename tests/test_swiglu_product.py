@@ -35,6 +35,17 @@ def unfused(g, u, device):
   return steps.swiglu(g, u, kernels=device.platform == "cpu")
 
 
+def same_as_unfused(got, want, device):
+  """The CPU's fused call is the unfused step and product bit for bit; a GPU kernel's expf and
+  XLA's exp round some elements an ulp apart, which moves the product by float32 rounding (or,
+  where an element's quantized value moves, by one step of it)."""
+  got, want = np.asarray(got), np.asarray(want)
+  if device.platform == "cpu":
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
 def _gu(rng, shape, scale=3.0):
   f = lambda: (rng.standard_normal(shape) * scale).astype(np.float32)
   return f(), f()
@@ -51,8 +62,8 @@ def float64_product(g, u, s, layer):
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: NAMES[f])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_the_dense_product_is_the_step_then_the_product(device, rng, fmt, batch):
-  """qmatmul(g, up=u) == qmatmul(swiglu(g, u)) bit for bit (the platform's swiglu step), and
-  within the products' rounding of float64 numpy."""
+  """qmatmul(g, up=u) is qmatmul(swiglu(g, u)) (the platform's swiglu step; same_as_unfused),
+  and within the products' rounding of float64 numpy."""
   rows, cols = 40, 512
   s = make_stack(rng, [fmt, fmt], rows, cols)
   w = put(s.w, device)
@@ -62,7 +73,7 @@ def test_the_dense_product_is_the_step_then_the_product(device, rng, fmt, batch)
   plain = jax.jit(lambda g, u, l: ops.qmatmul(unfused(g, u, device), w, l, "ggml"))
   for layer in (0, 1):
     got = np.asarray(fused(gd, ud, jnp.int32(layer)))
-    np.testing.assert_array_equal(got, np.asarray(plain(gd, ud, jnp.int32(layer))))
+    same_as_unfused(got, plain(gd, ud, jnp.int32(layer)), device)
     want, _ = float64_product(g, u, s, layer)
     # (an element's swiglu an ulp apart can move its quantized value by one step)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
@@ -85,7 +96,7 @@ def test_leading_axes_and_vmap(device, rng):
 
 @pytest.mark.parametrize("per_slot", [True, False])
 def test_the_experts_product_is_the_step_then_the_product(device, rng, per_slot):
-  """qmatmul_experts(g, up=u) == qmatmul_experts(swiglu(g, u)) bit for bit: rows of g and u one
+  """qmatmul_experts(g, up=u) is qmatmul_experts(swiglu(g, u)) (same_as_unfused): rows of g and u one
   per slot ([T, k, cols]: a MoE's down) or one per token ([T, cols]); repeated, out-of-range
   and negative ids (clamped; routed nowhere: zeros)."""
   E, rows, cols, T, k = 6, 32, 512, 3, 4
@@ -97,7 +108,7 @@ def test_the_experts_product_is_the_step_then_the_product(device, rng, per_slot)
   plain = jax.jit(lambda g, u, l: ops.qmatmul_experts(unfused(g, u, device), w, l, ids, "ggml"))
   for layer in range(3):
     got = np.asarray(fused(g, u, jnp.int32(layer)))
-    np.testing.assert_array_equal(got, np.asarray(plain(g, u, jnp.int32(layer))))
+    same_as_unfused(got, plain(g, u, jnp.int32(layer)), device)
     assert (got[1, 2] == 0).all() and np.isfinite(got).all()
 
 
@@ -121,12 +132,11 @@ def test_moe_experts_with_the_fused_down(device, rng):
   assert seen["gate_up"].shape == (T, k, f) and seen["down"].shape == (T, k, d)
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8"])
-def test_other_arithmetic_is_refused(device, rng, mode):
+def test_float32_products_are_refused(device, rng):
   s = make_stack(rng, [Q8_0], 8, 64)
   g = np.zeros((1, 64), np.float32)
-  with pytest.raises(JaxvtError, match="ggml's arithmetic only"):
-    ops.qmatmul(g, s.w, 0, mode, up=g)
+  with pytest.raises(JaxvtError, match="integer products"):
+    ops.qmatmul(g, s.w, 0, "f32", up=g)
 
 
 def test_mismatched_shapes_are_refused(device, rng):

@@ -88,7 +88,7 @@ class Reference(_GgmlSteps):
     return ops.qmatmul_ref(x.astype(jnp.float32), w, layer, ex.mode)
 
   def swiglu_matmul(self, g, u, w, layer, ex):
-    return self.matmul(self.swiglu(g, u, ex), w, layer, ex)
+    return self.matmul(_swiglu(self, g, u, ex), w, layer, ex)
 
   def shares_input(self, x, ws, ex) -> bool:
     return False
@@ -150,12 +150,12 @@ class Kernels(_GgmlSteps):
     return ops.qmatmul(x.astype(jnp.float32), w, layer, ex.mode)
 
   def swiglu_matmul(self, g, u, w, layer, ex):
-    """One launch where the row fuses swiglu, the arithmetic is ggml's and the product takes
-    the matvec kernels (ops.qmatmul's up=), else the swiglu step, then matmul."""
-    if (self.fused("swiglu", ex) and ex.mode == "ggml"
+    """One launch where the row fuses swiglu, the products are integer ones and the product
+    takes the matvec kernels (ops.qmatmul's up=), else the swiglu step, then matmul."""
+    if (self.fused("swiglu", ex) and numerics.integer_products(ex.mode)
             and ex.products.dense(g.size // g.shape[-1], w.meta) == "matvec"):
-      return ops.qmatmul(g.astype(jnp.float32), w, layer, "ggml", up=u)
-    return self.matmul(self.swiglu(g, u, ex), w, layer, ex)
+      return ops.qmatmul(g.astype(jnp.float32), w, layer, ex.mode, up=u)
+    return self.matmul(_swiglu(self, g, u, ex), w, layer, ex)
 
   def shares_input(self, x, ws, ex) -> bool:
     rows = x.size // x.shape[-1]
@@ -183,7 +183,8 @@ class Kernels(_GgmlSteps):
       return grouped.moe_grouped
     return functools.partial(ops.moe_experts, mode=ex.mode, ordered=ex.products.ordered_sums,
                              combined=combined,
-                             swiglu=self.fused("swiglu", ex) and ex.mode == "ggml")
+                             swiglu=(self.fused("swiglu", ex)
+                                     and numerics.integer_products(ex.mode)))
 
   def slots_apart(self, ex, n_tokens: int, k: int, n_experts: int) -> bool:
     """Whether the routed experts of n_tokens tokens take the per-slot kernels, whose k outputs
@@ -233,6 +234,12 @@ class Kernels(_GgmlSteps):
 
 REFERENCE = Reference()
 KERNELS = Kernels()
+
+
+def _swiglu(backend, g, u, ex):
+  """The swiglu step as the model computes it: ggml's rounding under ggml numerics (the
+  backend's swiglu), else jax.nn.silu."""
+  return backend.swiglu(g, u, ex) if ex.ggml else jax.nn.silu(g) * u
 
 
 def _rms_scale(x, eps: float):

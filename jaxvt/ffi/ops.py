@@ -175,8 +175,9 @@ def _qmatmul_q8_call(rows: int, cols: int, act_bytes: int, swiglu: bool = False)
 def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml",
             up: jax.Array | None = None) -> jax.Array:
   """x f32 [..., cols] -> f32 [..., rows]: x @ W[layer].T in arithmetic `mode`, reading W's
-  blocks in place. up (the "ggml" mode only): the product of swiglu(x, up) (numerics.swiglu;
-  x the gate), formed by the kernel as it reads x (swiglu_qmatmul_ref is the composition)."""
+  blocks in place. up (integer products: "ggml", "q8"): the product of swiglu(x, up), x the gate,
+  formed by the kernel as it reads x: on the CPU jaxvt_swiglu's rows (ggml's), on a GPU
+  numerics.swiglu's expression with the device's expf (swiglu_qmatmul_ref: the composition)."""
   x = _dense_x(x, w, "qmatmul")
   m = w.meta
   lead = x.shape[:-1]
@@ -193,10 +194,10 @@ def qmatmul(x: jax.Array, w: QWeight, layer, mode: str = "ggml",
 
 
 def _swiglu_mode(mode: str, g, u, name: str) -> None:
-  """The swiglu products' checks: ggml's arithmetic, g and u of one shape."""
-  if _mode(mode) != "ggml":
-    raise JaxvtError(f"{name}: swiglu's product (up=) is computed in ggml's arithmetic only, "
-                     f"not {mode!r}")
+  """The swiglu products' checks: integer products ("ggml", "q8"), g and u of one shape."""
+  if not numerics.integer_products(_mode(mode)):
+    raise JaxvtError(f"{name}: swiglu's product (up=) takes integer products (the 'ggml' or "
+                     f"'q8' mode), not {mode!r}")
   if jnp.shape(g) != jnp.shape(u):
     raise JaxvtError(f"{name}: the gate {jnp.shape(g)} and up {jnp.shape(u)} differ in shape")
 
@@ -339,8 +340,8 @@ def qmatmul_experts(x: jax.Array, w: QWeight, layer, ids: jax.Array,
   (prefetch.fetch_experts): the experts it holds for `layer` are read from it (the same bytes).
   cache: (where int32 [T, k], ctab, cslot), the expert cache's decisions for this call and the
   stack's table (jaxvt.ffi.expert_cache): hits are read from the cache, fills written to it
-  (the same bytes). up (the "ggml" mode only): the products of swiglu(x, up) (numerics.swiglu;
-  x the gate), formed by the kernels as they read x.
+  (the same bytes). up (integer products): the products of swiglu(x, up), x the gate, formed by
+  the kernels as they read x (as qmatmul's up=).
   """
   _check(w, "qmatmul_experts", experts=True)
   m = w.meta
@@ -505,8 +506,8 @@ def moe_experts(x, w_gate: QWeight, w_up: QWeight, w_down: QWeight, layer, ids, 
   expert cache's hits read from it, its fills written to it, the same bytes. ordered: the k
   slots' outputs added in slot order (combine), so a token's sum does not depend on T.
   combined=False: the k slots' outputs f32 [T, k, cols], for the caller to weight and sum
-  (jaxvt.ffi.norm.add_norm does, with the residual). swiglu ("ggml" mode): the down product
-  forms silu(gate x) * up x as it reads them (qmatmul_experts' up=), one XLA step fewer."""
+  (jaxvt.ffi.norm.add_norm does, with the residual). swiglu (integer products): the down
+  product forms silu(gate x) * up x as it reads them (qmatmul_experts' up=), one step fewer."""
   return _moe(x, w_gate, w_up, w_down, layer, ids, weights, qmatmul_experts, _mode(mode),
               qmatmul_experts2, on_read, rings, cache, ordered, combined, swiglu)
 

@@ -340,8 +340,7 @@ def swiglu(x: jax.Array, w_gate: QWeight, w_up: QWeight, w_down: QWeight, li,
 
 
 def swiglu_down(g: jax.Array, u: jax.Array, w_down: QWeight, li, ex: Exec) -> jax.Array:
-  """The second half of swiglu: down(silu(g) * u) from the gate and up products."""
-  if ex.ggml:
-    w, layer = w_down.layer_view(li)
-    return ex.backend.swiglu_matmul(g, u, w, layer, ex)
-  return linear(jax.nn.silu(g) * u, w_down, li, ex)
+  """The second half of swiglu: down(silu(g) * u) from the gate and up products (one launch
+  where the backend fuses them)."""
+  w, layer = w_down.layer_view(li)
+  return ex.backend.swiglu_matmul(g, u, w, layer, ex)
