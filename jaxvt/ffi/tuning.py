@@ -61,7 +61,9 @@ class Products:
   dense FFN's. On the CPU the input rows are jaxvt_swiglu's, so a dense model's logits keep
   their bits (tests/test_swiglu_product.py); a MoE's routed experts then take ggml's swiglu
   instead of the jnp formula. On a GPU the kernel's expf and XLA's exp round some elements an
-  ulp apart. Off in every row: on the CPU it measured 1.00x (the default model, 2 cores).
+  ulp apart. Off in every row: on an H100 it removes 80 kernels a step and gains nothing (1.005x;
+  each down launch now computes its row's exps before its weights can be used), on the CPU
+  1.00x (docs/BENCHMARKS.md `fused-swiglu`).
 
   gdn_chunked_rows: from this many tokens a DeltaNet layer's prefill takes the chunked (WY)
   form of the gated delta rule; 0 never: every token takes the recurrence, as decode does, so
