@@ -27,6 +27,7 @@ from jaxvt.ffi.tuning import Products
 from jaxvt.model.layers import Exec
 from test_ffi_cases import ALL, NAMES, Q4_K, Q6_K, Q8_0, make_stack, matmul_ref, put
 from test_ffi_cases import device, rng  # noqa: F401,E402  (the shared fixtures: the CPU)
+from test_add_norm import _prompt_logits  # noqa: E402  (a prompt's logits under an Exec)
 
 
 def unfused(g, u, device):
@@ -174,13 +175,6 @@ def _program_targets(eng, ex: Exec, T: int) -> list[str]:
                   jnp.arange(T, dtype=jnp.int32)[None], valid=jnp.ones((1, T), bool),
                   logits_at=jnp.asarray([T - 1], jnp.int32)).as_text()
   return re.findall(r"custom_call @(\w+)", text)
-
-
-def _prompt_logits(eng, ex: Exec, ids: list[int]) -> np.ndarray:
-  args, kv_len = eng._prefill_args(ids, 0, len(ids))
-  logits, _ = model_fns.prefill_fn(eng.weights, eng.new_cache(1), *args, cfg=eng.cfg, ex=ex,
-                                   kv_len=kv_len)
-  return np.asarray(logits[0])
 
 
 @pytest.mark.parametrize("T", [1, 13])

@@ -6,9 +6,9 @@
 // A decode row is a chain of latencies, not of bytes (a few KB a row): where a thread's elements
 // fit in registers (d <= kLanes * EP), every load that does not depend on the layer (x, the K
 // slots, s, their weights) is issued at once, the layer's w and v rows while the first sum runs,
-// and x' stays in registers between the passes (the first version stored x' and read it back
-// through possibly aliased pointers, which kept each load behind the previous store: 7-9 us a
-// row on an H100). Larger rows take the loop kernel, which stores x' and reads it back.
+// and x' stays in registers between the passes (storing x' and reading it back through
+// possibly aliased pointers keeps each load behind the previous store: 7-9 us a row on an
+// H100). Larger rows take the loop kernel, which stores x' and reads it back.
 #include <cmath>
 #include <cstdint>
 
