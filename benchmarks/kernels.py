@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--matvec", action="store_true",
                   help="only the GPU matvec kernel alone under ggml's arithmetic: whole rows "
                        "through the bulk-copy engine against the per-warp windows")
+  ap.add_argument("--l2", action="store_true",
+                  help="only the GPU matvec kernel alone with its matrix pulled into L2 ahead of "
+                       "it (an L2 prefetch launch of the same or of the next launch's matrix)")
   return ap
 
 
@@ -167,6 +170,30 @@ def matvec_paths() -> None:
               f"({us(w):.1f}) | {b:.0f} ({us(b):.1f}) | {b / w:.2f} |", flush=True)
 
 
+def l2_ahead() -> None:
+  """The GPU matvec kernel at one row (device tier, ggml's arithmetic, distinct copies so that
+  nothing is in L2 by chance) against the same launches each after an L2 prefetch launch of its
+  own matrix (l2 0) or of the next launch's (l2 1: its bytes stream while the previous matvec
+  runs), and the prefetch launches alone; microseconds a launch (the prefetch's included)."""
+  dbg = ffi.debug_extension()
+  print("| matrix | MiB | matvec us | prefetch alone us | prefetch own + matvec us "
+        "| prefetch next + matvec us | next / matvec |")
+  print("|---|---|---|---|---|---|---|")
+  for fmt, rows, cols in STEP_SHAPES[:-1]:
+    name, be, bb = FORMATS[fmt].name, FORMATS[fmt].block_elems, FORMATS[fmt].block_bytes
+    nbytes = rows * cols // be * bb
+    copies = max(4, min(64, int((1 << 30) // nbytes)))
+
+    def us(l2, only=False):
+      gbs = max(dbg.measure_host_gemv(fmt, rows, cols, 1, copies=copies, iters=2 * copies,
+                                      device_tier=True, ggml=True, l2=l2, l2_only=only)
+                for _ in range(3))
+      return nbytes / gbs / 1e3
+    base, alone, own, nxt = us(-1), us(0, True), us(0), us(1)
+    print(f"| {name} {rows}x{cols} | {nbytes / MIB:.2f} | {base:.2f} | {alone:.2f} | {own:.2f} "
+          f"| {nxt:.2f} | {nxt / base:.2f} |", flush=True)
+
+
 def main(args) -> None:
   """Prints one line per format, shape and tier (nothing is written to docs/BENCHMARKS.md)."""
   dbg = ffi.debug_extension()  # the probes (measure_*, bench_cpu_gemv)
@@ -175,6 +202,9 @@ def main(args) -> None:
     return
   if args.matvec:
     matvec_paths()
+    return
+  if args.l2:
+    l2_ahead()
     return
   ext = ffi.extension()
   gpu = bool(ext.gpu_platform()) and ext.gpu_device_count() > 0

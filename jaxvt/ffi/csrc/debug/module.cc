@@ -135,20 +135,20 @@ std::optional<std::pair<double, double>> MeasureManaged(size_t nbytes) {
 // GPU-only probe of the matvec kernel (probes.h); GB/s of weight bytes read.
 double MeasureHostGemv(int fmt, int64_t rows, int64_t cols, int64_t batch, int copies, int iters,
                        int64_t grid_cap, bool device_tier, int kind, int64_t waves, bool ggml,
-                       int64_t bulk) {
+                       int64_t bulk, int l2, bool l2_only) {
 #if defined(JAXVT_WITH_GPU)
   if (UseGpu()) {
     std::string err;
     const int64_t rb = MatrixRowBytes(fmt, rows, cols, batch);
     double v = jaxvt::gpu_mem::measure_host_gemv(fmt, rows, cols, rb, batch, copies, iters,
                                                  grid_cap, waves, device_tier, kind, ggml, bulk,
-                                                 &err);
+                                                 l2, l2_only, &err);
     if (v < 0) throw std::runtime_error(err);
     return v;
   }
 #endif
   (void)fmt, (void)rows, (void)cols, (void)batch, (void)copies, (void)iters, (void)grid_cap;
-  (void)device_tier, (void)kind, (void)waves, (void)ggml, (void)bulk;
+  (void)device_tier, (void)kind, (void)waves, (void)ggml, (void)bulk, (void)l2, (void)l2_only;
   throw std::runtime_error("measure_host_gemv needs a GPU build and a GPU");
 }
 
@@ -217,11 +217,13 @@ NB_MODULE(_jaxvt_debug, m) {
   m.def("measure_host_gemv", &MeasureHostGemv, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
         nb::arg("batch") = 1, nb::arg("copies") = 8, nb::arg("iters") = 20, nb::arg("grid_cap") = 0,
         nb::arg("device_tier") = false, nb::arg("kind") = 0, nb::arg("waves") = 1,
-        nb::arg("ggml") = false, nb::arg("bulk") = -1,
+        nb::arg("ggml") = false, nb::arg("bulk") = -1, nb::arg("l2") = -1,
+        nb::arg("l2_only") = false,
         "GPU probe: GB/s of the matvec kernel alone (events), host or device tier, by grid: at "
         "most grid_cap blocks (0: the kernel's own), or `waves` waves of resident blocks; ggml: "
         "ggml's arithmetic (else float32); bulk: bulk-copy stage bytes (-1 the default, 0 the "
-        "per-warp windows).");
+        "per-warp windows); l2 >= 0: each launch after an L2 prefetch of the matrix l2 launches "
+        "ahead (0 its own); l2_only: the prefetch launches alone.");
   m.def("matvec_outputs", &MatvecOutputs, nb::arg("fmt"), nb::arg("rows"), nb::arg("cols"),
         nb::arg("batch"), nb::arg("w"), nb::arg("x"), nb::arg("y"), nb::arg("device_tier") = true,
         nb::arg("ggml") = true, nb::arg("bulk") = -1, nb::arg("grid_cap") = 0,

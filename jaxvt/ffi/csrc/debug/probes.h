@@ -19,10 +19,12 @@ double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t b
 // The matvec kernel alone, by grid (kernels_gpu.h Tuning: at most grid_cap blocks where > 0,
 // else `waves` waves of resident blocks): `copies` matrices (pinned host tier, or device tier)
 // read in turn (so no launch finds its matrix in the GPU's L2), timed with events around `iters`
-// launches. ggml: ggml's arithmetic (integer dots), else float32; bulk: Tuning::bulk.
+// launches. ggml: ggml's arithmetic (integer dots), else float32; bulk: Tuning::bulk. l2 >= 0:
+// each launch i is preceded by an L2 prefetch launch (launch_l2_prefetch) of copy i + l2 (0: its
+// own matrix, 1: the next launch's); l2_only: the prefetch launches alone.
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
                          int copies, int iters, int64_t grid_cap, int64_t waves, bool device_tier,
-                         int kind, bool ggml, int64_t bulk, std::string* err);
+                         int kind, bool ggml, int64_t bulk, int l2, bool l2_only, std::string* err);
 // The matvec kernel's output for given weights (rows x cols of format fmt at host address w,
 // row_bytes a row) and x (batch x cols float32 at host address x), into y (batch x rows): the
 // weights in the device tier (or the pinned host tier), ggml's arithmetic or float32, launched

@@ -83,7 +83,8 @@ double measure_zero_copy_read(size_t nbytes, int iters, bool coherent, int64_t b
 
 double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes, int64_t batch,
                          int copies, int iters, int64_t grid_cap, int64_t waves, bool device_tier,
-                         int kind, bool ggml, int64_t bulk, std::string* err) {
+                         int kind, bool ggml, int64_t bulk, int l2, bool l2_only,
+                         std::string* err) {
   gpu::Tuning tuning;
   tuning.grid_cap = grid_cap;
   tuning.bulk = bulk;
@@ -126,6 +127,17 @@ double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes,
     gpu::WeightArgs w{static_cast<const uint8_t*>(dd), static_cast<int64_t>(mat),
                       static_cast<const uint32_t*>(dt), static_cast<const int32_t*>(df), copies,
                       static_cast<const int32_t*>(dl) + (i % copies)};
+    if (l2 >= 0) {
+      gpu::L2Set set;
+      set.n = 1;
+      set.rows[0] = rows;
+      set.cols[0] = cols;
+      set.experts[0] = 0;
+      set.w[0] = w;
+      set.w[0].layer = static_cast<const int32_t*>(dl) + ((i + l2) % copies);
+      const gpuError_t e = gpu::launch_l2_prefetch(t.s, set);
+      if (e != gpuSuccess || l2_only) return e;
+    }
     return gpu::launch_qmatmul(t.s, w, static_cast<const float*>(dx), batch,
                                static_cast<float*>(dy), rows, cols, ggml, tuning);
   };
