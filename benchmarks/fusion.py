@@ -38,10 +38,6 @@ FIELDS = {
                      "The down products (routed experts, shared expert, dense FFN) form "
                      "silu(g) * u from the gate and up products as they read their input "
                      "(`ops.qmatmul(..., up=)`), instead of a step of its own."),
-    "l2_ahead": ("l2-ahead", "Weights asked into L2 ahead of their readers (Products.l2_ahead)",
-                 "Each block's dense stacks are asked into the GPU's L2 cache as the block "
-                 "starts, and the routed experts' once the router named them "
-                 "(`jaxvt.ffi.l2.ahead`: one small launch each, cp.async.bulk.prefetch.L2)."),
 }
 
 
@@ -55,35 +51,31 @@ def parser():
   ap.add_argument("--field", default="fused_norm", choices=sorted(FIELDS))
   ap.add_argument("--products", default=None,
                   help="FIELD=VALUE,... of the tuning row in both arms (benchmarks.profile's)")
-  ap.add_argument("--on", type=int, default=1,
-                  help="the field's value in the on arm (a count field's; 1: on)")
   ap.add_argument("--write", action="store_true", help="write its section of BENCHMARKS.md")
   return ap
 
 
-def _engines(model: str | None, field: str, products: str | None, on: int = 1) -> dict:
+def _engines(model: str | None, field: str, products: str | None) -> dict:
   if model == "offload":
     from benchmarks.offload import MODEL, ensure_model
     ensure_model(MODEL, print)
     model = MODEL
   eng = jaxvt.load(model, max_context=2048)
   ex = products_exec(eng.ex, products) if products else eng.ex
-  kind = type(getattr(ex.products, field))
-  row = lambda v: dataclasses.replace(ex, products=dataclasses.replace(ex.products,
-                                                                       **{field: kind(v)}))
-  return {"off": dataclasses.replace(eng, ex=row(0)),
-          "on": dataclasses.replace(eng, ex=row(on))}
+  row = lambda on: dataclasses.replace(ex, products=dataclasses.replace(ex.products,
+                                                                        **{field: on}))
+  return {"off": dataclasses.replace(eng, ex=row(False)),
+          "on": dataclasses.replace(eng, ex=row(True))}
 
 
 def main(args) -> str:
-  engines = _engines(args.model, args.field, args.products, args.on)
+  engines = _engines(args.model, args.field, args.products)
   cases = [("decode", r) for r in ROWS] + [("prefill", n) for n in PROMPTS]
   med, ratios = alternate(engines, ARMS, cases, args.steps, args.repeats)
   eng, dev = engines["on"], jax.devices()[0]
   section, title, what = FIELDS[args.field]
   cmd = (f"python -m benchmarks.fusion --field {args.field} --steps {args.steps} "
-         f"--repeats {args.repeats}" + (f" --on {args.on}" if args.on != 1 else "")
-         + (f" --model {args.model}" if args.model else "")
+         f"--repeats {args.repeats}" + (f" --model {args.model}" if args.model else "")
          + (f" --products {args.products}" if args.products else ""))
   lines = [f"## {title}, on and off\n",
            f"Command: `{cmd}`  ",
@@ -91,8 +83,7 @@ def main(args) -> str:
            f"Date: {report.stamp()}\n",
            f"`{os.path.basename(eng.path)}`, every weight on the device; one set of weights, "
            f"the platform's tuning row{' (' + args.products + ')' if args.products else ''} "
-           f"with `{args.field}` off and on ({args.on}), the arms alternating within each "
-           f"repeat. {what} "
+           f"with `{args.field}` off and on, the arms alternating within each repeat. {what} "
            f"Decode: {args.steps} steps of 1 and 8 rows "
            "(the engine's decode_fn); prefill: Engine.prefill of a prompt. Medians of "
            f"{args.repeats} repeats after a compiling one; the ratio is the median of each "

@@ -44,8 +44,8 @@ def parser() -> argparse.ArgumentParser:
                   help="only the GPU matvec kernel alone under ggml's arithmetic: whole rows "
                        "through the bulk-copy engine against the per-warp windows")
   ap.add_argument("--l2", action="store_true",
-                  help="only the GPU matvec kernel alone with its matrix pulled into L2 ahead of "
-                       "it (an L2 prefetch launch of the same or of the next launch's matrix)")
+                  help="only the GPU matvec kernel alone against the same after an L2 prefetch "
+                       "launch of its own or of the next launch's matrix")
   return ap
 
 
@@ -172,13 +172,14 @@ def matvec_paths() -> None:
 
 def l2_ahead() -> None:
   """The GPU matvec kernel at one row (device tier, ggml's arithmetic, distinct copies so that
-  nothing is in L2 by chance) against the same launches each after an L2 prefetch launch of its
-  own matrix (l2 0) or of the next launch's (l2 1: its bytes stream while the previous matvec
-  runs), and the prefetch launches alone; microseconds a launch (the prefetch's included)."""
+  nothing is in L2 by chance) against the same launches each after an L2 prefetch launch
+  (kernels_gpu.h launch_l2_prefetch) of its own matrix or of the next launch's (whose bytes would
+  stream while this matvec runs), and the prefetch launches alone; microseconds a launch. "matvec
+  from L2": the pair with its own prefetch less the prefetch alone."""
   dbg = ffi.debug_extension()
   print("| matrix | MiB | matvec us | prefetch alone us | prefetch own + matvec us "
-        "| prefetch next + matvec us | next / matvec |")
-  print("|---|---|---|---|---|---|---|")
+        "| matvec from L2 us | prefetch next + matvec us | next / matvec |")
+  print("|---|---|---|---|---|---|---|---|")
   for fmt, rows, cols in STEP_SHAPES[:-1]:
     name, be, bb = FORMATS[fmt].name, FORMATS[fmt].block_elems, FORMATS[fmt].block_bytes
     nbytes = rows * cols // be * bb
@@ -191,7 +192,7 @@ def l2_ahead() -> None:
       return nbytes / gbs / 1e3
     base, alone, own, nxt = us(-1), us(0, True), us(0), us(1)
     print(f"| {name} {rows}x{cols} | {nbytes / MIB:.2f} | {base:.2f} | {alone:.2f} | {own:.2f} "
-          f"| {nxt:.2f} | {nxt / base:.2f} |", flush=True)
+          f"| {own - alone:.2f} | {nxt:.2f} | {nxt / base:.2f} |", flush=True)
 
 
 def main(args) -> None:

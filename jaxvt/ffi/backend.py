@@ -50,7 +50,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import grouped, l2, norm, numerics, ops, steps
+from jaxvt.ffi import grouped, norm, numerics, ops, steps
 from jaxvt.gguf import quants
 from jaxvt.gguf.formats import F32, FORMATS
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight
@@ -127,9 +127,6 @@ class Reference(_GgmlSteps):
     return _rms_scale(x, eps)
 
   def fusion_barrier(self, x):
-    return x
-
-  def ahead(self, x, by_lead, ex, routed: bool = False):
     return x
 
 
@@ -233,16 +230,6 @@ class Kernels(_GgmlSteps):
     """x through an optimization barrier: XLA:GPU would otherwise fuse a dot reading x into the
     fusion that forms x (a slower multi-output reduction); the value is the same."""
     return jax.lax.optimization_barrier(x)
-
-  def ahead(self, x, by_lead, ex, routed: bool = False):
-    """x, after the tuning row's L2 prefetch (Products.l2_ahead = n: the stacks named n - 1
-    blocks ahead of their readers, or the farthest named; jaxvt.ffi.l2.ahead), each read where
-    layer_view says; or x itself."""
-    n = ex.products.l2_ahead
-    if n <= 0 or not by_lead:
-      return x
-    stacks = by_lead[min(n, len(by_lead)) - 1]
-    return l2.ahead(x, [w.layer_view(l) for w, l in stacks], routed=routed)
 
 
 REFERENCE = Reference()

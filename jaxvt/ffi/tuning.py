@@ -107,13 +107,6 @@ class Products:
   which grows with the program's kv bucket (longer splits past 2048 positions: its sums then
   depend on the longest row of the program); > 0 fixes it, so a row's sums depend on its own
   positions only (the combine reads only the splits that hold them).
-  l2_ahead: device-tier weights asked into the GPU's L2 cache ahead of their readers
-  (jaxvt.ffi.l2: one small launch at each block boundary, CUDA sm_90+; nothing elsewhere), so
-  that their bytes stream while the kernels before their readers run: 1 the stacks of the block
-  that starts (a mixer's projections; the FFN's router, shared expert or dense FFN), 2 those of
-  the block after it; the routed experts' once the router has named them. 0 never. Computes
-  nothing.
-
   ordered_sums: the sums over a row's own values that XLA would compute between the kernels
   take forms whose order does not depend on the rows of the program (XLA picks a dot's
   algorithm, and vectorises a reduction, by the shapes: on the CPU about half of a row
@@ -132,7 +125,6 @@ class Products:
   attn_fused: bool = False
   fused_norm: bool = False
   fused_swiglu: bool = False
-  l2_ahead: int = 0
   gdn_chunked_rows: int = 0
   prefetch_per_expert: int = 0
   prefetch_rings: int = 1

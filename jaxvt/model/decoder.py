@@ -19,7 +19,6 @@ from jaxvt.model import deltanet, layers, moe
 from jaxvt.model.config import ModelConfig
 from jaxvt.model.layers import Exec
 from jaxvt.model.axes import TP
-from jaxvt.qweight import QWeight
 
 
 def layer_period(cfg: ModelConfig) -> tuple[str, ...]:
@@ -67,28 +66,6 @@ def _ffn(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state, slot: int
       layers.swiglu(h, w["ffn.w_gate"], w["ffn.w_up"], w["ffn.w_down"], li, ex), ex)), state
 
 
-# The dense stacks a block reads (layers.ahead names them ahead of the block): the mixer's by
-# its kind, the FFN's.
-_MIXER = {"attention": ("attn.wq", "attn.wk", "attn.wv", "attn.wo"),
-          "deltanet": ("gdn.w_qkv", "gdn.w_z", "gdn.w_beta", "gdn.w_alpha", "gdn.w_out")}
-_FFN = ("moe.router", "shexp.w_gate", "shexp.w_up", "shexp.w_down", "ffn.w_gate", "ffn.w_up",
-        "ffn.w_down")
-
-
-def _stacks(w: dict, names, layer) -> list:
-  """(stack, layer) of each named quantized stack the file has."""
-  return [(w[n], layer) for n in names if n in w and isinstance(w[n], QWeight)]
-
-
-def _mixer_of(period: tuple[str, ...], p, j: int):
-  """(kind, index in its kind's stacks) of layer j of period p (j == len(period): the next
-  period's first)."""
-  if j == len(period):
-    p, j = p + 1, 0
-  kind = period[j]
-  return kind, p * period.count(kind) + period[:j].count(kind)
-
-
 def _no_terms(x: jax.Array, cfg: ModelConfig, ex: Exec) -> layers.Terms:
   """The FFN's terms adding nothing, in their form (the scan's first carry)."""
   return moe.no_terms(x, cfg, ex) if cfg.is_moe else layers.Terms(y=jnp.zeros_like(x))
@@ -113,6 +90,8 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   n_query = jnp.sum(valid, axis=1, dtype=jnp.int32)  # real tokens per row in this call
   period = layer_period(cfg)
   P = len(period)
+  n_att = period.count("attention")
+  n_gdn = P - n_att
   # the offload schedule (Exec.schedule) may read the weights through views of its own and
   # carries a state of its own through the scan
   w, state = weights, None
@@ -127,25 +106,25 @@ def forward(weights: dict, cache: dict, tokens: jax.Array, positions: jax.Array,
   def body(carry, p):
     x, terms, cache, state = carry
     cache = dict(cache)
+    a_j = g_j = 0
     for j, kind in enumerate(period):
       li = p * P + j
-      mi = _mixer_of(period, p, j)[1]  # the layer's index in its kind's stacks
       x, h, _ = layers.add_norm(x, terms, w["attn_norm"], li, cfg.rms_eps, ex)
-      # the stacks read by the block that starts here, then by the one after it
-      h = layers.ahead(h, [_stacks(w, _MIXER[kind], mi), _stacks(w, _FFN, li)], ex)
       with jax.named_scope(kind):
         if kind == "attention":
+          ai = p * n_att + a_j
+          a_j += 1
           o, cache["k"], cache["v"] = layers.attention(
-              h, w, mi, cache["k"], cache["v"], positions, cfg, ex, kv_len, n_query)
+              h, w, ai, cache["k"], cache["v"], positions, cfg, ex, kv_len, n_query)
         else:
-          # the whole state stacks: layer mi is updated (in place on the fused decode path)
+          gi = p * n_gdn + g_j
+          g_j += 1
+          # the whole state stacks: layer gi is updated (in place on the fused decode path)
           o, cache["conv"], cache["ssm"] = deltanet.deltanet_block(
-              h, w, mi, cache["conv"], cache["ssm"], valid, cfg, ex)
+              h, w, gi, cache["conv"], cache["ssm"], valid, cfg, ex)
       # sharded: o is this device's heads' partial sum
       x, h, gl = layers.add_norm(x, layers.Terms(y=layers.reduce(o, ex)), w["ffn_norm"], li,
                                  cfg.rms_eps, ex, dot=gate_v)
-      next_kind, next_i = _mixer_of(period, p, j + 1)
-      h = layers.ahead(h, [_stacks(w, _FFN, li), _stacks(w, _MIXER[next_kind], next_i)], ex)
       with jax.named_scope("ffn"):
         terms, state = _ffn(h, w, li, cfg, ex, state, j, padded, gl)
     return (x, terms, cache, state), None

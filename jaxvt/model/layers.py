@@ -115,14 +115,6 @@ def linear_many(x: jax.Array, ws, layer, ex: Exec) -> list[jax.Array]:
   return ex.backend.matmul_many(x, [v for v, _ in views], layer, ex)
 
 
-def ahead(x: jax.Array, by_lead, ex: Exec, routed: bool = False) -> jax.Array:
-  """x, with the stacks the following products read named to the backend, which may start moving
-  their bytes toward the chip (jaxvt.ffi.l2). by_lead[n]: the (stack, layer) pairs read n blocks
-  after this point (0: by the block that starts here); routed: x is the routed ids and only
-  their experts are read. The value is x's."""
-  return ex.backend.ahead(x, by_lead, ex, routed=routed)
-
-
 def reduce(x: jax.Array, ex: Exec, experts: bool = False) -> jax.Array:
   """Sums the partial products of a row-parallel projection over the mesh: over "tp", or over
   ("ep", "tp") for routed experts (jaxvt.model.sharding); an axis of size 1 holds nothing to

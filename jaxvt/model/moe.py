@@ -111,8 +111,7 @@ def moe_block(h: jax.Array, w: dict, li, cfg: ModelConfig, ex: Exec, state=None,
     routed = ex.backend.experts(ex, b * t, cfg.n_experts_used, cfg.n_experts, combined=not apart)
     views, kw, layer = (sched.experts(state, w, li, slot, ids) if sched else
                         ({n: w[n] for n in ROUTED}, {}, None))
-    (wg, lg), (wu, lu), (wd, ld) = (views[n].layer_view(li) for n in ROUTED)
-    ids = layers.ahead(ids, [[(wg, lg), (wu, lu), (wd, ld)]], ex, routed=True)
+    (wg, lg), (wu, _), (wd, _) = (views[n].layer_view(li) for n in ROUTED)
     y = routed(x, wg, wu, wd, lg, ids, wts, **kw)  # sharded: this device's experts' partial sum
     k = cfg.n_experts_used
     terms = (layers.Terms(y=y.reshape(b, t, k, d), c=wts.reshape(b, t, k)) if apart else

@@ -128,14 +128,9 @@ double measure_host_gemv(int fmt, int64_t rows, int64_t cols, int64_t row_bytes,
                       static_cast<const uint32_t*>(dt), static_cast<const int32_t*>(df), copies,
                       static_cast<const int32_t*>(dl) + (i % copies)};
     if (l2 >= 0) {
-      gpu::L2Set set;
-      set.n = 1;
-      set.rows[0] = rows;
-      set.cols[0] = cols;
-      set.experts[0] = 0;
-      set.w[0] = w;
-      set.w[0].layer = static_cast<const int32_t*>(dl) + ((i + l2) % copies);
-      const gpuError_t e = gpu::launch_l2_prefetch(t.s, set);
+      gpu::WeightArgs ahead = w;
+      ahead.layer = static_cast<const int32_t*>(dl) + ((i + l2) % copies);
+      const gpuError_t e = gpu::launch_l2_prefetch(t.s, ahead, rows, cols);
       if (e != gpuSuccess || l2_only) return e;
     }
     return gpu::launch_qmatmul(t.s, w, static_cast<const float*>(dx), batch,

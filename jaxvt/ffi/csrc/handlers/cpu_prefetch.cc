@@ -78,21 +78,6 @@ ffi::Error PrefetchJoinCpu(NoStream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> ring
   return ffi::Error::Success();
 }
 
-// The L2 prefetch has nothing to do on the CPU: x passes through.
-ffi::Error L2AheadCpu(NoStream, ffi::AnyBuffer x, ffi::RemainingArgs args,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> rows,
-                      ffi::Span<const int64_t> cols, ffi::Span<const int64_t> experts,
-                      bool routed) {
-  const size_t n = rows.size();
-  if (n < 1 || n > 12 || cols.size() != n || experts.size() != n || args.size() != 4 * n)
-    return ffi::Error::InvalidArgument("jaxvt l2_ahead: 1-12 stacks, 4 buffers and 3 sizes each");
-  if (routed && x.element_type() != ffi::DataType::S32)
-    return ffi::Error::InvalidArgument("jaxvt l2_ahead: routed ids must be int32");
-  if (out->untyped_data() != x.untyped_data())
-    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
-  return ffi::Error::Success();
-}
-
 // The decode expert ring's fetch (prefetch.h): the predicted experts copied at once.
 ffi::Error PrefetchExpertsCpu(NoStream, ffi::Buffer<ffi::S32> target, ffi::Buffer<ffi::S32> ids,
                               ffi::AnyBuffer after, ffi::RemainingArgs args,

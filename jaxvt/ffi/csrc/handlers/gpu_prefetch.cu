@@ -393,46 +393,6 @@ ffi::Error PrefetchJoinGpu(gpuStream_t st, ffi::AnyBuffer x, ffi::Buffer<ffi::U8
   return Status(gpuStreamWaitEvent(st, g_side[dev].done, 0), "prefetch_join");
 }
 
-// x passes through (aliased); the stacks' layer, or their routed experts ids, are pulled into L2.
-ffi::Error L2AheadGpu(gpuStream_t st, ffi::AnyBuffer x, ffi::RemainingArgs args,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> rows,
-                      ffi::Span<const int64_t> cols, ffi::Span<const int64_t> experts,
-                      bool routed) {
-  const size_t n = rows.size();
-  if (n < 1 || n > static_cast<size_t>(gpu::kMaxL2) || cols.size() != n || experts.size() != n ||
-      args.size() != 4 * n)
-    return ffi::Error::InvalidArgument("jaxvt l2_ahead: 1-12 stacks, 4 buffers and 3 sizes each");
-  if (routed && x.element_type() != ffi::DataType::S32)
-    return ffi::Error::InvalidArgument("jaxvt l2_ahead: routed ids must be int32");
-  if (out->untyped_data() != x.untyped_data())
-    if (gpuError_t e = gpuMemcpyAsync(out->untyped_data(), x.untyped_data(), x.size_bytes(),
-                                      gpuMemcpyDeviceToDevice, st))
-      return Status(e, "l2_ahead");
-  gpu::L2Set set;
-  set.n = static_cast<int>(n);
-  for (size_t i = 0; i < n; ++i) {
-    auto data = args.get<ffi::AnyBuffer>(4 * i);
-    auto table = args.get<ffi::Buffer<ffi::U32>>(4 * i + 1);
-    auto fmts = args.get<ffi::Buffer<ffi::S32>>(4 * i + 2);
-    auto layer = args.get<ffi::Buffer<ffi::S32>>(4 * i + 3);
-    if (!data.has_value() || !table.has_value() || !fmts.has_value() || !layer.has_value())
-      return ffi::Error::InvalidArgument("jaxvt l2_ahead: bad operand types");
-    auto dd = data->dimensions();
-    set.w[i] = gpu::WeightArgs{static_cast<const uint8_t*>(data->untyped_data()),
-                               dd.size() == 2 ? dd[1] : 0, table->typed_data(),
-                               fmts->typed_data(), static_cast<int64_t>(fmts->element_count()),
-                               layer->typed_data()};
-    set.rows[i] = rows[i];
-    set.cols[i] = cols[i];
-    set.experts[i] = experts[i];
-  }
-  // routed: the kernel reads the ids from x on the device
-  const int64_t slots = routed ? static_cast<int64_t>(x.element_count()) : 0;
-  const int32_t* ids = routed ? static_cast<const int32_t*>(x.untyped_data()) : nullptr;
-  if (routed && slots == 0) return ffi::Error::Success();
-  return Status(gpu::launch_l2_prefetch(st, set, ids, slots), "l2_ahead");
-}
-
 
 uint64_t g_xcalls = 0;  // expert fetch calls so far (all devices)
 

@@ -116,21 +116,12 @@ gpuError_t launch_add_norm(gpuStream_t s, const norm::Args& a);
 gpuError_t launch_gdn_step(gpuStream_t s, const gdn::Dims& d, const gdn::Args& a);
 gpuError_t launch_attn_step(gpuStream_t s, const attn::Dims& d, const attn::Args& a);
 
-// Stacks whose layer (each at its own layer index) a later launch reads, pulled into the L2 cache
-// ahead of it (kernels_gpu_l2.cu): each stack's whole layer (rows x cols of the layer's format, a
-// matrix or `experts` of them), or with ids [slots] only the routed experts ids[s] of it (negative
-// ids skipped). Device-tier layers only; on HIP and before CUDA sm_90 a launch does nothing.
-// Computes nothing: no kernel's result depends on it.
-constexpr int kMaxL2 = 12;
-struct L2Set {
-  WeightArgs w[kMaxL2];
-  int64_t rows[kMaxL2];
-  int64_t cols[kMaxL2];
-  int64_t experts[kMaxL2];  // 0: a dense stack
-  int n;
-};
-gpuError_t launch_l2_prefetch(gpuStream_t s, const L2Set& set, const int32_t* ids = nullptr,
-                              int64_t slots = 0);
+// Probe kernel: asks for layer *w.layer of a stack (rows x cols of the layer's format, device
+// tier) to be pulled into the L2 cache (CUDA sm_90+: cp.async.bulk.prefetch.L2; elsewhere, or for
+// a host-tier layer, nothing is launched). For measurement only (debug/probes_gpu.cu): a launch
+// lasts about as long as its bytes take to arrive, so on one stream it adds its time to the
+// work after it (docs/BENCHMARKS.md).
+gpuError_t launch_l2_prefetch(gpuStream_t s, const WeightArgs& w, int64_t rows, int64_t cols);
 
 // Probe kernel: reads n16 uint4 from p with a grid-stride loop (result folded into *sink);
 // blocks <= 0: four per multiprocessor.
