@@ -1,6 +1,6 @@
-"""The MoE router as one custom call (ops.moe_route, csrc/common/route.h) against its jnp reference
-(ops.moe_route_ref: softmax in float32, lax.top_k, renormalisation), which always runs on the
-CPU backend: the same ids and weights to float32 rounding on random logits without near-ties,
+"""The MoE router as one custom call (route.moe_route, csrc/common/route.h) against its jnp
+reference (route.moe_route_ref: softmax in float32, lax.top_k, renormalisation), which always
+runs on the CPU backend: the same ids and weights to float32 rounding on random logits without near-ties,
 exact ties to the lower expert index (across lanes and registers of the GPU kernel), NaN rows,
 batched shapes, and the model with Products.fused_route on and off (same greedy tokens).
 
@@ -21,7 +21,7 @@ import pytest
 import jaxvt
 from jaxvt import engine, ffi, synth
 from jaxvt.errors import JaxvtError
-from jaxvt.ffi import ops
+from jaxvt.ffi import route
 
 pytestmark = pytest.mark.skipif(not ffi.available("cpu"), reason="jaxvt extension not built")
 
@@ -35,12 +35,12 @@ def device():
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def fused(logits, k, renormalise):
-  return ops.moe_route(logits, k, renormalise)
+  return route.moe_route(logits, k, renormalise)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def reference(logits, k, renormalise):
-  return ops.moe_route_ref(logits, k, renormalise)
+  return route.moe_route_ref(logits, k, renormalise)
 
 
 def run(fn, logits, k, renormalise, device):
@@ -122,7 +122,7 @@ def test_batched_shapes_and_vmap(device):
   want_ids, want_wts = run(reference, x.reshape(6, 64), 8, True, CPU)
   np.testing.assert_array_equal(ids.reshape(6, 8), want_ids)
   np.testing.assert_allclose(wts.reshape(6, 8), want_wts, rtol=1e-5)
-  vm = jax.jit(jax.vmap(lambda l: ops.moe_route(l, 8, True)))
+  vm = jax.jit(jax.vmap(lambda l: route.moe_route(l, 8, True)))
   vids, vwts = vm(jax.device_put(jnp.asarray(x), device))
   np.testing.assert_array_equal(np.asarray(vids), ids)
   np.testing.assert_array_equal(np.asarray(vwts), wts)
@@ -140,15 +140,15 @@ def _targets(lowered) -> set[str]:
 def test_wide_routers_and_bad_k():
   """Routers wider than csrc/common/route.h's kMaxExperts run the reference; k outside 1 .. E is a
   user error."""
-  narrow = jax.ShapeDtypeStruct((3, ops.ROUTE_MAX_EXPERTS), jnp.float32)
-  wide = jax.ShapeDtypeStruct((3, ops.ROUTE_MAX_EXPERTS + 1), jnp.float32)
+  narrow = jax.ShapeDtypeStruct((3, route.MAX_EXPERTS), jnp.float32)
+  wide = jax.ShapeDtypeStruct((3, route.MAX_EXPERTS + 1), jnp.float32)
   assert "jaxvt_moe_route" in _targets(fused.lower(narrow, 8, True))
   assert "jaxvt_moe_route" not in _targets(fused.lower(wide, 8, True))
-  x = spaced_logits(np.random.default_rng(1), 4, ops.ROUTE_MAX_EXPERTS + 1)
+  x = spaced_logits(np.random.default_rng(1), 4, route.MAX_EXPERTS + 1)
   np.testing.assert_array_equal(run(fused, x, 8, True, CPU)[0], run(reference, x, 8, True, CPU)[0])
   for k in (0, 9):
     with pytest.raises(JaxvtError, match="moe_route"):
-      ops.moe_route(jnp.zeros((2, 8)), k, True)
+      route.moe_route(jnp.zeros((2, 8)), k, True)
 
 
 # ---------------------------------------------------------------------------------------------

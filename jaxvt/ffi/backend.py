@@ -50,7 +50,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxvt.ffi import grouped, norm, numerics, ops, steps
+from jaxvt.ffi import grouped, norm, numerics, ops, route, steps
 from jaxvt.gguf import quants
 from jaxvt.gguf.formats import F32, FORMATS
 from jaxvt.qweight import FMT_MASK, HOST_BIT, QMeta, QWeight
@@ -100,7 +100,7 @@ class Reference(_GgmlSteps):
     return ops.qembed_ref(ids, w, jnp.int32(0))
 
   def route(self, logits, k: int, renormalise: bool, ex):
-    return ops.moe_route_ref(logits, k, renormalise)
+    return route.moe_route_ref(logits, k, renormalise)
 
   def experts(self, ex, n_tokens: int, k: int, n_experts: int, combined: bool = True):
     """The gathered reference for few slots; one pass per expert for many (its [T, k, rows,
@@ -171,7 +171,7 @@ class Kernels(_GgmlSteps):
   def route(self, logits, k: int, renormalise: bool, ex):
     """One custom call where the tuning row fuses the router (the same ids, weights to float32
     rounding), else the reference (whose arithmetic the CPU's llama.cpp checks match)."""
-    fn = ops.moe_route if ex.products.fused_route else ops.moe_route_ref
+    fn = route.moe_route if ex.products.fused_route else route.moe_route_ref
     return fn(logits, k, renormalise)
 
   def experts(self, ex, n_tokens: int, k: int, n_experts: int, combined: bool = True):

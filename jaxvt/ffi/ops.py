@@ -16,7 +16,7 @@ mode to pass there). "f32" dequantizes exactly and takes an f32 dot product. Ref
 math. They read device-tier layers only: for a host-tier layer they return NaN.
 
 Model steps in ggml arithmetic (`rms_norm`, `swiglu`, `rope`, `attention`) are in
-jaxvt.ffi.steps.
+jaxvt.ffi.steps, the MoE router's softmax-top-k in jaxvt.ffi.route.
 
 Shapes (rows x cols is one layer's matrix, E = w.meta.experts):
   qmatmul(x f32 [..., cols], w, layer)                 -> f32 [..., rows]
@@ -27,7 +27,6 @@ Shapes (rows x cols is one layer's matrix, E = w.meta.experts):
   qmatmul_grouped(x [T, cols] | [T, k, cols], w, layer, ids [T, k])  -> f32 [T, k, rows]  (bf16)
   qmatmul_tiled(x f32 [..., cols], w, layer)           -> f32 [..., rows]                 (bf16)
   moe_grouped(x [T, cols], w_gate, w_up, w_down, layer, ids, weights) -> [T, cols]        (bf16)
-  moe_route(logits f32 [T, E], k, renormalise)          -> ids int32 [T, k], weights f32 [T, k]
 Expert ids and embedding ids are clamped into range, like JAX gathers. The grouped ops (prefill on
 a GPU) compute in bf16 arithmetic: bf16-rounded weights and activations, float32 sums.
 """
@@ -580,36 +579,3 @@ def qdequant_ref(w: QWeight, layer) -> jax.Array:
   m = w.meta
   return _switch_formats(
       w, layer, lambda raw, f: dequantize(raw, f, m.cols).reshape(w.shape)).astype(jnp.bfloat16)
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE router
-
-ROUTE_MAX_EXPERTS = 512  # csrc/common/route.h kMaxExperts: wider routers run moe_route_ref
-
-
-def moe_route_ref(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-  """Router logits [..., E] -> (ids int32 [..., k], weights float32 [..., k]): softmax in
-  float32, lax.top_k (descending, ties to the lower index), renormalised to sum 1 if asked."""
-  p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  wts, ids = jax.lax.top_k(p, k)
-  if renormalise:
-    wts = wts / jnp.sum(wts, axis=-1, keepdims=True)
-  return ids.astype(jnp.int32), wts
-
-
-def moe_route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-  """moe_route_ref as one custom call (csrc/common/route.h): the same ids where no two probabilities
-  are within float32 rounding of each other, the weights to float32 rounding. A row whose
-  softmax is NaN (a NaN or +inf logit, or all -inf) gives ids 0 .. k-1 with NaN weights, as the
-  reference does."""
-  logits = jnp.asarray(logits, jnp.float32)
-  E = logits.shape[-1]
-  if not 1 <= k <= E:
-    raise JaxvtError(f"moe_route: k = {k} must be 1 .. {E} (the router's experts)")
-  if E > ROUTE_MAX_EXPERTS:
-    return moe_route_ref(logits, k, renormalise)
-  out = (jax.ShapeDtypeStruct((*logits.shape[:-1], k), jnp.int32),
-         jax.ShapeDtypeStruct((*logits.shape[:-1], k), jnp.float32))
-  return jax.ffi.ffi_call("jaxvt_moe_route", out, vmap_method="expand_dims")(
-      logits, renormalise=bool(renormalise))
