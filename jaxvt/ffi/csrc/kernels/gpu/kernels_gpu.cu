@@ -195,6 +195,29 @@ __global__ void __launch_bounds__(128) stream_read_bulk_kernel(const uint8_t* p,
 
 }  // namespace
 
+bool bulk_engine() {
+#if defined(JAXVT_GPU_CUDA)
+  static bool cached[64] = {false}, known[64] = {false};
+  int dev = 0;
+  if (gpuGetDevice(&dev) != gpuSuccess || dev < 0 || dev >= 64) {
+    (void)gpuGetLastError();
+    return false;
+  }
+  if (!known[dev]) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)gpuGetLastError();
+      major = 0;
+    }
+    cached[dev] = major >= 9;
+    known[dev] = true;
+  }
+  return cached[dev];
+#else
+  return false;
+#endif
+}
+
 int sm_count() {
   static int cached[64] = {0};
   int dev = 0;
@@ -373,10 +396,7 @@ gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigne
                               int64_t blocks, bool bulk) {
   if (bulk) {
 #if defined(JAXVT_GPU_CUDA)
-    int dev = 0, major = 0;
-    (void)gpuGetDevice(&dev);
-    (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (major < 9 || (n16 * 16) % kBulk) return cudaErrorNotSupported;
+    if (!bulk_engine() || (n16 * 16) % kBulk) return cudaErrorNotSupported;
     if (blocks <= 0) blocks = 2LL * sm_count();
     stream_read_bulk_kernel<<<blocks, 128, 0, s>>>(static_cast<const uint8_t*>(p), n16 * 16 / kBulk, sink);
     return gpuGetLastError();

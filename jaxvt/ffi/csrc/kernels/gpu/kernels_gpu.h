@@ -131,6 +131,9 @@ gpuError_t launch_stream_read(gpuStream_t s, const void* p, int64_t n16, unsigne
                               int64_t blocks = 0, bool bulk = false);
 
 int sm_count();  // multiprocessors of the current device (cached)
+// Whether the current device has the bulk-copy engine (cp.async.bulk: CUDA compute capability
+// 9.0 or later; false on HIP), cached per device.
+bool bulk_engine();
 
 }  // namespace jaxvt::gpu
 

@@ -40,11 +40,7 @@ __global__ void __launch_bounds__(kL2Threads) l2_prefetch_kernel(WeightArgs w, i
 
 gpuError_t launch_l2_prefetch(gpuStream_t s, const WeightArgs& w, int64_t rows, int64_t cols) {
 #if defined(JAXVT_GPU_CUDA)
-  int dev = 0, major = 0;
-  if (gpuGetDevice(&dev) != gpuSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return gpuGetLastError();
-  if (major < 9 || rows <= 0 || cols <= 0) return gpuSuccess;
+  if (!bulk_engine() || rows <= 0 || cols <= 0) return gpuSuccess;
   // sized for a byte an element; the kernel's loop covers wider formats
   const int64_t blocks = (rows * cols / kL2Piece + kL2Threads - 1) / kL2Threads;
   l2_prefetch_kernel<<<static_cast<unsigned>(blocks > 0 ? blocks : 1), kL2Threads, 0, s>>>(

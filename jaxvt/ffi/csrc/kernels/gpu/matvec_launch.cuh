@@ -52,22 +52,8 @@ int64_t allow_dyn_smem(K kernel, int64_t static_bytes) {
 // per-warp windows). Two stages of this plus kBulkSpare bytes, and their barriers (bulk_smem),
 // follow the held activation rows.
 inline int64_t bulk_stage(const Tuning& t) {
-#if defined(JAXVT_GPU_CUDA)
-  static const bool engine = [] {
-    int dev = 0, major = 0;
-    if (gpuGetDevice(&dev) != gpuSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      (void)gpuGetLastError();
-      return false;
-    }
-    return major >= 9;
-  }();
-  if (!engine || t.bulk == 0) return 0;
+  if (!bulk_engine() || t.bulk == 0) return 0;
   return t.bulk > 0 ? (t.bulk + 15) / 16 * 16 : kBulkStage;
-#else
-  (void)t;
-  return 0;
-#endif
 }
 // Dynamic shared memory for the stages and their two mbarriers.
 inline int64_t bulk_smem(int64_t stage) { return stage > 0 ? 2 * (stage + kBulkSpare) + 16 : 0; }
