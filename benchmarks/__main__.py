@@ -13,6 +13,8 @@ BENCHMARKS = {
     "tier": "host-tier read rate against the link; --products: in place / tiled / staged "
             "products by rows; --grid, --kinds: kernel-alone probes (GPU; CPU runs it too)",
     "kernels": "qmatmul GB/s from the host and device tiers, printed (no section)",
+    "phases": "where a one-row bulk-copy matvec launch spends its cycles, phase by phase (an "
+              "extension built with -DJAXVT_MV_PHASES=1; NVIDIA sm_90+; printed)",
     "cpu": "jaxvt against llama.cpp (llama-cpp-python) on the default model (CPU)",
     "profile": "where a decode step's (or a prefill's) device time goes (jax.profiler)",
     "mesh": "tp=2 against one device, with and without offload (2 GPUs)",

@@ -3,6 +3,7 @@
 // matvec.cuh, shared with kernels_gpu_experts.cu (routed experts), in float32 or in ggml's integer
 // products (docs/NUMERICS.md, "q8").
 #include <cstdint>
+#include <cstdio>
 #include <type_traits>
 
 #include "common/formats.h"
@@ -29,15 +30,24 @@ __global__ void __launch_bounds__(kThreads, BT == 16 ? 1 : (BT == 1 ? kMvBlocks 
                                                            float* y, int64_t rows, int64_t cols,
                                                            int64_t bulk) {
   extern __shared__ uint4 smem_slots[];
+#if JAXVT_MV_PHASES
+  const uint64_t t0 = phase_start();
+#endif
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   Rows<BT> R = batch_group<BT>(x, batch, y, rows, cols);
   R.u = w.up;
   LayerRef L;
   const auto hold = resolve_and_hold<BT, XM>(w, R, smem_slots + wpb * kSlotU4, &L);
+#if JAXVT_MV_PHASES
+  if (threadIdx.x == 0) mv_phase[1] = clock64() + (L.base == nullptr ? 1 : 0);  // after the read
+#endif
   use_bulk<BT, XM>(R, bulk, smem_slots + wpb * kSlotU4, L.host);
   matvec_fmt<BT, XM>(L.fmt, L.base, R, rows, cols, smem_slots + wib * kSlotU4, lane,
                      static_cast<int64_t>(blockIdx.x) * wpb + wib, static_cast<int64_t>(gridDim.x) * wpb,
                      hold);
+#if JAXVT_MV_PHASES
+  if (BT == 1) phase_print(rows, cols, t0);
+#endif
 }
 
 // Several matrices with the same input x (and the same layer index) in one launch: the blocks of
@@ -248,12 +258,12 @@ struct Launch {
 Launch plan_launch(int64_t batch, int64_t rows, int64_t cols, bool allow_small, bool ggml,
                    const Tuning& t) {
   static const int64_t allowed = [] {
-    const int64_t v[] = {allow_dyn_smem(qmatmul_kernel<1, 1>, 0), allow_dyn_smem(qmatmul_kernel<4, 1>, 0),
-                         allow_dyn_smem(qmatmul_kernel<1, 2>, 0), allow_dyn_smem(qmatmul_kernel<4, 2>, 0),
-                         allow_dyn_smem(qmatmul_multi_kernel<1, 1>, 0),
-                         allow_dyn_smem(qmatmul_multi_kernel<4, 1>, 0),
-                         allow_dyn_smem(qmatmul_multi_kernel<1, 2>, 0),
-                         allow_dyn_smem(qmatmul_multi_kernel<4, 2>, 0)};
+    const int64_t v[] = {allow_dyn_smem(qmatmul_kernel<1, 1>, kPhaseSmem), allow_dyn_smem(qmatmul_kernel<4, 1>, kPhaseSmem),
+                         allow_dyn_smem(qmatmul_kernel<1, 2>, kPhaseSmem), allow_dyn_smem(qmatmul_kernel<4, 2>, kPhaseSmem),
+                         allow_dyn_smem(qmatmul_multi_kernel<1, 1>, kPhaseSmem),
+                         allow_dyn_smem(qmatmul_multi_kernel<4, 1>, kPhaseSmem),
+                         allow_dyn_smem(qmatmul_multi_kernel<1, 2>, kPhaseSmem),
+                         allow_dyn_smem(qmatmul_multi_kernel<4, 2>, kPhaseSmem)};
     int64_t m = v[0];
     for (int64_t a : v) m = a < m ? a : m;
     return m;

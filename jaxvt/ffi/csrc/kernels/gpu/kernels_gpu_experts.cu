@@ -230,7 +230,7 @@ gpuError_t launch_slot(gpuStream_t s, int nmat, const WeightArgs& w0, const Weig
 
 // The per-slot kernel's static shared memory (ring_expert's pointer), left out of the dynamic
 // limit it opts in to (a kernel cannot opt in to more than the device's limit less its static).
-constexpr int64_t kSlotStatic = 64;
+constexpr int64_t kSlotStatic = 64 + kPhaseSmem;
 
 // The per-slot kernel, with the activation row held as for the general kernel.
 gpuError_t launch_per_slot(gpuStream_t s, int nmat, const WeightArgs& w0,
@@ -260,7 +260,8 @@ gpuError_t launch_per_slot(gpuStream_t s, int nmat, const WeightArgs& w0,
                         experts, kSlots, waves, phase, 0);
 }
 
-constexpr int64_t kStaticSmem = static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64;
+constexpr int64_t kStaticSmem =
+    static_cast<int64_t>(sizeof(uint4)) * kWarps * kSlotU4 + 4 * kIdsCached + 64 + kPhaseSmem;
 
 template <int BT, int XM>
 gpuError_t launch(gpuStream_t s, int nmat, const WeightArgs& w0, const WeightArgs& w1,

@@ -36,6 +36,25 @@
 #define JAXVT_FFI_CSRC_MATVEC_CUH_
 
 constexpr int kThreads = 256;
+// Phase stamps for measurement (CUDA, -DJAXVT_MV_PHASES=1; python -m benchmarks.phases): thread 0
+// of a block records clock64() as it reaches each phase of a bulk-copy matvec (matvec_bulk.cuh),
+// and a few blocks of each one-row qmatmul launch print them (kernels_gpu.cu). kPhaseSmem: the
+// static shared memory they take (none when off: then they are no code).
+#ifndef JAXVT_MV_PHASES
+#define JAXVT_MV_PHASES 0
+#endif
+constexpr int64_t kPhaseSmem = JAXVT_MV_PHASES ? 64 : 0;
+#if JAXVT_MV_PHASES
+__shared__ long long mv_phase[8];
+#define MV_PHASE(i) \
+  do { \
+    if (threadIdx.x == 0) mv_phase[i] = clock64(); \
+  } while (0)
+#else
+#define MV_PHASE(i) \
+  do { \
+  } while (0)
+#endif
 // Blocks per SM the single-row matvec kernels are compiled for (their register budget; the grid
 // is one wave of resident blocks, so more blocks are more loads in flight). A build knob for
 // measurement (-DJAXVT_MV_BLOCKS=N); the rows' arithmetic does not depend on it.
@@ -374,8 +393,9 @@ __device__ __forceinline__ void matvec(const uint8_t* base, Rows<BT>& R, int64_t
   // Block-uniform: the stage size is the launch's, the shape and the format the matrix's.
   if constexpr (XM == 2 && !MR) {
     if (bulk_fits(R.bulk, cols / T::kKbe * T::kKbb)) {
-      const int64_t wpb = blockDim.x >> 5;
-      matvec_bulk<F, BT, A16>(base, R, rows, cols, gwarp / wpb, nwarps / wpb, pro);
+      const uint32_t wpb = blockDim.x >> 5;  // (32-bit: a 64-bit division is a called routine)
+      matvec_bulk<F, BT, A16>(base, R, rows, cols, static_cast<uint32_t>(gwarp) / wpb,
+                              static_cast<uint32_t>(nwarps) / wpb, pro);
       return;
     }
   }

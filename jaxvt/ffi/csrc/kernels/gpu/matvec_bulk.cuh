@@ -82,13 +82,17 @@ __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, in
                                             const Pro& pro) {
   using T = Traits<F>;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int64_t nkb = cols / T::kKbe, rb = nkb * T::kKbb;
+  // The chunking in 32-bit unsigned arithmetic (a matrix's rows, a row's bytes, a stage and the
+  // grid all fit): a 64-bit division is a called routine, on the path to the first copy.
+  const uint32_t nkb = static_cast<uint32_t>(cols / T::kKbe), rb = nkb * T::kKbb;
   const int nunits = static_cast<int>(nkb * T::kUpk);
-  int64_t rpc = (R.bulk - 32) / rb;             // rows a chunk
-  const int64_t spread = (rows + nblk - 1) / nblk;  // small matrices: every block gets rows
+  const uint32_t nrows = static_cast<uint32_t>(rows), ub = static_cast<uint32_t>(blk),
+                 un = static_cast<uint32_t>(nblk);
+  uint32_t rpc = static_cast<uint32_t>(R.bulk - 32) / rb;  // rows a chunk
+  const uint32_t spread = (nrows + un - 1) / un;           // small matrices: every block gets rows
   if (rpc > spread) rpc = spread;
-  const int64_t nch = (rows + rpc - 1) / rpc;
-  const int64_t mine = blk < nch ? (nch - 1 - blk) / nblk + 1 : 0;
+  const uint32_t nch = (nrows + rpc - 1) / rpc;
+  const int64_t mine = ub < nch ? (nch - 1 - ub) / un + 1 : 0;
   const int64_t sstride = R.bulk + kBulkSpare;
   // the two stages' barriers follow them (no static shared memory: a kernel that had some could
   // not opt in to the device's whole dynamic limit, matvec_launch.cuh's allow_dyn_smem)
@@ -96,8 +100,9 @@ __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, in
   auto stage_buf = [&](int st) { return R.bulk_smem + st * sstride; };
   const uintptr_t b0 = reinterpret_cast<uintptr_t>(base);
   auto fetch = [&](int st, int64_t j) {  // thread 0: chunk j of the block's into stage st
-    const int64_t c = blk + j * nblk, r1 = (c + 1) * rpc < rows ? (c + 1) * rpc : rows;
-    const uintptr_t a = (b0 + static_cast<uintptr_t>(c * rpc * rb)) & ~uintptr_t{15};
+    const uint64_t c = ub + static_cast<uint64_t>(j) * un, r0 = c * rpc;
+    const uint64_t r1 = r0 + rpc < nrows ? r0 + rpc : nrows;
+    const uintptr_t a = (b0 + static_cast<uintptr_t>(r0 * rb)) & ~uintptr_t{15};
     const uintptr_t e = (b0 + static_cast<uintptr_t>(r1 * rb) + 15) & ~uintptr_t{15};
     bulk_g2s(stage_buf(st), reinterpret_cast<const void*>(a), static_cast<uint32_t>(e - a), &bar[st]);
   };
@@ -108,12 +113,16 @@ __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, in
     if (mine > 0) fetch(0, 0);
     if (mine > 1) fetch(1, 1);
   }
+  MV_PHASE(2);  // the first copies requested
   pro(R);
+  MV_PHASE(3);  // the activations held
   const bool pairs = BT == 1 && nunits <= 16;
   for (int64_t j = 0; j < mine; ++j) {
     const int st = static_cast<int>(j & 1);
     mbar_wait(&bar[st], static_cast<uint32_t>((j >> 1) & 1));
-    const int64_t r0 = (blk + j * nblk) * rpc, nr = rows - r0 < rpc ? rows - r0 : rpc;
+    if (j == 0) MV_PHASE(4);  // the first chunk in
+    const int64_t r0 = (blk + j * nblk) * static_cast<int64_t>(rpc);
+    const int64_t nr = rows - r0 < rpc ? rows - r0 : rpc;
     const uint8_t* p = stage_buf(st) + ((b0 + static_cast<uintptr_t>(r0 * rb)) & 15);
     float acc[BT];
 #pragma unroll
@@ -137,10 +146,43 @@ __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, in
         write_rows<BT>(acc, R, r0 + i, lane);
       }
     }
+    if (j == 0) MV_PHASE(5);  // thread 0's warp done with it
     __syncthreads();  // every warp is done with the stage before it is refilled
     if (threadIdx.x == 0 && j + 2 < mine) fetch(st, j + 2);
   }
 }
 #endif  // JAXVT_BULK_DEVICE
+
+#if JAXVT_MV_PHASES
+// The phase stamps' clock at a kernel's entry (stamp 0, the others cleared) and the global timer.
+__device__ __forceinline__ uint64_t phase_start() {
+  MV_PHASE(0);
+  if (threadIdx.x == 0)
+    for (int i = 1; i < 8; ++i) mv_phase[i] = 0;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// After the block's matvec: its end (stamp 6) and a barrier (7); blocks 0, 1, 40, the middle one
+// and the last print one line (benchmarks.kernels --phases reads them): cycles after entry.
+__device__ __forceinline__ void phase_print(int64_t rows, int64_t cols, uint64_t t0) {
+  MV_PHASE(6);
+  __syncthreads();
+  MV_PHASE(7);
+  uint64_t t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  const unsigned b = blockIdx.x, n = gridDim.x;
+  if (threadIdx.x == 0 && (b < 2 || b == 40 || b == n / 2 || b + 1 == n)) {
+    long long c[7];
+    for (int i = 1; i < 8; ++i) c[i - 1] = mv_phase[i] ? mv_phase[i] - mv_phase[0] : -1;
+    printf("TR rows %lld cols %lld blk %u/%u sm %u g0 %llu gdur %llu c: res %lld tma %lld pro %lld "
+           "wait0 %lld comp0 %lld end %lld sync %lld\n", static_cast<long long>(rows),
+           static_cast<long long>(cols), b, n, sm, static_cast<unsigned long long>(t0),
+           static_cast<unsigned long long>(t1 - t0), c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+  }
+}
+#endif  // JAXVT_MV_PHASES
 
 #endif  // JAXVT_FFI_CSRC_MATVEC_BULK_CUH_
