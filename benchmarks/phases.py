@@ -31,7 +31,8 @@ from jaxvt import JaxvtError
 
 SHAPES = [("Q6_K", 2048, 4096), ("Q6_K", 2048, 512), ("Q4_K", 512, 2048), ("Q6_K", 12352, 2048),
           ("Q4_K", 8192, 2048)]
-LAUNCHES = 24  # per shape; the first 6 (compiles, cold caches) are left out
+LAUNCHES = 24  # per shape
+WARMUP = 6  # launches of a shape left out (compiles, cold caches)
 LINE = re.compile(r"TR rows (\d+) cols (\d+) blk (\d+)/(\d+) sm \d+ g0 (\d+) gdur (\d+) c: res "
                   r"(-?\d+) tma (-?\d+) pro (-?\d+) wait0 (-?\d+) comp0 (-?\d+) end (-?\d+) "
                   r"sync (-?\d+)")
@@ -79,7 +80,7 @@ def summarize(text: str) -> list[str]:
         cur = [r]
     launches.append(cur)
     for blk in sorted({r[2] for r in rs}):
-      sel = [r for launch in launches[6:] for r in launch if r[2] == blk]
+      sel = [r for launch in launches[WARMUP:] for r in launch if r[2] == blk]
       if not sel:
         continue
       med = [statistics.median(r[6 + i] for r in sel) for i in range(len(PHASES))]
