@@ -3,7 +3,7 @@
 // matvec.cuh, shared with kernels_gpu_experts.cu (routed experts), in float32 or in ggml's integer
 // products (docs/NUMERICS.md, "q8").
 #include <cstdint>
-#include <cstdio>
+#include <cstdio>  // printf: the phase stamps of a -DJAXVT_MV_PHASES=1 build (matvec.cuh)
 #include <type_traits>
 
 #include "common/formats.h"

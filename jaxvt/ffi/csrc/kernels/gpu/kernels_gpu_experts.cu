@@ -3,6 +3,7 @@
 // a dense qmatmul of them gives): calls of up to kExpertsSlotMax slots stream each slot's expert on
 // its own (decode, short prompts); larger ones read each routed expert once per 4 or 16 slots.
 #include <cstdint>
+#include <cstdio>  // printf: the phase stamps of a -DJAXVT_MV_PHASES=1 build (matvec.cuh)
 
 #include "common/expert_cache.h"
 #include "common/formats.h"

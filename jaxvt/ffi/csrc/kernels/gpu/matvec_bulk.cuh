@@ -153,36 +153,4 @@ __device__ __forceinline__ void matvec_bulk(const uint8_t* base, Rows<BT>& R, in
 }
 #endif  // JAXVT_BULK_DEVICE
 
-#if JAXVT_MV_PHASES
-// The phase stamps' clock at a kernel's entry (stamp 0, the others cleared) and the global timer.
-__device__ __forceinline__ uint64_t phase_start() {
-  MV_PHASE(0);
-  if (threadIdx.x == 0)
-    for (int i = 1; i < 8; ++i) mv_phase[i] = 0;
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// After the block's matvec: its end (stamp 6) and a barrier (7); blocks 0, 1, 40, the middle one
-// and the last print one line (benchmarks.kernels --phases reads them): cycles after entry.
-__device__ __forceinline__ void phase_print(int64_t rows, int64_t cols, uint64_t t0) {
-  MV_PHASE(6);
-  __syncthreads();
-  MV_PHASE(7);
-  uint64_t t1;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  const unsigned b = blockIdx.x, n = gridDim.x;
-  if (threadIdx.x == 0 && (b < 2 || b == 40 || b == n / 2 || b + 1 == n)) {
-    long long c[7];
-    for (int i = 1; i < 8; ++i) c[i - 1] = mv_phase[i] ? mv_phase[i] - mv_phase[0] : -1;
-    printf("TR rows %lld cols %lld blk %u/%u sm %u g0 %llu gdur %llu c: res %lld tma %lld pro %lld "
-           "wait0 %lld comp0 %lld end %lld sync %lld\n", static_cast<long long>(rows),
-           static_cast<long long>(cols), b, n, sm, static_cast<unsigned long long>(t0),
-           static_cast<unsigned long long>(t1 - t0), c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
-  }
-}
-#endif  // JAXVT_MV_PHASES
-
 #endif  // JAXVT_FFI_CSRC_MATVEC_BULK_CUH_
