@@ -15,6 +15,10 @@
 #   bash tools/gpu_session.sh step         # the decode step against its roofline, all in HBM, 1 and
 #                                          # 8 rows (step_profile.txt), and again without command
 #                                          # buffers: every kernel's bytes and GB/s (step_profile_ops.txt)
+#   bash tools/gpu_session.sh ab           # a kernel change against the build before it: the
+#                                          # matvec's bits (tools/same_bits.py), then the decode
+#                                          # step all in HBM, 1 and 8 rows, the two builds taking
+#                                          # turns (ab_profile_*.txt); AB_BASE: the earlier build
 #   bash tools/gpu_session.sh turns        # python -m benchmarks.turns --write (a short next turn and
 #                                          # 1 vs 8 rows through the expert cache, at 7 GiB)
 #   bash tools/gpu_session.sh mesh         # python -m benchmarks.mesh (a machine with 2 GPUs)
@@ -30,6 +34,8 @@
 #                  tools/build_cuda_here.sh; used when it imports, sees the GPU and registers every
 #                  GPU op of this checkout (else CMake builds one here: about 5 minutes;
 #                  JAXVT_REBUILD=1 forces that)
+#   .ab/           for `ab`: the earlier build's _jaxvt_ffi and _jaxvt_debug .so files (each may
+#                  be xz-compressed, NAME.xz, to fit the carry)
 #   .llama/        llama.cpp's source from the llama-cpp-python sdist, pruned (see
 #                  tools/build_llamacpp.sh): llama-bench and llama-server for the llama.cpp arms
 #
@@ -103,8 +109,8 @@ gpu_pytest() {  # gpu_pytest SECONDS LOG FILES...
 }
 
 case "$what" in
-  build|tests|determinism|sweep|tier|profile|step|turns|mesh|serve|cache|invariance) setup ;;
-  *) sed -n '2,46p' "$0"; exit 2 ;;
+  build|tests|determinism|sweep|tier|profile|step|ab|turns|mesh|serve|cache|invariance) setup ;;
+  *) sed -n '2,51p' "$0"; exit 2 ;;
 esac
 case "$what" in
   build)
@@ -145,6 +151,27 @@ case "$what" in
       timeout 300 python3 -m benchmarks.profile --model $M --offload-gb 0 --rows 1,8 --steps 16 \
       --top ${STEP_TOP:-40} > "$OUT/step_profile_ops.txt" 2>&1
     grep -E "^(rows|device|roofline)" "$OUT/step_profile_ops.txt" ;;
+  ab)
+    base=${AB_BASE:-.ab}; mkdir -p /tmp/ab/base /tmp/ab/new
+    for f in _jaxvt_ffi _jaxvt_debug; do
+      n=$(basename jaxvt/ffi/$f.*.so)
+      cp "jaxvt/ffi/$n" /tmp/ab/new/
+      if [ -f "$base/$n.xz" ]; then xz -dc "$base/$n.xz" > "/tmp/ab/base/$n"
+      elif [ -f "$base/$n" ]; then cp "$base/$n" /tmp/ab/base/
+      else echo "ab: no earlier build in $base ($n or $n.xz): carry it"; exit 2; fi
+    done
+    use() { cp /tmp/ab/$1/*.so jaxvt/ffi/; }
+    use base && python3 tools/same_bits.py write /tmp/ab/bits.npz
+    use new && python3 tools/same_bits.py check /tmp/ab/bits.npz | tee "$OUT/ab_bits.txt"
+    model
+    for i in 1 2; do
+      for v in base new; do
+        use $v && XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 timeout 150 python3 -m benchmarks.profile \
+          --model $M --offload-gb 0 --rows 1,8 --steps 16 > "$OUT/ab_profile_${v}_$i.txt" 2>&1
+        echo "$v: $(grep -E '^rows' "$OUT/ab_profile_${v}_$i.txt" | cut -c1-60 | tr '\n' ' ')"
+      done
+    done
+    use new ;;
   turns)
     python3 -m benchmarks.turns --budget ${TURNS_BUDGET:-7} --write 2>&1 | tee "$OUT/turns.txt" |
       tail -30 ;;
