@@ -91,26 +91,26 @@ def main(argv: list[str]) -> int:
   if len(argv) != 2 or argv[0] not in ("write", "check"):
     print("usage: python tools/same_bits.py write|check FILE.npz", file=sys.stderr)
     return 2
+  mode, path = argv
+  if mode == "check" and not os.path.exists(path):  # before the kernels run
+    print(f"same_bits: {path} not found: write it first with the earlier build", file=sys.stderr)
+    return 2
   from jaxvt import ffi
 
   dbg = ffi.debug_extension()
-  try:
-    res = outputs(dbg) if dbg is not None else None
-  except RuntimeError as e:  # the CPU build's probes: "needs a GPU build and a GPU"
-    res, why = None, str(e)
-  else:
-    why = "jaxvt was installed without its debug module"
-  if res is None:
-    print(f"same_bits: {why}: run it on a GPU host with the CUDA or HIP build", file=sys.stderr)
+  gpu = "run it on a GPU host with the CUDA or HIP build"
+  if dbg is None:
+    print(f"same_bits: jaxvt was installed without its debug module: {gpu}", file=sys.stderr)
     return 2
-  mode, path = argv
+  try:
+    res = outputs(dbg)
+  except RuntimeError as e:  # the CPU build's probes: "needs a GPU build and a GPU"
+    print(f"same_bits: {e}: {gpu}", file=sys.stderr)
+    return 2
   if mode == "write":
     np.savez(path, **res)
     print(f"wrote {len(res)} outputs to {path}")
     return 0
-  if not os.path.exists(path):
-    print(f"same_bits: {path} not found: write it first with the earlier build", file=sys.stderr)
-    return 2
   with np.load(path) as f:
     want = {k: f[k] for k in f.files}
   bad = differing(res, want)
